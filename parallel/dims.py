@@ -1,0 +1,130 @@
+"""Parallel layout: `ParallelDims(dp, tp)` validated by arithmetic, the ("dp", "tp") mesh, seeding.
+
+Rank layout: tp is the fastest-varying dimension, so the ranks of one TP group are adjacent (on
+one node, over NVLink) and DP spans nodes. Global rank = dp_rank * tp + tp_rank.
+
+Validation is pure arithmetic on numbers every rank already has, so a bad layout raises the same
+error on every rank before any collective is issued and nothing hangs.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+
+class LayoutError(ValueError):
+    """A parallel layout that cannot work with this world size or model."""
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    dp: int = 1
+    tp: int = 1
+
+    def validate(self, world_size: int | None = None, n_heads: int | None = None,
+                 n_kv_heads: int | None = None) -> ParallelDims:
+        """Raise `LayoutError` naming the numbers when the layout cannot work; return self."""
+        for name, v in (("dp", self.dp), ("tp", self.tp)):
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise LayoutError(f"parallel.{name} must be a positive integer, got {v!r}")
+        if world_size is not None and self.dp * self.tp != world_size:
+            raise LayoutError(
+                f"dp * tp must equal the world size: dp={self.dp} * tp={self.tp} = "
+                f"{self.dp * self.tp}, but the world size is {world_size}")
+        if n_heads is not None and n_heads % self.tp:
+            raise LayoutError(
+                f"tp={self.tp} must divide the number of attention heads n_heads={n_heads}")
+        if n_kv_heads is not None:
+            if n_kv_heads % self.tp and self.tp % n_kv_heads:
+                raise LayoutError(
+                    f"tp={self.tp} and n_kv_heads={n_kv_heads}: one must divide the other "
+                    "(tp > n_kv_heads replicates KV heads, which needs tp % n_kv_heads == 0)")
+        return self
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.tp
+
+
+def backend_for(device: torch.device | str) -> str:
+    """nccl for CUDA devices, gloo for CPU."""
+    return "nccl" if torch.device(device).type == "cuda" else "gloo"
+
+
+def default_device() -> torch.device:
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device("cpu")
+
+
+@dataclass
+class ParallelState:
+    """Everything a component needs to know about where it runs. Passed explicitly, never global."""
+
+    dims: ParallelDims
+    device: torch.device
+    mesh: object | None  # torch DeviceMesh ("dp", "tp") or None in a single process
+    tp_group: object | None
+    dp_group: object | None
+    tp_rank: int = 0
+    dp_rank: int = 0
+    rank: int = 0
+
+    @property
+    def world_size(self) -> int:
+        return self.dims.world_size
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def dp_mesh(self):
+        return None if self.mesh is None else self.mesh["dp"]
+
+    @property
+    def tp_mesh(self):
+        return None if self.mesh is None else self.mesh["tp"]
+
+
+def init_parallel(dims: ParallelDims, device: torch.device | str | None = None, n_heads: int | None = None,
+                  n_kv_heads: int | None = None) -> ParallelState:
+    """Validate `dims` against the launch and the model, then build the ("dp", "tp") mesh.
+
+    Under `torchrun` (or any launcher that initialised `torch.distributed` or set WORLD_SIZE) the
+    process group is created here if needed with the backend for `device`. In a plain single
+    process with dp = tp = 1 nothing distributed is created: groups are None and every
+    collective is an identity.
+    """
+    device = torch.device(device) if device is not None else default_device()
+    if dist.is_available() and dist.is_initialized():
+        world = dist.get_world_size()
+    else:
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+    dims.validate(world, n_heads, n_kv_heads)  # before any collective, identical on every rank
+    if world == 1 and not dist.is_initialized():
+        return ParallelState(dims, device, None, None, None)
+    if not dist.is_initialized():
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        dist.init_process_group(backend=backend_for(device))
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh(device.type, (dims.dp, dims.tp), mesh_dim_names=("dp", "tp"))
+    rank = dist.get_rank()
+    return ParallelState(dims, device, mesh, mesh.get_group("tp"), mesh.get_group("dp"),
+                         tp_rank=rank % dims.tp, dp_rank=rank // dims.tp, rank=rank)
+
+
+def seed_everything(seed: int) -> None:
+    """Seed Python, NumPy and torch. Model init derives its own generators from the seed
+    (layout independent), so this only governs what is meant to be the same on every rank."""
+    random.seed(seed)
+    np.random.seed(seed % (2**32))
+    torch.manual_seed(seed)

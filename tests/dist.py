@@ -1,0 +1,163 @@
+"""Spawn helpers for distributed tests on CPU/gloo.
+
+`DistPool(world_size)` starts `world_size` worker processes once, each with an initialised gloo
+process group, and runs module-level functions on all of them: `pool.run(fn, *args)` calls
+`fn(*args)` on every rank and returns the list of per-rank results. A failure on any rank fails
+the call with that rank's traceback; a call that does not finish within `timeout` seconds (a
+hang in a collective, say) fails too, and the pool is torn down and restarted on next use.
+
+`run_torchrun(...)` launches a real `torchrun` command line in a subprocess with a timeout.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import queue
+import socket
+import subprocess
+import sys
+import time
+import traceback
+
+import torch.multiprocessing as mp
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world_size: int, port: int, tasks, results, pg_timeout_s: float) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world_size,
+                                timeout=datetime.timedelta(seconds=pg_timeout_s))
+    except Exception:  # noqa: BLE001 - reported to the parent
+        results.put((rank, False, traceback.format_exc()))
+        return
+    while True:
+        task = tasks.get()
+        if task is None:
+            break
+        fn, args, kwargs = task
+        try:
+            out = fn(*args, **kwargs)
+            results.put((rank, True, out))
+        except BaseException:  # noqa: BLE001 - reported to the parent
+            results.put((rank, False, traceback.format_exc()))
+    dist.destroy_process_group()
+
+
+class DistError(AssertionError):
+    pass
+
+
+class DistPool:
+    """A set of `world_size` gloo ranks kept alive across calls."""
+
+    def __init__(self, world_size: int, timeout: float = 180.0):
+        self.world_size = world_size
+        self.timeout = timeout
+        self.procs: list = []
+
+    def _start(self) -> None:
+        ctx = mp.get_context("spawn")
+        port = free_port()
+        self.tasks = [ctx.Queue() for _ in range(self.world_size)]
+        self.results = ctx.Queue()
+        self.procs = [
+            ctx.Process(target=_worker, args=(r, self.world_size, port, self.tasks[r], self.results,
+                                              self.timeout), daemon=True)
+            for r in range(self.world_size)
+        ]
+        for p in self.procs:
+            p.start()
+
+    def run(self, fn, *args, timeout: float | None = None, **kwargs) -> list:
+        if not self.procs:
+            self._start()
+        for q in self.tasks:
+            q.put((fn, args, kwargs))
+        deadline = time.monotonic() + (timeout or self.timeout)
+        out: dict[int, object] = {}
+        errors: dict[int, str] = {}
+        grace_until = None
+        while len(out) + len(errors) < self.world_size:
+            now = time.monotonic()
+            limit = deadline if grace_until is None else min(deadline, grace_until)
+            if now >= limit:
+                break
+            try:
+                rank, ok, val = self.results.get(timeout=min(1.0, limit - now))
+            except queue.Empty:
+                if any(not p.is_alive() for p in self.procs) and grace_until is None:
+                    grace_until = time.monotonic() + 5.0
+                continue
+            if ok:
+                out[rank] = val
+            else:
+                errors[rank] = val
+                if grace_until is None:  # others may be stuck in a collective with the failed rank
+                    grace_until = time.monotonic() + 10.0
+        if errors or len(out) < self.world_size:
+            self.close(force=True)
+            missing = sorted(set(range(self.world_size)) - set(out) - set(errors))
+            msg = [f"{getattr(fn, '__name__', fn)} on {self.world_size} ranks failed"]
+            for r in sorted(errors):
+                msg.append(f"--- rank {r} ---\n{errors[r]}")
+            if missing:
+                msg.append(f"ranks {missing} did not finish (hang or crash; timeout "
+                           f"{timeout or self.timeout:.0f}s)")
+            raise DistError("\n".join(msg))
+        return [out[r] for r in range(self.world_size)]
+
+    def close(self, force: bool = False) -> None:
+        if not self.procs:
+            return
+        if not force:
+            for q in self.tasks:
+                q.put(None)
+            for p in self.procs:
+                p.join(timeout=10)
+        for p in self.procs:
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
+        self.procs = []
+
+
+class DistPools:
+    """One pool per world size, created lazily; use as a module-scoped fixture."""
+
+    def __init__(self, timeout: float = 180.0):
+        self.timeout = timeout
+        self.pools: dict[int, DistPool] = {}
+
+    def run(self, world_size: int, fn, *args, **kwargs) -> list:
+        if world_size not in self.pools:
+            self.pools[world_size] = DistPool(world_size, self.timeout)
+        return self.pools[world_size].run(fn, *args, **kwargs)
+
+    def close(self) -> None:
+        for p in self.pools.values():
+            p.close()
+        self.pools.clear()
+
+
+def run_torchrun(module_and_args: list[str], nproc: int, timeout: float = 300.0, nnodes: int = 1,
+                 extra_env: dict | None = None, cwd: str | None = None) -> subprocess.CompletedProcess:
+    """Run `torchrun --standalone --nproc_per_node nproc -m ...`; a timeout fails the test."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env.update(extra_env or {})
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+           "-m", *module_and_args]
+    return subprocess.run(cmd, env=env, cwd=cwd or REPO, capture_output=True, text=True, timeout=timeout)

@@ -1,0 +1,73 @@
+"""The conjugate collectives against single-process autograd, on real gloo ranks."""
+
+import torch
+
+from parallel import comm
+
+
+def _collectives(seed):
+    import torch.distributed as dist
+
+    g = dist.group.WORLD
+    n, r = dist.get_world_size(), dist.get_rank()
+    torch.manual_seed(seed)
+    x_full = torch.randn(3, 4 * n, dtype=torch.float64)
+    w = torch.randn(3, 4 * n, dtype=torch.float64)  # same on every rank
+
+    # split then gather is the identity, and gradients flow back whole
+    x = x_full.clone().requires_grad_(True)
+    with comm.count_comm() as c:
+        y = comm.gather_from_tp(comm.split_to_tp(x, g, dim=1), g, dim=1)
+        (y * w).sum().backward()
+    assert torch.equal(y, x_full)
+    # split's backward gathers; gather's backward splits: grad equals w exactly
+    assert torch.equal(x.grad, w)
+    kinds = c.by_kind()
+    assert kinds["all_gather"][0] == 2
+
+    # g: forward sums partials; f: backward sums gradients
+    part = torch.full((2,), float(r + 1), dtype=torch.float64, requires_grad=True)
+    s = comm.reduce_from_tp(part, g)
+    assert torch.equal(s.detach(), torch.full((2,), n * (n + 1) / 2, dtype=torch.float64))
+    s.sum().backward()
+    assert torch.equal(part.grad, torch.ones(2, dtype=torch.float64))
+
+    a = torch.ones(2, dtype=torch.float64, requires_grad=True)
+    b = comm.copy_to_tp(a, g) * (r + 1)
+    b.sum().backward()
+    assert torch.equal(a.grad, torch.full((2,), n * (n + 1) / 2, dtype=torch.float64))
+    return r
+
+
+def test_collectives_two_ranks(dist_pools):
+    assert dist_pools.run(2, _collectives, 0) == [0, 1]
+
+
+def test_collectives_four_ranks(dist_pools):
+    assert dist_pools.run(4, _collectives, 1) == [0, 1, 2, 3]
+
+
+def test_single_process_is_identity():
+    x = torch.randn(2, 3)
+    with comm.count_comm() as c:
+        assert comm.reduce_from_tp(x, None) is x
+        assert comm.gather_from_tp(x, None) is x
+    assert c.calls == 0
+
+
+def _fails_on_rank_one():
+    import torch.distributed as dist
+
+    if dist.get_rank() == 1:
+        raise RuntimeError("boom on rank 1")
+    dist.barrier()  # rank 0 waits here for a rank that is gone: the pool must not hang
+
+
+def test_pool_reports_failure_without_hanging(dist_pools):
+    import pytest
+
+    from tests.dist import DistError
+
+    with pytest.raises(DistError, match="boom on rank 1"):
+        dist_pools.run(2, _fails_on_rank_one, timeout=60)
+    assert dist_pools.run(2, _collectives, 2) == [0, 1]  # the pool restarts after a failure
