@@ -1,0 +1,92 @@
+"""Where each parameter's tensor-parallel shard comes from in the full (checkpoint) tensor.
+
+Full tensors are layout independent: the true vocabulary (no padding) and the model's own number
+of KV heads. A rank's local tensor is `full.narrow(dim, start, stop - start)` followed by
+`local_size - (stop - start)` zero rows along `dim` (vocabulary padding only). When tp exceeds
+the number of KV heads, every group of tp // n_kv_heads ranks holds the same KV head (replicated).
+
+| name                         | full shape              | local shape                    | dim |
+|------------------------------|-------------------------|--------------------------------|-----|
+| embed.weight                 | [V, H]                  | [Vp/tp, H]                     | 0   |
+| layers.i.attn.wq.weight      | [nh*hd, H]              | [nh/tp*hd, H]                  | 0   |
+| layers.i.attn.wk/wv.weight   | [nkv*hd, H]             | [max(nkv/tp,1)*hd, H]          | 0   |
+| layers.i.attn.wq/wk/wv.bias  | [n*hd]                  | as the weight's rows           | 0   |
+| layers.i.attn.wo.weight      | [H, nh*hd]              | [H, nh/tp*hd]                  | 1   |
+| layers.i.mlp.w_gate/w_up     | [I, H]                  | [I/tp, H]                      | 0   |
+| layers.i.mlp.w_down.weight   | [H, I]                  | [H, I/tp]                      | 1   |
+| lm_head.weight (untied only) | [V, H]                  | [Vp/tp, H]                     | 0   |
+| *norm.weight                 | [H]                     | [H]                            | -   |
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from core.config import ModelConfig
+
+
+class TPSlice(NamedTuple):
+    dim: int | None  # None: replicated on every TP rank
+    start: int = 0
+    stop: int = 0
+    local_size: int = 0  # >= stop - start; the rest is zero padding
+
+    @property
+    def pad(self) -> int:
+        return self.local_size - (self.stop - self.start)
+
+
+def full_param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every parameter's name and layout-independent shape, in model order."""
+    H, hd, I, V = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size, cfg.vocab_size
+    shapes: dict[str, tuple[int, ...]] = {"embed.weight": (V, H)}
+    for i in range(cfg.n_layers):
+        p = f"layers.{i}."
+        shapes[p + "attn_norm.weight"] = (H,)
+        shapes[p + "attn.wq.weight"] = (cfg.n_heads * hd, H)
+        shapes[p + "attn.wk.weight"] = (cfg.n_kv_heads * hd, H)
+        shapes[p + "attn.wv.weight"] = (cfg.n_kv_heads * hd, H)
+        if cfg.qkv_bias:
+            shapes[p + "attn.wq.bias"] = (cfg.n_heads * hd,)
+            shapes[p + "attn.wk.bias"] = (cfg.n_kv_heads * hd,)
+            shapes[p + "attn.wv.bias"] = (cfg.n_kv_heads * hd,)
+        shapes[p + "attn.wo.weight"] = (H, cfg.n_heads * hd)
+        shapes[p + "mlp_norm.weight"] = (H,)
+        shapes[p + "mlp.w_gate.weight"] = (I, H)
+        shapes[p + "mlp.w_up.weight"] = (I, H)
+        shapes[p + "mlp.w_down.weight"] = (H, I)
+    shapes["norm.weight"] = (H,)
+    if not cfg.tie_embeddings:
+        shapes["lm_head.weight"] = (V, H)
+    return shapes
+
+
+def kv_heads_per_rank(cfg: ModelConfig, tp: int) -> int:
+    return max(cfg.n_kv_heads // tp, 1)
+
+
+def tp_slice(name: str, cfg: ModelConfig, tp_rank: int, tp: int) -> TPSlice:
+    """The rows (or columns) of the full tensor `name` that TP rank `tp_rank` of `tp` holds."""
+    shape = full_param_shapes(cfg).get(name)
+    if shape is None:
+        raise KeyError(f"unknown parameter '{name}'")
+    leaf = name.split(".")[-2] if "." in name else name
+    if name in ("embed.weight", "lm_head.weight"):
+        width = cfg.padded_vocab_size(tp) // tp
+        start = min(tp_rank * width, cfg.vocab_size)
+        stop = min(start + width, cfg.vocab_size)
+        return TPSlice(0, start, stop, width)
+    if leaf in ("wk", "wv"):
+        hd = cfg.head_dim
+        if tp <= cfg.n_kv_heads:
+            n = cfg.n_kv_heads // tp
+            return TPSlice(0, tp_rank * n * hd, (tp_rank + 1) * n * hd, n * hd)
+        head = tp_rank // (tp // cfg.n_kv_heads)  # replicated: tp // n_kv ranks share a head
+        return TPSlice(0, head * hd, (head + 1) * hd, hd)
+    if leaf in ("wq", "w_gate", "w_up"):
+        n = shape[0] // tp
+        return TPSlice(0, tp_rank * n, (tp_rank + 1) * n, n)
+    if leaf in ("wo", "w_down"):
+        n = shape[1] // tp
+        return TPSlice(1, tp_rank * n, (tp_rank + 1) * n, n)
+    return TPSlice(None, 0, shape[0], shape[0])
