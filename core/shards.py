@@ -90,3 +90,15 @@ def tp_slice(name: str, cfg: ModelConfig, tp_rank: int, tp: int) -> TPSlice:
         n = shape[1] // tp
         return TPSlice(1, tp_rank * n, (tp_rank + 1) * n, n)
     return TPSlice(None, 0, shape[0], shape[0])
+
+
+def tp_replicas(name: str, cfg: ModelConfig, tp: int) -> int:
+    """How many TP ranks hold identical copies of `name`'s local tensor (1 when truly sharded).
+    Used to count each value once in a global gradient norm."""
+    sl = tp_slice(name, cfg, 0, tp)
+    if sl.dim is None:
+        return tp
+    leaf = name.split(".")[-2]
+    if leaf in ("wk", "wv") and tp > cfg.n_kv_heads:
+        return tp // cfg.n_kv_heads
+    return 1

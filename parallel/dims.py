@@ -128,3 +128,22 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % (2**32))
     torch.manual_seed(seed)
+
+
+def tp_subgroup(state: ParallelState, size: int):
+    """The group of `size` consecutive TP ranks this rank belongs to (ranks sharing a replica,
+    e.g. a KV head when tp > n_kv_heads). Every rank must call this with the same `size`, since
+    `new_group` is collective over the world. Returns None when `size` is 1 or not distributed."""
+    tp = state.dims.tp
+    if size == 1 or state.mesh is None:
+        return None
+    if tp % size:
+        raise LayoutError(f"a TP subgroup of {size} ranks does not divide tp={tp}")
+    mine = None
+    for dp_rank in range(state.dims.dp):
+        for first in range(0, tp, size):
+            ranks = [dp_rank * tp + first + i for i in range(size)]
+            g = dist.new_group(ranks)
+            if state.rank in ranks:
+                mine = g
+    return mine

@@ -1,0 +1,276 @@
+"""Llama-family decoder (Llama 2/3, Qwen2/2.5, Mistral) with explicit tensor parallelism.
+
+Shapes use B batch, S query length, L key length (cache + S), H hidden, hd head dim, nh/nkv the
+model's heads, and the local counts nh_l = nh/tp, nkv_l = max(nkv/tp, 1) on each TP rank.
+Activations between blocks are replicated over the TP group; attention heads and MLP columns are
+sharded; logits are sharded on the padded vocabulary. Parameter names and shards: core/shards.py.
+
+The same seed gives the same full model for every layout: each parameter's full tensor is drawn
+from a generator keyed by (seed, name), then each rank keeps its slice.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from core.config import ModelConfig
+from core.shards import full_param_shapes, kv_heads_per_rank, tp_slice
+from parallel.comm import group_rank, group_size
+from parallel.layers import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
+                             vocab_parallel_logits)
+
+# ---------------------------------------------------------------------------------------------
+# building blocks
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float, device=None, dtype=None):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim, device=device, dtype=dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()  # statistics in fp32 whatever the activation dtype
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
+    """Inverse frequencies [hd/2], with optional llama3-style scaling of the long wavelengths."""
+    hd = cfg.head_dim
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd))
+    sc = cfg.rope_scaling
+    if not sc or sc.get("rope_type", sc.get("type", "default")) == "default":
+        return inv.float()
+    kind = sc.get("rope_type", sc.get("type"))
+    if kind == "linear":
+        return (inv / sc["factor"]).float()
+    if kind != "llama3":
+        raise ValueError(f"model.rope_scaling: unsupported rope_type {kind!r} (default, linear, llama3)")
+    factor, lo, hi = sc["factor"], sc["low_freq_factor"], sc["high_freq_factor"]
+    old = sc["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv
+    scaled = torch.where(wavelen > old / lo, inv / factor, inv)  # long wavelengths: slow down
+    smooth = (old / wavelen - lo) / (hi - lo)
+    blended = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= old / hi) & (wavelen <= old / lo)
+    return torch.where(medium, blended, scaled).float()
+
+
+def rope_cos_sin(inv_freq: torch.Tensor, position_ids: torch.Tensor, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """position_ids [B, S] -> cos, sin [B, 1, S, hd] (rotate-half layout, as Hugging Face stores)."""
+    ang = position_ids.to(torch.float32).unsqueeze(-1) * inv_freq.to(position_ids.device)  # (B, S, hd/2)
+    emb = torch.cat([ang, ang], dim=-1).unsqueeze(1)  # (B, 1, S, hd)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+
+
+@dataclass
+class KVCache:
+    """Per-layer keys and values [B, nkv_l, max_len, hd] for incremental decoding."""
+
+    k: list[torch.Tensor]
+    v: list[torch.Tensor]
+    length: int = 0
+
+    @classmethod
+    def empty(cls, cfg: ModelConfig, batch: int, max_len: int, tp: int, device, dtype) -> KVCache:
+        shape = (batch, kv_heads_per_rank(cfg, tp), max_len, cfg.head_dim)
+        return cls([torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.n_layers)],
+                   [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.n_layers)])
+
+
+def attention_mask_4d(key_valid: torch.Tensor, q_len: int) -> torch.Tensor:
+    """key_valid [B, L] (1 = real token) -> bool [B, 1, S, L]: causal over the last S positions,
+    no attention to padding, and every query sees itself so padded queries stay finite."""
+    L = key_valid.shape[1]
+    q_pos = torch.arange(L - q_len, L, device=key_valid.device)
+    k_pos = torch.arange(L, device=key_valid.device)
+    causal = k_pos[None, :] <= q_pos[:, None]  # (S, L)
+    mask = causal[None] & key_valid.bool()[:, None, :]  # (B, S, L)
+    mask = mask | (k_pos[None, :] == q_pos[:, None])[None]
+    return mask.unsqueeze(1)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, tp_group, kv_replica_group, device=None, dtype=None):
+        super().__init__()
+        tp = group_size(tp_group)
+        self.hd, self.nh_l, self.nkv_l = cfg.head_dim, cfg.n_heads // tp, kv_heads_per_rank(cfg, tp)
+        H, b = cfg.hidden_size, cfg.qkv_bias
+        kw = dict(device=device, dtype=dtype)
+        self.wq = ColumnParallelLinear(H, self.nh_l * self.hd, tp_group, bias=b, **kw)
+        self.wk = ColumnParallelLinear(H, self.nkv_l * self.hd, tp_group, bias=b, replica_group=kv_replica_group, **kw)
+        self.wv = ColumnParallelLinear(H, self.nkv_l * self.hd, tp_group, bias=b, replica_group=kv_replica_group, **kw)
+        self.wo = RowParallelLinear(self.nh_l * self.hd, H, tp_group, **kw)
+
+    def forward(self, x, cos, sin, mask, cache: KVCache | None, layer: int):
+        B, S, _ = x.shape
+        q = self.wq(x).view(B, S, self.nh_l, self.hd).transpose(1, 2)  # (B, nh_l, S, hd)
+        k = self.wk(x).view(B, S, self.nkv_l, self.hd).transpose(1, 2)  # (B, nkv_l, S, hd)
+        v = self.wv(x).view(B, S, self.nkv_l, self.hd).transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if cache is not None:
+            start = cache.length
+            cache.k[layer][:, :, start:start + S] = k
+            cache.v[layer][:, :, start:start + S] = v
+            k = cache.k[layer][:, :, :start + S]  # (B, nkv_l, L, hd)
+            v = cache.v[layer][:, :, :start + S]
+        gqa = self.nh_l != self.nkv_l
+        if mask is None:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=S > 1, enable_gqa=gqa)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+        return self.wo(y.transpose(1, 2).reshape(B, S, self.nh_l * self.hd))  # (B, S, H)
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig, tp_group, device=None, dtype=None):
+        super().__init__()
+        tp, H = group_size(tp_group), cfg.hidden_size
+        kw = dict(device=device, dtype=dtype)
+        self.w_gate = ColumnParallelLinear(H, cfg.intermediate_size // tp, tp_group, **kw)
+        self.w_up = ColumnParallelLinear(H, cfg.intermediate_size // tp, tp_group, **kw)
+        self.w_down = RowParallelLinear(cfg.intermediate_size // tp, H, tp_group, **kw)
+
+    def forward(self, x):
+        return self.w_down(F.silu(self.w_gate(x)) * self.w_up(x))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig, tp_group, kv_replica_group, device=None, dtype=None):
+        super().__init__()
+        self.attn_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, device, dtype)
+        self.attn = Attention(cfg, tp_group, kv_replica_group, device, dtype)
+        self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, device, dtype)
+        self.mlp = MLP(cfg, tp_group, device, dtype)
+
+    def forward(self, x, cos, sin, mask=None, cache=None, layer=0):
+        x = x + self.attn(self.attn_norm(x), cos, sin, mask, cache, layer)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+# ---------------------------------------------------------------------------------------------
+# the model
+
+
+class Transformer(nn.Module):
+    """Decoder LM. `tp_group` shards it; `kv_replica_group` (tp > n_kv_heads only) groups the
+    ranks that share a KV head. `device="meta"` builds it without memory (for checkpoint loads)."""
+
+    def __init__(self, cfg: ModelConfig, tp_group=None, kv_replica_group=None, device=None,
+                 dtype=torch.float32):
+        super().__init__()
+        cfg.validate()
+        self.cfg, self.tp_group = cfg, tp_group
+        self.tp, self.tp_rank = group_size(tp_group), group_rank(tp_group)
+        if cfg.n_heads % self.tp or cfg.intermediate_size % self.tp:
+            raise ValueError(f"tp={self.tp} must divide n_heads={cfg.n_heads} and "
+                             f"intermediate_size={cfg.intermediate_size}")
+        self.padded_vocab = cfg.padded_vocab_size(self.tp)
+        self.embed = VocabParallelEmbedding(self.padded_vocab, cfg.hidden_size, tp_group, device, dtype)
+        self.layers = nn.ModuleList(Block(cfg, tp_group, kv_replica_group, device, dtype)
+                                    for _ in range(cfg.n_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, device, dtype)
+        if not cfg.tie_embeddings:
+            self.lm_head = nn.Module()
+            self.lm_head.weight = nn.Parameter(torch.empty(self.padded_vocab // self.tp, cfg.hidden_size,
+                                                           device=device, dtype=dtype))
+        self.register_buffer("inv_freq", rope_inv_freq(cfg).to(device=None if device == "meta" else device),
+                             persistent=False)
+
+    @property
+    def head_weight(self) -> torch.Tensor:
+        """The local LM-head weight [Vp/tp, H] (the embedding table when tied)."""
+        return self.embed.weight if self.cfg.tie_embeddings else self.lm_head.weight
+
+    def forward(self, input_ids: torch.Tensor, *, position_ids=None, attention_mask=None,
+                kv_cache: KVCache | None = None, head=None):
+        """input_ids [B, S] -> logits_local [B, S, Vp/tp] (sharded on the vocabulary).
+
+        attention_mask [B, L] marks real tokens (L = cache length + S; needed with padding).
+        `head(hidden, weight_local)` replaces the plain logits: it receives the final hidden states
+        [B, S, H] (already passed through copy_to_tp, so it may stay local) and the local head
+        weight, and its result is returned -- e.g. the fused log-prob/entropy/KL head. Running it
+        inside forward keeps FSDP2's gather of the head weight around the call.
+        """
+        B, S = input_ids.shape
+        past = kv_cache.length if kv_cache is not None else 0
+        if position_ids is None:
+            if attention_mask is not None:
+                position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)[:, past:past + S]
+            else:
+                position_ids = torch.arange(past, past + S, device=input_ids.device).expand(B, S)
+        mask = None
+        if attention_mask is not None:
+            mask = attention_mask_4d(attention_mask, S)
+        elif kv_cache is not None and past > 0:
+            mask = attention_mask_4d(torch.ones(B, past + S, dtype=torch.bool, device=input_ids.device), S)
+        x = self.embed(input_ids)  # (B, S, H), replicated over tp
+        cos, sin = rope_cos_sin(self.inv_freq, position_ids, x.dtype)
+        for i, block in enumerate(self.layers):
+            x = block(x, cos, sin, mask, kv_cache, i)
+        if kv_cache is not None:
+            kv_cache.length = past + S
+        x = self.norm(x)
+        if head is None:
+            return vocab_parallel_logits(x, self.head_weight, self.tp_group)
+        from parallel.comm import copy_to_tp
+
+        return head(copy_to_tp(x, self.tp_group), self.head_weight)
+
+    # -----------------------------------------------------------------------------------------
+    # initialisation independent of the layout
+
+    @torch.no_grad()
+    def init_weights(self, seed: int) -> None:
+        """Draw every full tensor from a generator keyed by (seed, name); keep this rank's slice."""
+        cfg = self.cfg
+        params = dict(self.named_parameters())
+        resid_std = cfg.init_std / math.sqrt(2 * cfg.n_layers)
+        for name, shape in full_param_shapes(cfg).items():
+            p = params[name]
+            leaf = name.split(".")[-2]
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+                continue
+            if name.endswith(".bias"):
+                p.zero_()
+                continue
+            g = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63))
+            std = resid_std if leaf in ("wo", "w_down") else cfg.init_std
+            full = torch.randn(shape, generator=g, dtype=torch.float32) * std
+            p.copy_(local_shard(full, name, cfg, self.tp_rank, self.tp).to(p.dtype))
+        self.inv_freq = rope_inv_freq(cfg).to(self.embed.weight.device)
+
+
+def local_shard(full: torch.Tensor, name: str, cfg: ModelConfig, tp_rank: int, tp: int) -> torch.Tensor:
+    """This rank's local tensor from the full tensor: the slice of core/shards, zero-padded."""
+    sl = tp_slice(name, cfg, tp_rank, tp)
+    if sl.dim is None:
+        return full.clone()
+    part = full.narrow(sl.dim, sl.start, sl.stop - sl.start)
+    if sl.pad:
+        pad_shape = list(part.shape)
+        pad_shape[sl.dim] = sl.pad
+        part = torch.cat([part, part.new_zeros(pad_shape)], dim=sl.dim)
+    return part.contiguous()
+
+
+def build_model(cfg: ModelConfig, tp_group=None, kv_replica_group=None, seed: int | None = 0,
+                device=None, dtype=torch.float32) -> Transformer:
+    """A model with this rank's shards; initialised from `seed`, or left empty on `device="meta"`."""
+    model = Transformer(cfg, tp_group, kv_replica_group, device=device, dtype=dtype)
+    if seed is not None and str(device) != "meta":
+        model.init_weights(seed)
+    return model

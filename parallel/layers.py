@@ -1,0 +1,112 @@
+"""Tensor-parallel layers built on the conjugate collectives of `parallel.comm`.
+
+Each layer holds plain local tensors (its TP shard); FSDP2 may shard them further over dp.
+Weights are created empty here; the model fills them (layout-independent initialisation or a
+checkpoint), so these classes carry no init policy.
+
+| layer                   | weight (local)        | input            | output              | collectives     |
+|-------------------------|-----------------------|------------------|---------------------|-----------------|
+| ColumnParallelLinear    | [out/tp, in]          | [*, in] replic.  | [*, out/tp] sharded | f (bwd all-red) |
+| RowParallelLinear       | [out, in/tp]          | [*, in/tp] shard | [*, out] replicated | g (fwd all-red) |
+| VocabParallelEmbedding  | [Vp/tp, H]            | [*] global ids   | [*, H] replicated   | g (fwd all-red) |
+| VocabParallelHead       | [Vp/tp, H] (or tied)  | [*, H] replic.   | [*, Vp/tp] sharded  | f (bwd all-red) |
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from parallel.comm import copy_to_tp, group_rank, group_size, reduce_from_tp
+
+
+class _CopyToReplicas(torch.autograd.Function):
+    """Identity forward; backward sums the gradient over the ranks that hold the same replica."""
+
+    @staticmethod
+    def forward(ctx, w, group):
+        ctx.group = group
+        return w
+
+    @staticmethod
+    def backward(ctx, grad):
+        from parallel.comm import all_reduce
+
+        # replicas of one weight each saw part of the batch's heads: the true gradient is the sum
+        return all_reduce(grad.contiguous().clone(), "sum", ctx.group), None
+
+
+def tie_replicas(w: torch.Tensor, replica_group) -> torch.Tensor:
+    """Use `w` in forward so that its gradient is summed over `replica_group` in backward."""
+    if group_size(replica_group) == 1:
+        return w
+    return _CopyToReplicas.apply(w, replica_group)
+
+
+class ColumnParallelLinear(nn.Module):
+    """y_local = x @ W_local^T (+ b_local). Output features sharded over `tp_group`.
+
+    `local_out_features` is the shard height (out_features / tp, or a replicated KV head's rows);
+    `replica_group` names the ranks holding the same shard (their gradients are summed).
+    """
+
+    def __init__(self, in_features: int, local_out_features: int, tp_group=None, bias: bool = False,
+                 replica_group=None, device=None, dtype=None):
+        super().__init__()
+        self.tp_group, self.replica_group = tp_group, replica_group
+        self.weight = nn.Parameter(torch.empty(local_out_features, in_features, device=device, dtype=dtype))
+        self.bias = (nn.Parameter(torch.empty(local_out_features, device=device, dtype=dtype))
+                     if bias else None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = copy_to_tp(x, self.tp_group)  # backward: every shard contributed a partial dL/dx
+        w, b = tie_replicas(self.weight, self.replica_group), self.bias
+        if b is not None:
+            b = tie_replicas(b, self.replica_group)
+        return F.linear(x, w, b)
+
+
+class RowParallelLinear(nn.Module):
+    """y = sum over tp of x_local @ W_local^T. Input features sharded, output replicated. No bias
+    (Llama-family models have none on the output projections)."""
+
+    def __init__(self, local_in_features: int, out_features: int, tp_group=None, device=None, dtype=None):
+        super().__init__()
+        self.tp_group = tp_group
+        self.weight = nn.Parameter(torch.empty(out_features, local_in_features, device=device, dtype=dtype))
+
+    def forward(self, x_local: torch.Tensor) -> torch.Tensor:
+        # each rank multiplied its slice of the input features: sum the partial outputs
+        return reduce_from_tp(F.linear(x_local, self.weight), self.tp_group)
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Embedding table sharded on the (padded) vocabulary: rank r owns ids [r*Vp/tp, (r+1)*Vp/tp)."""
+
+    def __init__(self, padded_vocab: int, hidden: int, tp_group=None, device=None, dtype=None):
+        super().__init__()
+        self.tp_group = tp_group
+        tp = group_size(tp_group)
+        if padded_vocab % tp:
+            raise ValueError(f"padded vocabulary {padded_vocab} is not a multiple of tp={tp}")
+        self.local_vocab = padded_vocab // tp
+        self.vocab_start = group_rank(tp_group) * self.local_vocab
+        self.weight = nn.Parameter(torch.empty(self.local_vocab, hidden, device=device, dtype=dtype))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if group_size(self.tp_group) == 1:
+            return F.embedding(ids, self.weight)
+        local = ids - self.vocab_start
+        outside = (local < 0) | (local >= self.local_vocab)
+        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        out = out.masked_fill(outside.unsqueeze(-1), 0.0)
+        # exactly one rank owns each id; the sum delivers every row to every rank
+        return reduce_from_tp(out, self.tp_group)
+
+
+def vocab_parallel_logits(hidden: torch.Tensor, weight_local: torch.Tensor, tp_group=None) -> torch.Tensor:
+    """hidden [*, H] replicated over tp -> logits_local [*, Vp/tp], sharded on the vocabulary.
+    Padded columns come out as 0 here; the vocab-parallel functions exclude them by vocab_size."""
+    hidden = copy_to_tp(hidden, tp_group)  # backward: sum of every shard's dL/dhidden
+    return F.linear(hidden, weight_local)
