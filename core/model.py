@@ -22,8 +22,7 @@ import torch.nn.functional as F
 from core.config import ModelConfig
 from core.shards import full_param_shapes, kv_heads_per_rank, tp_slice
 from parallel.comm import group_rank, group_size
-from parallel.layers import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
-                             vocab_parallel_logits)
+from parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, vocab_parallel_logits
 
 # ---------------------------------------------------------------------------------------------
 # building blocks
