@@ -165,10 +165,11 @@ class Block(nn.Module):
 
 class Transformer(nn.Module):
     """Decoder LM. `tp_group` shards it; `kv_replica_group` (tp > n_kv_heads only) groups the
-    ranks that share a KV head. `device="meta"` builds it without memory (for checkpoint loads)."""
+    ranks that share a KV head. `device="meta"` builds it without memory (for checkpoint loads).
+    `with_lm_head=False` drops an untied LM head (a critic's body)."""
 
     def __init__(self, cfg: ModelConfig, tp_group=None, kv_replica_group=None, device=None,
-                 dtype=torch.float32):
+                 dtype=torch.float32, with_lm_head: bool = True):
         super().__init__()
         cfg.validate()
         self.cfg, self.tp_group = cfg, tp_group
@@ -181,7 +182,8 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleList(Block(cfg, tp_group, kv_replica_group, device, dtype)
                                     for _ in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, device, dtype)
-        if not cfg.tie_embeddings:
+        self.with_lm_head = with_lm_head
+        if with_lm_head and not cfg.tie_embeddings:
             self.lm_head = nn.Module()
             self.lm_head.weight = nn.Parameter(torch.empty(self.padded_vocab // self.tp, cfg.hidden_size,
                                                            device=device, dtype=dtype))
@@ -199,9 +201,11 @@ class Transformer(nn.Module):
 
         attention_mask [B, L] marks real tokens (L = cache length + S; needed with padding).
         `head(hidden, weight_local)` replaces the plain logits: it receives the final hidden states
-        [B, S, H] (already passed through copy_to_tp, so it may stay local) and the local head
-        weight, and its result is returned -- e.g. the fused log-prob/entropy/KL head. Running it
-        inside forward keeps FSDP2's gather of the head weight around the call.
+        [B, S, H] (replicated over tp) and the local head weight [Vp/tp, H] (None without an LM
+        head), and its result is returned -- e.g. the fused log-prob/entropy/KL head, or a value
+        head. A vocab-parallel head must pass `hidden` through `parallel.comm.copy_to_tp` first
+        (so dL/dhidden is summed over the vocabulary shards); a replicated head must not.
+        Running it inside forward keeps FSDP2's gather of the head weight around the call.
         """
         B, S = input_ids.shape
         past = kv_cache.length if kv_cache is not None else 0
@@ -224,9 +228,7 @@ class Transformer(nn.Module):
         x = self.norm(x)
         if head is None:
             return vocab_parallel_logits(x, self.head_weight, self.tp_group)
-        from parallel.comm import copy_to_tp
-
-        return head(copy_to_tp(x, self.tp_group), self.head_weight)
+        return head(x, self.head_weight if self.with_lm_head else None)
 
     # -----------------------------------------------------------------------------------------
     # initialisation independent of the layout
@@ -238,6 +240,8 @@ class Transformer(nn.Module):
         params = dict(self.named_parameters())
         resid_std = cfg.init_std / math.sqrt(2 * cfg.n_layers)
         for name, shape in full_param_shapes(cfg).items():
+            if name not in params:  # no LM head on a critic's body
+                continue
             p = params[name]
             leaf = name.split(".")[-2]
             if name.endswith("norm.weight"):
