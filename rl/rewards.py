@@ -1,0 +1,166 @@
+"""Rewards: plug-in reward functions, their combination, checking, and running normalisation.
+
+A reward function has the signature of `Task.reward`: `fn(meta: dict, response: str) -> float`.
+Plug-ins are named "package.module:function" and imported with importlib; several are combined
+by their mean or their min. `score_responses` evaluates one function over a rollout of N prompts
+x G samples and refuses a NaN or infinite reward with a ValueError naming the prompt and the
+sample -- never zeroed silently. `RunningRewardNorm` z-scores rewards with running statistics
+(global over DP given dp_group) and clips them.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from parallel import comm
+from rl.tasks import make_task
+
+RewardFn = Callable[[dict, str], float]
+
+
+@dataclass
+class RewardConfig:
+    """The `reward` section."""
+
+    task: str = "arithmetic"  # a built-in task (rl.tasks.make_task)
+    task_args: dict = field(default_factory=dict)  # e.g. {"max_operand": 9, "partial_credit": 0.1}
+    fns: list = field(default_factory=list)  # extra "module:function" reward plug-ins
+    use_task_reward: bool = True  # include the task's own exact-match reward
+    combine: str = "mean"  # "mean" | "min" over the task reward and the plug-ins
+    normalize: bool = False  # running z-score (RunningRewardNorm)
+    clip: float | None = None  # clip (normalised) rewards to [-clip, clip]
+
+    def __post_init__(self):
+        if self.combine not in ("mean", "min"):
+            raise ValueError(f"reward.combine must be 'mean' or 'min', got {self.combine!r}")
+        if not self.use_task_reward and not self.fns:
+            raise ValueError("reward: use_task_reward=false needs at least one plug-in in reward.fns")
+
+
+def build_reward(cfg: RewardConfig):
+    """(task, reward_fn, RunningRewardNorm) from a `RewardConfig`; plug-ins are imported here."""
+    task = make_task(cfg.task, **cfg.task_args)
+    fns = ([task.reward] if cfg.use_task_reward else []) + list(cfg.fns)
+    fn = fns[0] if len(fns) == 1 and not isinstance(fns[0], str) else CombinedReward(fns, cfg.combine)
+    return task, fn, RunningRewardNorm(clip=cfg.clip, normalize=cfg.normalize)
+
+
+def load_reward_fn(spec: str) -> RewardFn:
+    """Import "module.path:function"; ValueError naming `spec` on any failure."""
+    if not isinstance(spec, str) or spec.count(":") != 1 or not all(spec.split(":")):
+        raise ValueError(f"reward function spec {spec!r} must look like 'package.module:function'")
+    mod_name, fn_name = spec.split(":")
+    try:
+        mod = importlib.import_module(mod_name)
+    except Exception as e:  # noqa: BLE001 - any import failure is reported with the spec
+        raise ValueError(f"reward function spec {spec!r}: cannot import module {mod_name!r}: "
+                         f"{type(e).__name__}: {e}") from e
+    fn = getattr(mod, fn_name, None)
+    if fn is None:
+        raise ValueError(f"reward function spec {spec!r}: module {mod_name!r} has no attribute {fn_name!r}")
+    if not callable(fn):
+        raise ValueError(f"reward function spec {spec!r}: {fn_name!r} is not callable")
+    return fn
+
+
+class CombinedReward:
+    """Mean or min of several reward functions (each a callable or a "module:function" spec)."""
+
+    def __init__(self, fns: Sequence[RewardFn | str], combine: str = "mean"):
+        if not fns:
+            raise ValueError("CombinedReward needs at least one reward function")
+        if combine not in ("mean", "min"):
+            raise ValueError(f"CombinedReward: combine must be 'mean' or 'min', got {combine!r}")
+        self.fns = [load_reward_fn(f) if isinstance(f, str) else f for f in fns]
+        self.combine = combine
+
+    def __call__(self, meta: dict, response: str) -> float:
+        vals = [float(f(meta, response)) for f in self.fns]
+        return sum(vals) / len(vals) if self.combine == "mean" else min(vals)
+
+
+def score_responses(reward_fn: RewardFn, metas: Sequence[dict], responses: Sequence[str],
+                    group_size: int) -> torch.Tensor:
+    """Rewards [N * G] fp32 for N prompts x G samples, ordered prompt-major (as `grpo_advantages`).
+
+    metas: N metas, one per prompt; responses: N * G strings, sample j of prompt i at i*G + j.
+    A reward that is not a finite number raises ValueError naming the prompt and sample index.
+    """
+    if group_size < 1 or len(responses) != len(metas) * group_size:
+        raise ValueError(f"score_responses: {len(responses)} responses for {len(metas)} prompts x "
+                         f"group_size {group_size}")
+    out = []
+    for k, resp in enumerate(responses):
+        i, j = divmod(k, group_size)
+        r = reward_fn(metas[i], resp)
+        try:
+            r = float(r)
+        except (TypeError, ValueError):
+            raise ValueError(f"reward for prompt {i}, sample {j} is not a number: {r!r}") from None
+        if not math.isfinite(r):
+            raise ValueError(f"reward for prompt {i}, sample {j} is {r} (not finite); response "
+                             f"{resp[:80]!r}")
+        out.append(r)
+    return torch.tensor(out, dtype=torch.float32)
+
+
+@dataclass
+class RunningRewardNorm:
+    """(r - running_mean) / (running_std + eps), then clipped to [-clip, clip] (clip=None: no clip).
+
+    `normalize_(rewards, dp_group)` first folds the batch -- all DP ranks' rewards, given dp_group --
+    into the running count/mean/M2 (Chan et al.'s parallel update, population variance), then
+    normalises with the updated statistics; every rank keeps identical state. `normalize=False`
+    only clips. State round-trips through `state_dict`/`load_state_dict` as plain floats.
+    """
+
+    clip: float | None = None
+    eps: float = 1e-8
+    normalize: bool = True
+    count: float = field(default=0.0)
+    mean: float = field(default=0.0)
+    m2: float = field(default=0.0)
+
+    def update(self, rewards: torch.Tensor, dp_group=None) -> None:
+        x = rewards.detach().double().flatten()
+        s = torch.stack([x.sum(), torch.tensor(float(x.numel()), dtype=torch.float64)])
+        comm.all_reduce(s, "sum", dp_group)  # [sum of rewards, number of rewards] over DP
+        n_b = float(s[1])
+        if n_b == 0:
+            return
+        mean_b = float(s[0]) / n_b
+        ss = ((x - mean_b) ** 2).sum().reshape(1)
+        comm.all_reduce(ss, "sum", dp_group)  # squared deviations from the batch mean over DP
+        n = self.count + n_b
+        delta = mean_b - self.mean
+        self.m2 += float(ss[0]) + delta * delta * self.count * n_b / n
+        self.mean += delta * n_b / n
+        self.count = n
+
+    @property
+    def std(self) -> float:
+        return math.sqrt(self.m2 / self.count) if self.count > 0 else 0.0
+
+    def normalize_(self, rewards: torch.Tensor, dp_group=None) -> torch.Tensor:
+        """Update the statistics with `rewards` (any shape), return them normalised and clipped."""
+        out = rewards.detach().float()
+        if self.normalize:
+            self.update(rewards, dp_group)
+            out = (out - self.mean) / (self.std + self.eps)
+        if self.clip is not None:
+            out = out.clamp(-self.clip, self.clip)
+        return out
+
+    def state_dict(self) -> dict:
+        return {"count": self.count, "mean": self.mean, "m2": self.m2}
+
+    def load_state_dict(self, state: dict) -> None:
+        if set(state) != {"count", "mean", "m2"}:
+            raise ValueError(f"RunningRewardNorm.load_state_dict: expected keys count, mean, m2; got "
+                             f"{sorted(state)}")
+        self.count, self.mean, self.m2 = float(state["count"]), float(state["mean"]), float(state["m2"])
