@@ -1,0 +1,108 @@
+"""The RL run's configuration: one dataclass section per component, loaded by core.config."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from core.config import ModelConfig, OptimConfig, ParallelConfig, TrainConfig
+from rl.controller import KLControllerConfig
+from rl.kl import KLConfig
+from rl.losses import PolicyLossConfig
+from rl.rewards import RewardConfig
+
+
+@dataclass
+class RolloutConfig:
+    prompts_per_step: int = 8  # global, over all DP ranks
+    group_size: int = 4  # samples per prompt (G)
+    max_new_tokens: int = 12
+    temperature: float = 1.0
+    top_k: int = 0
+    eval_prompts: int = 0  # >0: also score this many fixed prompts greedily each eval_every steps
+    eval_every: int = 10
+
+    def __post_init__(self):
+        for k in ("prompts_per_step", "group_size", "max_new_tokens"):
+            if getattr(self, k) < 1:
+                raise ValueError(f"rollout.{k} must be >= 1, got {getattr(self, k)}")
+        if self.temperature < 0:
+            raise ValueError(f"rollout.temperature must be >= 0, got {self.temperature}")
+
+
+@dataclass
+class AlgoConfig:
+    name: str = "grpo"  # "grpo" | "ppo"
+    epochs: int = 1  # passes over each step's rollouts
+    mini_batches: int = 1  # optimizer steps per epoch; each mini-batch is split over DP
+    micro_batch_size: int = 0  # rows per forward on one rank (gradient accumulation); 0: whole mini-batch
+    adv_std_norm: bool = True  # GRPO: divide by the group's std
+    gamma: float = 1.0  # PPO GAE
+    lam: float = 0.95
+    whiten_advantages: bool = True  # PPO
+    early_stop_kl: float | None = None  # stop the update epochs once approx KL(old||new) exceeds this
+    kl_chunk_size: int = 1024  # tokens per chunk of the fused head
+
+    def __post_init__(self):
+        if self.name not in ("grpo", "ppo"):
+            raise ValueError(f"algo.name must be 'grpo' or 'ppo', got {self.name!r}")
+        if self.epochs < 1 or self.mini_batches < 1 or self.micro_batch_size < 0:
+            raise ValueError("algo.epochs and algo.mini_batches must be >= 1 and micro_batch_size >= 0")
+
+
+@dataclass
+class CriticConfig:
+    lr: float = 1e-4
+    value_clip: float | None = 0.2
+    warmup_steps: int = 0
+
+
+@dataclass
+class ReferenceConfig:
+    checkpoint: str | None = None  # None: the policy's starting checkpoint
+    cpu_offload: bool = False
+    sync_every: int = 0  # >0: sync the reference to the policy every K steps
+    sync_below: float | None = None  # sync when mean KL stays below this fraction of kl_ctl.target ...
+    sync_patience: int = 3  # ... for this many consecutive steps
+    sync_mode: str = "hard"  # "hard" copy or "ema" mix
+    ema_alpha: float = 0.1  # ref <- (1 - alpha) * ref + alpha * policy
+    reset_optimizer: bool = False  # reset the policy's AdamW state after a sync
+
+    def __post_init__(self):
+        if self.sync_mode not in ("hard", "ema"):
+            raise ValueError(f"reference.sync_mode must be 'hard' or 'ema', got {self.sync_mode!r}")
+        if not 0.0 < self.ema_alpha <= 1.0:
+            raise ValueError(f"reference.ema_alpha must be in (0, 1], got {self.ema_alpha}")
+
+
+@dataclass
+class GuardConfig:
+    kl_warn: float = 20.0  # mean per-token KL above this: warning
+    kl_stop: float = 50.0  # mean per-token KL above this: stop the run (after saving)
+
+
+@dataclass
+class InitConfig:
+    checkpoint: str = "runs/tiny_sft/final"  # the policy's starting checkpoint
+    build_if_missing: bool = True  # train it by supervised learning on the task when absent
+    sft_steps: int = 300
+    sft_lr: float = 3e-3
+    sft_examples: int = 4000
+
+
+@dataclass
+class RLConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)  # for building the start checkpoint only
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    algo: AlgoConfig = field(default_factory=AlgoConfig)
+    loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)
+    kl: KLConfig = field(default_factory=KLConfig)
+    kl_ctl: KLControllerConfig = field(default_factory=KLControllerConfig)
+    reference: ReferenceConfig = field(default_factory=ReferenceConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    critic: CriticConfig = field(default_factory=CriticConfig)
+    guard: GuardConfig = field(default_factory=GuardConfig)
+    init: InitConfig = field(default_factory=InitConfig)
+    train: TrainConfig = field(default_factory=lambda: TrainConfig(steps=40, out_dir="runs/grpo"))
+    tokenizer: str | None = None  # sentencepiece model; None: the shipped tiny tokenizer

@@ -1,0 +1,62 @@
+"""Per-response-token quantities from the policy, the reference and the critic.
+
+All go through the model's `head=` callback so that, under FSDP2, the head weight is gathered
+around the call; the vocab-parallel ones go through the fused head, so no [tokens, vocab] logits
+tensor exists and no logits cross the wire.
+
+Positions: the response token at index t (0-based, sequence position P + t) is predicted by the
+hidden state at position P + t - 1, so a response of N tokens uses hidden[:, P-1 : P+N-1].
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from parallel.comm import copy_to_tp
+from parallel.fused import fused_head
+
+
+class TokenStats(NamedTuple):
+    logprobs: torch.Tensor  # [B, N] log pi(response token) at the sampling temperature
+    entropy: torch.Tensor | None  # [B, N]
+    kl: torch.Tensor | None  # [B, N] exact full-vocabulary KL to the reference (direction as asked)
+
+
+def _response_hidden(h: torch.Tensor, prompt_len: int) -> torch.Tensor:
+    return h[:, prompt_len - 1:-1]  # (B, N, H)
+
+
+def policy_token_stats(model, sequences, attention_mask, prompt_len: int, *, tp_group=None, vocab_size: int,
+                       temperature: float = 1.0, chunk_size: int = 1024, entropy: bool = True,
+                       kl: str | None = None, ref_hidden: torch.Tensor | None = None,
+                       ref_weight: torch.Tensor | None = None) -> TokenStats:
+    """Log-probs (and entropy, exact KL against the given reference hidden states and head
+    weight) of the response tokens of `sequences` [B, P + N] under `model`."""
+    targets = sequences[:, prompt_len:]  # (B, N)
+    B, N = targets.shape
+
+    def head(h, w):
+        hr = copy_to_tp(_response_hidden(h, prompt_len), tp_group).reshape(B * N, -1)
+        rh = None if ref_hidden is None else ref_hidden.reshape(B * N, -1)
+        return fused_head(hr, w, targets.reshape(-1), tp_group, vocab_size=vocab_size, ref_hidden=rh,
+                          ref_weight_local=ref_weight, temperature=temperature, chunk_size=chunk_size,
+                          entropy=entropy, kl=kl)
+
+    out = model(sequences, attention_mask=attention_mask, head=head)
+    shape = lambda t: None if t is None else t.view(B, N)
+    return TokenStats(shape(out.logprobs), shape(out.entropy), shape(out.kl))
+
+
+@torch.no_grad()
+def reference_hidden(ref, sequences, attention_mask, prompt_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The reference's final hidden states at the response positions [B, N, H] and its local head
+    weight [Vp/tp, H] (copied: under FSDP the gathered weight is freed after forward)."""
+    return ref(sequences, attention_mask=attention_mask,
+               head=lambda h, w: (_response_hidden(h, prompt_len).clone(), w.detach().clone()))
+
+
+def critic_values(critic, sequences, attention_mask, prompt_len: int) -> torch.Tensor:
+    """V(state before each response token) [B, N]."""
+    return critic(sequences, attention_mask=attention_mask)[:, prompt_len - 1:-1]
