@@ -1,0 +1,481 @@
+"""kltron checkpoint folders: the format, the atomic save protocol, discovery, integrity, and
+validated per-rank loading of layout-independent tensors.
+
+    root/step-00000100/        a complete checkpoint (its manifest.json is written last)
+        manifest.json          {format_version, kind: "model"|"train", model_config, tp, dtype,
+                                tokenizer_fingerprint, step, files: {name: sha256}, sizes: {name: bytes}}
+        model.safetensors      or model-0000i-of-0000N.safetensors + model.safetensors.index.json
+        optim.safetensors      kind "train": "exp_avg/<param>", "exp_avg_sq/<param>", scalars
+        train_state.json       kind "train": {step, schedule, rng, data, extra}; JSON, no pickle
+    root/latest                text file: the name of the newest complete folder
+    root/.tmp-step-...         a save in progress, failed or killed: ignored, removed by the next save
+
+Tensors on disk are FULL (core/shards: true vocabulary, the model's own KV heads), so a checkpoint
+saved at one tp loads at any other: each rank reads only its slice of each tensor. `tp` in the
+manifest is informative.
+
+Distributed use: pass the process group spanning every rank that takes part (e.g.
+`dist.group.WORLD`); `group=None` means a single process. Validation runs where the data is, and
+`raise_on_all_ranks` turns any failure into the same `CheckpointError` on every rank, so none hangs.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import os
+import random
+import re
+import secrets
+import shutil
+from collections.abc import Callable, Mapping
+
+import numpy as np
+import torch
+
+from core.safetensors_io import (
+    CheckpointError,
+    fsync_dir,
+    open_safetensors_set,
+    save_safetensors_set,
+    write_bytes_atomic,
+)
+from parallel import comm
+
+__all__ = ["CheckpointError", "FORMAT_VERSION", "save_checkpoint_dir", "find_latest", "read_manifest",
+           "verify_checkpoint", "write_tensors", "read_tensors", "load_tensors", "check_config",
+           "check_tokenizer", "raise_on_all_ranks", "write_train_state", "read_train_state",
+           "capture_rng_states", "restore_rng_states"]
+
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+LATEST = "latest"
+TRAIN_STATE = "train_state.json"
+KINDS = ("model", "train")
+INFO_FIELDS = ("kind", "model_config", "tp", "dtype", "tokenizer_fingerprint")
+_STEP_RE = re.compile(r"^step-(\d{8,})$")
+
+
+def step_dir_name(step: int) -> str:
+    return f"step-{step:08d}"
+
+
+# ---------------------------------------------------------------------------------------------
+# errors on every rank
+
+
+def _describe(e: BaseException) -> str:
+    return str(e) if isinstance(e, CheckpointError) else f"{type(e).__name__}: {e}"
+
+
+def raise_on_all_ranks(fn: Callable[[], object], group=None, src: int | None = None):
+    """Run `fn` and make its failure every rank's failure.
+
+    src=None: every rank of `group` runs `fn()` and returns its own result; if any rank raised,
+    every rank raises `CheckpointError` with the lowest failing rank's message.
+    src=r: only group rank r runs `fn()`; its result (a small picklable object) or its error is
+    broadcast, so every rank returns the same result or raises the same `CheckpointError`.
+    """
+    n = comm.group_size(group)
+    rank = comm.group_rank(group)
+    result, err = None, None
+    if src is None or rank == src:
+        try:
+            result = fn()
+        except Exception as e:  # noqa: BLE001 - re-raised below on every rank
+            err = e
+    if n == 1:
+        if err is not None:
+            raise (err if isinstance(err, CheckpointError) else CheckpointError(_describe(err))) from err
+        return result
+    import torch.distributed as dist
+
+    if src is None:
+        msgs: list = [None] * n
+        # control plane: every rank learns every rank's error text (None when it succeeded)
+        dist.all_gather_object(msgs, None if err is None else _describe(err), group=group)
+        failed = [(r, m) for r, m in enumerate(msgs) if m is not None]
+        if failed:
+            r, m = failed[0]
+            more = f"; {len(failed)} ranks failed" if len(failed) > 1 else ""
+            raise CheckpointError(f"{m} (raised on rank {r}{more})") from err
+        return result
+    box = [None if err is None else _describe(err), result if err is None else None]
+    # control plane: rank src's outcome (error text, or its result) to every rank
+    dist.broadcast_object_list(box, src=dist.get_global_rank(group, src), group=group)
+    if box[0] is not None:
+        raise CheckpointError(f"{box[0]} (raised on rank {src})") from err
+    return box[1]
+
+
+# ---------------------------------------------------------------------------------------------
+# manifest, discovery, integrity
+
+
+def _sha256(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def read_manifest(path: str) -> dict:
+    """The validated manifest of checkpoint folder `path` (no hashing; see verify_checkpoint)."""
+    mpath = os.path.join(path, MANIFEST)
+    try:
+        with open(mpath, encoding="utf-8") as f:
+            m = json.load(f)
+    except FileNotFoundError as e:
+        raise CheckpointError(f"{path}: no {MANIFEST}: not a complete checkpoint") from e
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{mpath}: cannot read the manifest ({e})") from e
+    if not isinstance(m, dict):
+        raise CheckpointError(f"{mpath}: the manifest must be a JSON object")
+    if m.get("format_version") != FORMAT_VERSION:
+        raise CheckpointError(f"{mpath}: format_version {m.get('format_version')!r} is not supported "
+                              f"(expected {FORMAT_VERSION})")
+    checks = {"kind": lambda v: v in KINDS, "step": lambda v: isinstance(v, int) and v >= 0,
+              "model_config": lambda v: isinstance(v, dict), "tp": lambda v: isinstance(v, int) and v >= 1,
+              "dtype": lambda v: isinstance(v, str),
+              "tokenizer_fingerprint": lambda v: v is None or isinstance(v, str),
+              "files": lambda v: isinstance(v, dict) and bool(v) and all(
+                  isinstance(k, str) and isinstance(h, str) and len(h) == 64 for k, h in v.items()),
+              "sizes": lambda v: isinstance(v, dict) and all(isinstance(s, int) for s in v.values())}
+    for field, ok in checks.items():
+        if field not in m or not ok(m[field]):
+            raise CheckpointError(f"{mpath}: field '{field}' is missing or invalid: {m.get(field)!r}")
+    if set(m["sizes"]) != set(m["files"]):
+        raise CheckpointError(f"{mpath}: 'sizes' and 'files' list different files")
+    for name in m["files"]:
+        if name.startswith(("/", "\\")) or ".." in name.replace("\\", "/").split("/"):
+            raise CheckpointError(f"{mpath}: file name {name!r} escapes the checkpoint folder")
+    return m
+
+
+def _is_complete(path: str) -> bool:
+    """A valid manifest and every listed file present with its recorded size (cheap: no hashing)."""
+    try:
+        m = read_manifest(path)
+    except CheckpointError:
+        return False
+    for name, size in m["sizes"].items():
+        p = os.path.join(path, name)
+        if not os.path.isfile(p) or os.path.getsize(p) != size:
+            return False
+    return True
+
+
+def _complete_steps(root: str) -> list[tuple[int, str]]:
+    """(step, folder name) of the complete checkpoints under root, oldest first."""
+    out = []
+    for name in os.listdir(root):
+        mt = _STEP_RE.match(name)
+        if mt and _is_complete(os.path.join(root, name)):
+            out.append((int(mt.group(1)), name))
+    return sorted(out)
+
+
+def find_latest(root: str) -> str | None:
+    """The checkpoint `root/latest` names if it is complete, else the newest complete step folder,
+    else None. Temporary and incomplete folders are ignored."""
+    if not os.path.isdir(root):
+        return None
+    try:
+        with open(os.path.join(root, LATEST), encoding="utf-8") as f:
+            name = f.read().strip()
+        if _STEP_RE.match(name) and _is_complete(os.path.join(root, name)):
+            return os.path.join(root, name)
+    except (OSError, UnicodeDecodeError):
+        pass
+    steps = _complete_steps(root)
+    return os.path.join(root, steps[-1][1]) if steps else None
+
+
+def verify_checkpoint(path: str) -> dict:
+    """Recompute every file's sha256 against the manifest; returns the manifest."""
+    m = read_manifest(path)
+    for name, digest in m["files"].items():
+        p = os.path.join(path, name)
+        if not os.path.isfile(p):
+            raise CheckpointError(f"{p}: file listed in the manifest is missing")
+        found = _sha256(p)
+        if found != digest:
+            raise CheckpointError(f"{p}: sha256 mismatch (manifest {digest}, file {found}): corrupt file")
+    return m
+
+
+# ---------------------------------------------------------------------------------------------
+# the atomic save protocol
+
+
+def _remove_stale(root: str) -> None:
+    for name in os.listdir(root):
+        if name.startswith(".tmp-") or name == LATEST + ".tmp":
+            p = os.path.join(root, name)
+            if os.path.isdir(p):
+                shutil.rmtree(p, ignore_errors=True)
+            else:
+                os.remove(p)
+
+
+def _apply_retention(root: str, keep_last: int | None, protect: str) -> None:
+    if not keep_last or keep_last <= 0:
+        return
+    steps = [name for _, name in _complete_steps(root)]
+    for name in steps[:-keep_last]:
+        if name != protect:
+            shutil.rmtree(os.path.join(root, name))
+
+
+def _finalize(root: str, tmp: str, step: int, info: Mapping) -> str:
+    files, sizes = {}, {}
+    for dirpath, _, names in os.walk(tmp):
+        for n in sorted(names):
+            p = os.path.join(dirpath, n)
+            rel = os.path.relpath(p, tmp).replace(os.sep, "/")
+            if rel != MANIFEST:
+                files[rel], sizes[rel] = _sha256(p), os.path.getsize(p)
+    if not files:
+        raise CheckpointError(f"{tmp}: the writer wrote no files")
+    manifest = {"format_version": FORMAT_VERSION, **info, "step": step, "files": files, "sizes": sizes}
+    write_bytes_atomic(os.path.join(tmp, MANIFEST), json.dumps(manifest, indent=1).encode("utf-8"))
+    name = step_dir_name(step)
+    final = os.path.join(root, name)
+    old = None
+    if os.path.exists(final):  # re-saving a step: set the old copy aside, delete it once replaced
+        old = os.path.join(root, f".tmp-old-{name}-{secrets.token_hex(4)}")
+        os.rename(final, old)
+    os.rename(tmp, final)
+    fsync_dir(root)
+    write_bytes_atomic(os.path.join(root, LATEST), (name + "\n").encode("utf-8"))
+    if old:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def save_checkpoint_dir(root: str, step: int, writer_fn: Callable[[str], object], *, info: Mapping,
+                        keep_last: int | None = None, group=None, writer_rank: int = 0,
+                        all_ranks_write: bool = False) -> str:
+    """Save checkpoint `step` under `root` atomically; returns `root/step-XXXXXXXX` on every rank.
+
+    `writer_fn(tmp_dir)` writes the files (any names, subfolders allowed) into a fresh temporary
+    folder. It runs on group rank `writer_rank` only, or on every rank with `all_ranks_write` (then
+    ranks must write distinct files). `info` holds the manifest fields kind, model_config, tp,
+    dtype, tokenizer_fingerprint (more JSON fields are kept). Then the writer rank hashes every
+    file into manifest.json (written last), renames the folder into place, points `latest` at it,
+    and keeps the newest `keep_last` complete checkpoints (None or 0: all) -- never the new one's
+    deletion, and nothing is deleted before the new one is complete. A failure on any rank
+    removes the temporary folder and raises the same CheckpointError on every rank.
+    """
+    missing = [f for f in INFO_FIELDS if f not in info]
+    if missing or info.get("kind") not in KINDS:
+        raise CheckpointError(f"save_checkpoint_dir: info lacks {missing} or has kind "
+                              f"{info.get('kind')!r} (expected one of {KINDS})")
+    reserved = {"format_version", "step", "files", "sizes"} & set(info)
+    if reserved:
+        raise CheckpointError(f"save_checkpoint_dir: info may not set {sorted(reserved)}")
+    info = json.loads(json.dumps(dict(info)))  # fail here, on every rank, if not JSON-serialisable
+    is_writer = comm.group_rank(group) == writer_rank
+
+    def prepare() -> str:
+        os.makedirs(root, exist_ok=True)
+        _remove_stale(root)
+        tmp = os.path.join(root, f".tmp-{step_dir_name(step)}-{secrets.token_hex(4)}")
+        os.mkdir(tmp)
+        return tmp
+
+    def write() -> None:
+        writer_fn(tmp)  # its return value is ignored (it need not be picklable)
+
+    tmp = raise_on_all_ranks(prepare, group, src=writer_rank)
+    try:
+        raise_on_all_ranks(write, group, None if all_ranks_write else writer_rank)
+        final = raise_on_all_ranks(lambda: _finalize(root, tmp, step, info), group, src=writer_rank)
+    except CheckpointError:
+        if is_writer:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    raise_on_all_ranks(lambda: _apply_retention(root, keep_last, os.path.basename(final)), group,
+                       src=writer_rank)
+    return final
+
+
+# ---------------------------------------------------------------------------------------------
+# tensors: write full, read each rank's slice
+
+
+def write_tensors(folder: str, tensors: Mapping[str, torch.Tensor], *, prefix: str = "model",
+                  max_shard_bytes: int | None = None) -> list[str]:
+    """Write FULL (layout-independent) CPU tensors as `PREFIX.safetensors`, or as shards of at most
+    `max_shard_bytes` plus an index. Returns the file names written."""
+    return save_safetensors_set(tensors, folder, prefix, max_shard_bytes, metadata={"format": "pt"})
+
+
+SliceFn = Callable[[str, tuple], tuple]  # (name, full_shape) -> (dim | None, start, stop, local_size)
+
+
+def read_tensors(folder: str, expected: Mapping[str, tuple], slice_fn: SliceFn | None = None, *,
+                 prefix: str = "model", dtype: torch.dtype | Mapping[str, torch.dtype] | None = None,
+                 cast: bool = False, strict: bool = True) -> dict[str, torch.Tensor]:
+    """This rank's pieces of the tensors in `folder/PREFIX*.safetensors`.
+
+    expected: name -> FULL shape; every name must be present with that shape, and (strict) no
+    other name may be. slice_fn(name, full_shape) -> (dim, start, stop, local_size), e.g.
+    `core.shards.tp_slice`: the result is `full.narrow(dim, start, stop - start)` followed by
+    `local_size - (stop - start)` zero rows along dim (vocabulary padding); dim None (or no
+    slice_fn) reads the whole tensor. dtype: expected dtype (one, or per name); a different stored
+    dtype is an error unless `cast`, which converts. Errors name the file, the key, expected vs found.
+    """
+    out: dict[str, torch.Tensor] = {}
+    with open_safetensors_set(folder, prefix) as s:
+        missing = [k for k in expected if k not in s]
+        if missing:
+            raise CheckpointError(f"{s.origin}: missing key '{missing[0]}'"
+                                  + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
+        extra = [k for k in s.keys() if k not in expected]
+        if strict and extra:
+            raise CheckpointError(f"{s.file_of(extra[0]).path}: unexpected key '{extra[0]}'"
+                                  + (f" (and {len(extra) - 1} more)" if len(extra) > 1 else ""))
+        for name, shape in expected.items():
+            where = f"{s.file_of(name).path}: key '{name}'"
+            found = s.shape(name)
+            if tuple(found) != tuple(shape):
+                raise CheckpointError(f"{where}: expected shape {list(shape)}, found {list(found)}")
+            want = dtype.get(name) if isinstance(dtype, Mapping) else dtype
+            if want is not None and s.dtype(name) != want and not cast:
+                raise CheckpointError(f"{where}: expected dtype {want}, found {s.dtype(name)}")
+        for name, shape in expected.items():
+            sl = slice_fn(name, tuple(shape)) if slice_fn is not None else None
+            if sl is None or sl[0] is None:
+                t = s.get(name)
+            else:
+                dim, start, stop, local = sl
+                if not (0 <= dim < len(shape) and 0 <= start <= stop <= shape[dim] and local >= stop - start):
+                    raise CheckpointError(f"key '{name}': slice {tuple(sl)} does not fit full shape {list(shape)}")
+                t = s.get_slice(name, dim, start, stop)
+                if local > stop - start:  # zero rows reach the padded local size
+                    pad_shape = list(t.shape)
+                    pad_shape[dim] = local - (stop - start)
+                    t = torch.cat([t, torch.zeros(pad_shape, dtype=t.dtype)], dim=dim)
+            want = dtype.get(name) if isinstance(dtype, Mapping) else dtype
+            out[name] = t.to(want) if want is not None else t
+    return out
+
+
+def load_tensors(folder: str, expected: Mapping[str, tuple], slice_fn: SliceFn | None = None, *,
+                 group=None, **kwargs) -> dict[str, torch.Tensor]:
+    """`read_tensors` on every rank of `group`; a failure on any rank raises on all of them."""
+    return raise_on_all_ranks(lambda: read_tensors(folder, expected, slice_fn, **kwargs), group)
+
+
+# ---------------------------------------------------------------------------------------------
+# agreement checks
+
+
+def _norm(v):
+    if isinstance(v, (list, tuple)):
+        return [_norm(x) for x in v]
+    if isinstance(v, Mapping):
+        return {k: _norm(x) for k, x in v.items()}
+    return v
+
+
+_ABSENT = "<absent>"
+
+
+def _first_difference(saved, current, prefix: str):
+    if isinstance(saved, Mapping) and isinstance(current, Mapping):
+        for k in list(current) + [k for k in saved if k not in current]:
+            d = _first_difference(saved.get(k, _ABSENT), current.get(k, _ABSENT), f"{prefix}{k}.")
+            if d:
+                return d
+        return None
+    return None if _norm(saved) == _norm(current) else (prefix[:-1], saved, current)
+
+
+def check_config(saved: Mapping, current: Mapping, *, ignore=(), where: str = "checkpoint") -> None:
+    """Raise CheckpointError naming the first field (dotted) whose values differ, with both values.
+    Lists and tuples compare equal; fields in `ignore` (top-level names) are skipped."""
+    d = _first_difference({k: v for k, v in saved.items() if k not in ignore},
+                          {k: v for k, v in current.items() if k not in ignore}, "")
+    if d:
+        field, a, b = d
+        raise CheckpointError(f"{where}: model config field '{field}' differs: checkpoint has {a!r}, "
+                              f"current config has {b!r}")
+
+
+def check_tokenizer(manifest_fp: str | None, tokenizer_fp: str | None, what: str = "policy/reference",
+                    allow_missing: bool = False) -> None:
+    """Raise CheckpointError unless both fingerprints are present and equal."""
+    if manifest_fp is None or tokenizer_fp is None:
+        if allow_missing:
+            return
+        side = "the checkpoint records" if manifest_fp is None else "the current tokenizer has"
+        raise CheckpointError(f"tokenizer check ({what}): {side} no fingerprint")
+    if manifest_fp != tokenizer_fp:
+        raise CheckpointError(f"tokenizer mismatch ({what}): checkpoint was saved with tokenizer {manifest_fp}, "
+                              f"the current tokenizer is {tokenizer_fp}")
+
+
+# ---------------------------------------------------------------------------------------------
+# train state: JSON, RNG states as base64/lists
+
+
+TRAIN_STATE_KEYS = ("step", "schedule", "rng", "data", "extra")
+
+
+def write_train_state(folder: str, state: Mapping) -> None:
+    """Write `train_state.json`: {step: int, schedule: dict, rng: dict, data: dict, extra: dict}."""
+    unknown = [k for k in state if k not in TRAIN_STATE_KEYS]
+    if unknown or not isinstance(state.get("step"), int):
+        raise CheckpointError(f"train state: unknown keys {unknown} or missing int 'step' "
+                              f"(allowed keys {TRAIN_STATE_KEYS}; put free-form state under 'extra')")
+    try:
+        data = json.dumps(dict(state), indent=1, allow_nan=False).encode("utf-8")
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"train state is not plain JSON ({e})") from e
+    write_bytes_atomic(os.path.join(folder, TRAIN_STATE), data)
+
+
+def read_train_state(folder: str) -> dict:
+    path = os.path.join(folder, TRAIN_STATE)
+    try:
+        with open(path, encoding="utf-8") as f:
+            state = json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{path}: cannot read the train state ({e})") from e
+    if not isinstance(state, dict) or not isinstance(state.get("step"), int):
+        raise CheckpointError(f"{path}: expected a JSON object with an integer 'step'")
+    return state
+
+
+def _b64(t: torch.Tensor) -> str:
+    return base64.b64encode(t.numpy().tobytes()).decode("ascii")
+
+
+def _unb64(s: str) -> torch.Tensor:
+    return torch.frombuffer(bytearray(base64.b64decode(s)), dtype=torch.uint8).clone()
+
+
+def capture_rng_states() -> dict:
+    """torch CPU (and CUDA, per device), Python `random` and numpy global RNG states, as JSON."""
+    py = random.getstate()
+    npst = np.random.get_state()
+    out = {"torch": _b64(torch.get_rng_state()),
+           "python": [py[0], list(py[1]), py[2]],
+           "numpy": [npst[0], npst[1].tolist(), int(npst[2]), int(npst[3]), float(npst[4])]}
+    if torch.cuda.is_available():
+        out["cuda"] = [_b64(s) for s in torch.cuda.get_rng_state_all()]
+    return out
+
+
+def restore_rng_states(states: Mapping) -> None:
+    torch.set_rng_state(_unb64(states["torch"]))
+    v, seq, gauss = states["python"]
+    random.setstate((v, tuple(seq), gauss))
+    name, keys, pos, has_gauss, cached = states["numpy"]
+    np.random.set_state((name, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
+    if "cuda" in states and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all([_unb64(s) for s in states["cuda"]])
