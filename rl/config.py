@@ -82,11 +82,19 @@ class GuardConfig:
 
 @dataclass
 class InitConfig:
-    checkpoint: str = "runs/tiny_sft/final"  # the policy's starting checkpoint
-    build_if_missing: bool = True  # train it by supervised learning on the task when absent
+    checkpoint: str | None = None  # the policy's starting checkpoint; None: {sft_dir}/final, built if missing
+    sft_dir: str = "runs/tiny_sft"  # where the start checkpoint is built by supervised training on the task
     sft_steps: int = 300
     sft_lr: float = 3e-3
-    sft_examples: int = 4000
+    sft_examples: int = 4000  # task examples written to {sft_dir}/task_data.txt
+    sft_seq_len: int = 64
+    sft_micro_batch_size: int = 16
+
+    @property
+    def start_checkpoint(self) -> str:
+        import os
+
+        return self.checkpoint or os.path.join(self.sft_dir, "final")
 
 
 @dataclass

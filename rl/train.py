@@ -1,0 +1,202 @@
+"""`torchrun --nproc_per_node N -m rl.train --config configs/X.yaml [key=value ...]`
+
+Builds the policy from `init.checkpoint` (training it first by supervised learning on the task if
+it is absent and `init.build_if_missing`), the frozen reference (default: the same checkpoint),
+the critic for PPO, then runs `train.steps` RL steps, writing `metrics.jsonl` and checkpoints to
+`train.out_dir` and resuming from its latest checkpoint when `train.resume`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+import yaml
+
+from core import checkpoint as ckpt
+from core.config import ConfigError, load_config, to_dict
+from core.metrics import MetricsWriter, ProgressBar
+from core.model import Transformer
+from core.optim import build_optimizer
+from core.tokenizer import load_tokenizer
+from parallel.dims import ParallelDims, init_parallel, seed_everything, tp_subgroup
+from parallel.fsdp import FSDPOptions, freeze, parallelize
+from rl.config import RLConfig
+from rl.critic import Critic
+from rl.rewards import build_reward
+from rl.trainer import RLTrainer
+from rl.warmstart import ensure_start_checkpoint
+
+
+def _world_size() -> int:
+    import torch.distributed as dist
+
+    return dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def check_rl_config(cfg: RLConfig, world: int) -> ParallelDims:
+    """Arithmetic checks, identical on every rank, before any collective."""
+    dp = cfg.parallel.resolve_dp(world)
+    dims = ParallelDims(dp=dp, tp=cfg.parallel.tp).validate(world)
+    if cfg.rollout.prompts_per_step % dims.dp:
+        raise ConfigError(f"rollout.prompts_per_step={cfg.rollout.prompts_per_step} must be a multiple of "
+                          f"dp={dims.dp}")
+    rows = cfg.rollout.prompts_per_step // dims.dp * cfg.rollout.group_size
+    if rows % cfg.algo.mini_batches:
+        raise ConfigError(f"algo.mini_batches={cfg.algo.mini_batches} must divide the {rows} rows per DP rank "
+                          f"(prompts_per_step / dp * group_size)")
+    if cfg.algo.name == "ppo" and cfg.kl.exact and cfg.kl.where == "reward":
+        pass  # the exact KL per token is a fine reward penalty too
+    return dims
+
+
+def _device(cfg: RLConfig) -> torch.device:
+    d = cfg.train.device
+    if d == "auto":
+        d = "cuda" if torch.cuda.is_available() else "cpu"
+    if d == "cuda":
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device(d)
+
+
+def _load(module_cls, model_cfg, path, state, kv_group, device, tokenizer_fp, what, **kw):
+    """Build on the meta device, then fill this rank's shards straight from the checkpoint."""
+    m = module_cls(model_cfg, state.tp_group, kv_group, device="meta", **kw)
+    m = m.to_empty(device=device)
+    target = m.body if isinstance(m, Critic) else m
+    ckpt.load_model_weights(target, path, state, tokenizer_fingerprint=tokenizer_fp, what=what)
+    if isinstance(m, Critic):
+        with torch.no_grad():
+            m.value_head.weight.zero_()
+            m.value_head.bias.zero_()
+    return m
+
+
+def build(cfg: RLConfig):
+    world = _world_size()
+    dims = check_rl_config(cfg, world)
+    device = _device(cfg)
+    tokenizer = load_tokenizer(cfg.tokenizer)
+    start = ensure_start_checkpoint(cfg, tokenizer, device)  # collective-free until here on failure
+    manifest = ckpt.read_manifest(start)
+    from core.config import ModelConfig, from_dict
+
+    model_cfg = from_dict(ModelConfig, manifest["model_config"])
+    state = init_parallel(dims, device, model_cfg.n_heads, model_cfg.n_kv_heads)
+    seed_everything(cfg.train.seed)
+    kv_group = tp_subgroup(state, dims.tp // model_cfg.n_kv_heads) if dims.tp > model_cfg.n_kv_heads else None
+    fp = tokenizer.fingerprint
+    p = cfg.parallel
+    opts = FSDPOptions(fsdp=p.fsdp, mixed_precision=p.mixed_precision,
+                       activation_checkpointing=p.activation_checkpointing, cpu_offload=False)
+    policy = _load(Transformer, model_cfg, start, state, kv_group, device, fp, "policy")
+    policy = parallelize(policy, state.dp_mesh, opts)
+    ref_path = cfg.reference.checkpoint or start
+    ref = freeze(_load(Transformer, model_cfg, ref_path, state, kv_group, device, fp, "reference"))
+    ref = parallelize(ref, state.dp_mesh, FSDPOptions(fsdp=p.fsdp, mixed_precision=p.mixed_precision,
+                                                      cpu_offload=cfg.reference.cpu_offload))
+    opt = build_optimizer(policy, cfg.optim, model_cfg, cfg.train.steps * cfg.algo.epochs * cfg.algo.mini_batches,
+                          state.tp_group, state.dp_group)
+    critic = critic_opt = None
+    if cfg.algo.name == "ppo":
+        critic = parallelize(_load(Critic, model_cfg, start, state, kv_group, device, fp, "critic"),
+                             state.dp_mesh, opts, blocks=None)
+        from dataclasses import replace
+
+        copt = replace(cfg.optim, lr=cfg.critic.lr, min_lr=cfg.critic.lr * 0.1, warmup_steps=cfg.critic.warmup_steps)
+        critic_opt = build_optimizer(critic, copt, model_cfg, cfg.train.steps * cfg.algo.epochs * cfg.algo.mini_batches,
+                                     state.tp_group, state.dp_group)
+    task, reward_fn, reward_norm = build_reward(cfg.reward)
+    trainer = RLTrainer(cfg, state, policy, ref, opt, tokenizer, task, reward_fn, reward_norm, critic, critic_opt)
+    return trainer, state, tokenizer, model_cfg
+
+
+def _modules(trainer: RLTrainer) -> dict:
+    mods = {"policy": (trainer.policy, trainer.opt)}
+    if trainer.critic is not None:
+        mods["critic"] = (trainer.critic, trainer.critic_opt)
+    if trainer.cfg.reference.sync_every or trainer.cfg.reference.sync_below is not None:
+        mods["reference"] = (trainer.ref, None)  # a synced reference is part of the state
+    return mods
+
+
+def _extra_state(trainer: RLTrainer) -> dict:
+    return {"kl_controller": trainer.controller.state_dict(), "ref_sync": trainer.ref_sync.state_dict(),
+            "reward_norm": trainer.reward_norm.state_dict()}
+
+
+def run(cfg: RLConfig) -> list[dict]:
+    trainer, state, tokenizer, model_cfg = build(cfg)
+    out = cfg.train.out_dir
+    ckpt_root = os.path.join(out, "checkpoints")
+    first = 0
+    if cfg.train.resume:
+        latest = ckpt.find_latest(ckpt_root)
+        if latest is not None:
+            extra = ckpt.load_train_checkpoint(latest, state, _modules(trainer))
+            trainer.controller.load_state_dict(extra["kl_controller"])
+            trainer.ref_sync.load_state_dict(extra["ref_sync"])
+            trainer.reward_norm.load_state_dict(extra["reward_norm"])
+            first = int(extra["step"]) + 1
+    if state.is_main:
+        os.makedirs(out, exist_ok=True)
+        with open(os.path.join(out, "config.yaml"), "w") as f:
+            yaml.safe_dump(to_dict(cfg), f, sort_keys=False)
+    writer = MetricsWriter(os.path.join(out, "metrics.jsonl"), enabled=state.is_main, mode="a" if first else "w")
+    bar = ProgressBar(cfg.train.steps, enabled=state.is_main and cfg.train.progress, every=cfg.train.log_every)
+    records, stop = [], None
+
+    def save(step):
+        ckpt.save_train_checkpoint(ckpt_root, step, state, _modules(trainer), extra=_extra_state(trainer),
+                                   keep_last=cfg.train.keep_last, tokenizer_fingerprint=tokenizer.fingerprint)
+
+    for step in range(first, cfg.train.steps):
+        rec = trainer.step(step)
+        records.append(rec)
+        writer.write(rec)
+        bar.update(step + 1, reward=rec["reward_mean"], kl=rec["kl_mean"], beta=rec["beta"],
+                   ent=rec["entropy"], tok_s=rec["tokens_per_s"])
+        if rec["kl_warning"] and state.is_main:
+            print(f"kltron: step {step}: mean KL {rec['kl_mean']:.3f} is above guard.kl_warn="
+                  f"{cfg.guard.kl_warn}", file=sys.stderr)
+        last = step == cfg.train.steps - 1
+        if rec.get("kl_stop"):
+            stop = (f"kltron: step {step}: mean KL {rec['kl_mean']:.3f} passed guard.kl_stop={cfg.guard.kl_stop}; "
+                    "stopping after this checkpoint (see python -m tools.diagnose)")
+        if last or stop or (cfg.train.save_every and (step + 1) % cfg.train.save_every == 0):
+            save(step)
+        if stop:
+            break
+    writer.close()
+    if stop:
+        raise SystemExit(stop)
+    return records
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(prog="python -m rl.train", description=__doc__.split("\n")[0])
+    ap.add_argument("--config", default=None, help="YAML config (see configs/)")
+    ap.add_argument("overrides", nargs="*", help="key.sub=value overrides")
+    return ap.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    try:
+        cfg = load_config(RLConfig, args.config, args.overrides)
+        run(cfg)
+    except (ConfigError, ckpt.CheckpointError, ValueError) as e:
+        print(f"kltron.rl.train: error: {e}", file=sys.stderr)
+        return 2
+    finally:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,70 @@
+"""The policy's starting checkpoint: use `init.checkpoint`, or build `{init.sft_dir}/final` by
+supervised training on the task's own examples when it is absent (the README's default job).
+
+Every rank runs this; the decision depends only on files every rank sees (a shared file system
+on multi-node runs), and SFT itself is the ordinary distributed `core.sft.train`.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+
+from core import checkpoint as ckpt
+from core.config import ConfigError, DataConfig, SFTConfig, TrainConfig
+from core.sft import train as sft_train
+from rl.config import RLConfig
+from rl.rewards import build_reward
+from rl.tasks import sft_text
+
+
+def write_task_corpus(cfg: RLConfig, path: str) -> None:
+    """`init.sft_examples` lines "prompt+answer" from the task, drawn with a seed that the RL
+    prompts never use; written atomically."""
+    task, _, _ = build_reward(cfg.reward)
+    rng = random.Random(f"sft-{cfg.train.seed}")
+    lines = [sft_text(meta) for _, meta in task.sample_prompts(cfg.init.sft_examples, rng)]
+    tmp = path + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write("\n".join(lines) + "\n")
+    os.replace(tmp, path)
+
+
+def _is_checkpoint(path: str) -> bool:
+    return os.path.isfile(os.path.join(path, "manifest.json"))
+
+
+def ensure_start_checkpoint(cfg: RLConfig, tokenizer, device) -> str:
+    path = cfg.init.start_checkpoint
+    if _is_checkpoint(path):
+        return path
+    if cfg.init.checkpoint is not None:
+        raise ckpt.CheckpointError(f"init.checkpoint={path}: no kltron checkpoint there (manifest.json missing); "
+                                   "convert one with python -m tools.convert_hf import, or unset init.checkpoint "
+                                   "to build one by supervised training")
+    if tokenizer.vocab_size > cfg.model.vocab_size:
+        raise ConfigError(f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's "
+                          f"{tokenizer.vocab_size} pieces")
+    os.makedirs(cfg.init.sft_dir, exist_ok=True)
+    data_file = os.path.join(cfg.init.sft_dir, "task_data.txt")
+    rank = int(os.environ.get("RANK", "0"))
+    if rank == 0:
+        write_task_corpus(cfg, data_file)
+    else:  # the other ranks wait for rank 0's file (no process group exists yet)
+        import time
+
+        deadline = time.monotonic() + 120
+        while not os.path.exists(data_file):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"rank {rank}: {data_file} did not appear")
+            time.sleep(0.2)
+    sft = SFTConfig(model=cfg.model, parallel=cfg.parallel,
+                    optim=type(cfg.optim)(lr=cfg.init.sft_lr, min_lr=cfg.init.sft_lr * 0.1, warmup_steps=20),
+                    data=DataConfig(text_file=data_file, tokenizer=cfg.tokenizer, seq_len=cfg.init.sft_seq_len,
+                                    micro_batch_size=cfg.init.sft_micro_batch_size),
+                    train=TrainConfig(steps=cfg.init.sft_steps, seed=cfg.train.seed, out_dir=cfg.init.sft_dir,
+                                      progress=cfg.train.progress, device=str(device.type), log_every=10))
+    sft_train(sft)
+    if not _is_checkpoint(path):
+        raise ckpt.CheckpointError(f"supervised warm start finished but wrote no checkpoint at {path}")
+    return path
