@@ -44,7 +44,7 @@ from core.safetensors_io import (
 from parallel import comm
 
 __all__ = ["CheckpointError", "FORMAT_VERSION", "save_checkpoint_dir", "find_latest", "read_manifest",
-           "verify_checkpoint", "write_tensors", "read_tensors", "load_tensors", "check_config",
+           "verify_checkpoint", "write_tensors", "read_tensors", "load_tensors", "assemble_full", "check_config",
            "check_tokenizer", "raise_on_all_ranks", "write_train_state", "read_train_state",
            "capture_rng_states", "restore_rng_states"]
 
@@ -361,6 +361,29 @@ def read_tensors(folder: str, expected: Mapping[str, tuple], slice_fn: SliceFn |
                     t = torch.cat([t, torch.zeros(pad_shape, dtype=t.dtype)], dim=dim)
             want = dtype.get(name) if isinstance(dtype, Mapping) else dtype
             out[name] = t.to(want) if want is not None else t
+    return out
+
+
+def assemble_full(parts: list[torch.Tensor], slices: list[tuple], full_shape: tuple) -> torch.Tensor:
+    """The FULL tensor from every TP rank's local tensor, the inverse of the sliced read.
+
+    parts[r]: TP rank r's local tensor (e.g. `comm.all_gather_along(local, dim, tp_group)` split
+    into `local_size` pieces along dim); slices[r]: its (dim, start, stop, local_size). Padding rows
+    are dropped; ranks that hold the same rows (replicated KV heads) contribute them once. A
+    replicated tensor (dim None) is parts[0].
+    """
+    dim = slices[0][0]
+    if dim is None:
+        return parts[0]
+    out = torch.empty(full_shape, dtype=parts[0].dtype, device=parts[0].device)
+    covered = torch.zeros(full_shape[dim], dtype=torch.bool)
+    for part, (d, start, stop, _) in zip(parts, slices, strict=True):
+        if d != dim:
+            raise ValueError(f"slices disagree on the sharded dim: {d} vs {dim}")
+        out.narrow(dim, start, stop - start).copy_(part.narrow(dim, 0, stop - start))
+        covered[start:stop] = True
+    if not bool(covered.all()):
+        raise ValueError(f"the slices do not cover dim {dim} of full shape {list(full_shape)}")
     return out
 
 

@@ -180,10 +180,10 @@ def test_missing_extra_shape_dtype_errors(tmp_path):
     assert got["b"].dtype == torch.float32
 
 
-@pytest.mark.parametrize("tp", [1, 2, 3])
+@pytest.mark.parametrize("tp", [1, 2, 6])  # 6 > n_kv_heads: KV heads replicated; vocab 131 uneven
 def test_sliced_reads_match_narrow_and_reassemble(tmp_path, tp):
-    cfg = ModelConfig(vocab_size=131, hidden_size=12, n_layers=1, n_heads=6, n_kv_heads=3,
-                      intermediate_size=18).validate()
+    cfg = ModelConfig(vocab_size=131, hidden_size=24, n_layers=1, n_heads=6, n_kv_heads=2,
+                      intermediate_size=36).validate()
     shapes = full_param_shapes(cfg)
     g = torch.Generator().manual_seed(tp)
     full = {n: torch.randn(s, generator=g) for n, s in shapes.items()}
@@ -205,6 +205,11 @@ def test_sliced_reads_match_narrow_and_reassemble(tmp_path, tp):
         if name.startswith(("embed", "lm_head")) or ".wq" in name or "w_" in name:
             whole = torch.cat([locals_[r][name] for r in range(tp)], dim=sl[0].dim)
             assert torch.equal(whole.narrow(sl[0].dim, 0, t.shape[sl[0].dim]), t)
+    for name, t in full.items():  # and back: every rank's local pieces give the full tensor again
+        sl = [tp_slice(name, cfg, r, tp) for r in range(tp)]
+        assert torch.equal(ck.assemble_full([loc[name] for loc in locals_], sl, tuple(t.shape)), t)
+    with pytest.raises(ValueError, match="do not cover"):
+        ck.assemble_full([torch.zeros(2, 3)], [(0, 0, 2, 2)], (4, 3))
 
 
 def test_check_config_names_first_differing_field():
