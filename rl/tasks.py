@@ -7,7 +7,8 @@ Task API (anything with these two methods can be a task):
 
 `meta` is a dict holding at least {"prompt": prompt_text, "answer": answer_text}, so the prompt
 plus answer is a supervised example (`sft_text`). Prompts and answers use only `CHARSET` (digits,
-lowercase a-h, "+-=:" and space), so a sentencepiece model of a few dozen pieces covers them.
+lowercase a-z, "+-=:" and space; string-task operands default to a-h), so a sentencepiece model
+of a few dozen pieces covers them.
 
 The response is compared after cutting it at the first newline and stripping spaces (the
 tokenizer's EOS normally ends it already). Rewards:
@@ -23,7 +24,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-CHARSET = "0123456789abcdefgh+-=: "
+CHARSET = "0123456789abcdefghijklmnopqrstuvwxyz+-=: "
 
 
 def _clean(response: str) -> str:
@@ -77,8 +78,8 @@ class StringTask:
     def __post_init__(self):
         if self.op not in ("rev", "sort", "copy"):
             raise ValueError(f"StringTask: op must be 'rev', 'sort' or 'copy', got {self.op!r}")
-        if not self.alphabet or set(self.alphabet) - set("abcdefgh"):
-            raise ValueError(f"StringTask: alphabet must use letters a-h, got {self.alphabet!r}")
+        if not self.alphabet or set(self.alphabet) - set("abcdefghijklmnopqrstuvwxyz"):
+            raise ValueError(f"StringTask: alphabet must use lowercase letters, got {self.alphabet!r}")
         if not 1 <= self.min_len <= self.max_len:
             raise ValueError(f"StringTask: need 1 <= min_len <= max_len, got {self.min_len}, {self.max_len}")
 

@@ -330,6 +330,6 @@ def test_dp_two_ranks_gradient_equals_full_batch(dist_pools, mode):
     res = dist_pools.run(2, _dp_rank_step, mode)
     # FSDP's mean over the two ranks' gradients
     torch.testing.assert_close(torch.cat([res[0][0], res[1][0]]) / 2, x.grad, atol=1e-14, rtol=1e-12)
-    assert abs((res[0][1] + res[1][1]) / 2 - float(full)) < 1e-12
+    assert abs((res[0][1] + res[1][1]) / 2 - float(full.detach())) < 1e-12
     assert res[0][2] == LossScale(int(m.sum()), int(m.any(-1).sum()), 2) and res[0][3] == 1
     torch.testing.assert_close(torch.cat([res[0][4], res[1][4]]), whiten(adv, m), atol=1e-12, rtol=1e-12)
