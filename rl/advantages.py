@@ -53,7 +53,8 @@ def broadcast_to_tokens(seq_values: torch.Tensor, mask: torch.Tensor) -> torch.T
     if seq_values.dim() != 1 or seq_values.shape[0] != mask.shape[0]:
         raise ValueError(f"broadcast_to_tokens: values of shape {tuple(seq_values.shape)} do not match "
                          f"{mask.shape[0]} rows of the mask")
-    return torch.where(mask.bool(), seq_values[:, None], torch.zeros((), dtype=seq_values.dtype))
+    return torch.where(mask.bool(), seq_values[:, None], torch.zeros((), dtype=seq_values.dtype,
+                                                                        device=seq_values.device))
 
 
 def gae(token_rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float = 1.0,

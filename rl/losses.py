@@ -51,7 +51,7 @@ def loss_scale(masks, dp_group=None) -> LossScale:
     masks = [masks] if isinstance(masks, torch.Tensor) else list(masks)
     tokens = sum(int(m.bool().sum()) for m in masks)
     seqs = sum(int(m.bool().any(dim=-1).sum()) for m in masks)
-    counts = torch.tensor([tokens, seqs], dtype=torch.int64)
+    counts = torch.tensor([tokens, seqs], dtype=torch.int64, device=masks[0].device if masks else None)
     comm.all_reduce(counts, "sum", dp_group)  # [valid tokens, non-empty sequences] over DP ranks
     return LossScale(int(counts[0]), int(counts[1]), comm.group_size(dp_group))
 
@@ -139,7 +139,7 @@ def clipped_surrogate(logp: torch.Tensor, old_logp: torch.Tensor, advantages: to
         "clipfrac": clipped.sum().float() / max(n, 1),
         "dual_clipfrac": dual.sum().float() / max(n, 1),
         "ratio_mean": r_mean, "ratio_min": r_min, "ratio_max": r_max,
-        "approx_kl_old": torch.where(m, torch.expm1(lr) - lr, torch.zeros((), dtype=dt)).sum().float()
+        "approx_kl_old": torch.where(m, torch.expm1(lr) - lr, torch.zeros((), dtype=dt, device=lr.device)).sum().float()
         / max(n, 1),
         "valid_tokens": torch.tensor(float(n)),
     }
@@ -169,7 +169,7 @@ def clipped_value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: 
         v_clip = v_old + (v - v_old).clamp(-clip, clip)
         l2 = (v_clip - ret) ** 2
         loss, clipped = 0.5 * torch.maximum(l1, l2), (l2 > l1) & m
-    loss = torch.where(m, loss, torch.zeros((), dtype=loss.dtype))
+    loss = torch.where(m, loss, torch.zeros((), dtype=loss.dtype, device=loss.device))
     return loss, {"vf_clipfrac": clipped.sum().float() / max(int(m.sum()), 1)}
 
 
@@ -206,7 +206,8 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
     All tensors [B, S]. The KL term enters when `kl_cfg.where == "loss"`: from `kl` (a per-token
     KL with grad, e.g. the exact KL from the fused head; required when kl_cfg.exact) or else from
     `kl_estimate(logp, ref_logp)` with kl_cfg's estimator. With where == "reward" (or no kl_cfg)
-    no KL term is added, but the KL is still reported when `kl`/`ref_logp` is given.
+    no KL term is added, but the KL is still reported when `kl` (or, unless kl_cfg.exact,
+    `ref_logp`) is given.
     `entropy` (with grad) is needed when cfg.entropy_coef != 0.
     Returns (loss: 0-d fp32 tensor with grad, stats: dict of detached 0-d tensors: pg_loss,
     kl_loss (the aggregated KL; scaled like the loss), entropy, clipfrac, dual_clipfrac,
@@ -221,10 +222,12 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
     stats["pg_loss"] = pg_loss.detach()
 
     kl_in_loss = kl_cfg is not None and kl_cfg.where == "loss"
-    if kl is None and ref_logp is not None:
+    exact = kl_cfg is not None and kl_cfg.exact
+    if kl is None and ref_logp is not None and not exact:
         kl = kl_from_config(kl_cfg or KLConfig(), logp, ref_logp)
     if kl_in_loss and kl is None:
-        raise ValueError("policy_loss: kl.where='loss' needs the per-token `kl` (exact) or `ref_logp`")
+        raise ValueError("policy_loss: kl.where='loss' needs the per-token `kl`" +
+                         (" (kl.exact=True: the exact KL from the head)" if exact else " or `ref_logp`"))
     if kl is not None:
         kl_loss = agg(kl)
         stats["kl_loss"] = kl_loss.detach()

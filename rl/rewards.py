@@ -16,6 +16,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed
 
 from parallel import comm
 from rl.tasks import make_task
@@ -109,6 +110,13 @@ def score_responses(reward_fn: RewardFn, metas: Sequence[dict], responses: Seque
     return torch.tensor(out, dtype=torch.float32)
 
 
+def _comm_device(group, t: torch.Tensor) -> torch.device:
+    """Where a tensor must live to be reduced over `group`: CUDA for nccl, else where it is."""
+    if comm.group_size(group) > 1 and torch.distributed.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return t.device
+
+
 @dataclass
 class RunningRewardNorm:
     """(r - running_mean) / (running_std + eps), then clipped to [-clip, clip] (clip=None: no clip).
@@ -127,8 +135,8 @@ class RunningRewardNorm:
     m2: float = field(default=0.0)
 
     def update(self, rewards: torch.Tensor, dp_group=None) -> None:
-        x = rewards.detach().double().flatten()
-        s = torch.stack([x.sum(), torch.tensor(float(x.numel()), dtype=torch.float64)])
+        x = rewards.detach().double().flatten().to(_comm_device(dp_group, rewards))
+        s = torch.stack([x.sum(), torch.tensor(float(x.numel()), dtype=torch.float64, device=x.device)])
         comm.all_reduce(s, "sum", dp_group)  # [sum of rewards, number of rewards] over DP
         n_b = float(s[1])
         if n_b == 0:
@@ -147,7 +155,8 @@ class RunningRewardNorm:
         return math.sqrt(self.m2 / self.count) if self.count > 0 else 0.0
 
     def normalize_(self, rewards: torch.Tensor, dp_group=None) -> torch.Tensor:
-        """Update the statistics with `rewards` (any shape), return them normalised and clipped."""
+        """Update the statistics with `rewards` (any shape, any device), return them normalised and
+        clipped, fp32, on the device of `rewards`."""
         out = rewards.detach().float()
         if self.normalize:
             self.update(rewards, dp_group)

@@ -275,6 +275,12 @@ def test_policy_loss_combines_terms():
     kl_exact = torch.rand(2, 5, dtype=D, requires_grad=True)
     loss_e, _ = policy_loss(logp, old, adv, m, kl_cfg=KLConfig(exact=True), beta=0.5, kl=kl_exact)
     torch.testing.assert_close(loss_e, aggregate(pg, m) + 0.5 * aggregate(kl_exact, m))
+    # exact KL in the reward, none passed: nothing to add or report, no error
+    _, st_x = policy_loss(logp, old, adv, m, kl_cfg=KLConfig(exact=True, where="reward"), beta=0.5,
+                          ref_logp=ref)
+    assert "kl_loss" not in st_x
+    with pytest.raises(ValueError, match="exact KL"):
+        policy_loss(logp, old, adv, m, kl_cfg=KLConfig(exact=True), beta=0.5, ref_logp=ref)
     with pytest.raises(ValueError, match="ref_logp"):
         policy_loss(logp, old, adv, m, kl_cfg=KLConfig(), beta=0.1)
     with pytest.raises(ValueError, match="entropy"):
