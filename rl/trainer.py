@@ -32,8 +32,68 @@ from rl.reference import ReferenceSync
 from rl.rollout import Rollout, collect_rollout
 
 
-class KLStop(RuntimeError):
-    """Mean KL passed `guard.kl_stop`: the run stops (after its checkpoint is saved)."""
+def _max_abs(x: torch.Tensor, mask: torch.Tensor) -> float:
+    return float(torch.where(mask, x.abs(), torch.zeros((), device=x.device)).max()) if mask.any() else 0.0
+
+
+class _UpdateStats:
+    """Update statistics reduced the way they were normalised: the scaled losses (each micro-batch
+    holds its share of the mini-batch loss) are summed over micro-batches and averaged over
+    mini-batches and DP ranks; ratio and clip statistics are weighted by valid tokens."""
+
+    SCALED = ("pg_loss", "kl_loss")
+    WEIGHTED = ("clipfrac", "dual_clipfrac", "ratio_mean", "approx_kl_old")
+
+    def __init__(self):
+        self.scaled = {k: [] for k in self.SCALED}
+        self.wsum = {k: 0.0 for k in self.WEIGHTED}
+        self.tokens = 0.0
+        self.epoch_kl = [0.0, 0.0]  # token-weighted approx KL to the old policy in this epoch
+        self.rmin, self.rmax = float("inf"), float("-inf")
+        self.drift = 0.0
+        self.critic_norms: list[float] = []
+
+    def start_mini_batch(self):
+        for k in self.SCALED:
+            self.scaled[k].append(0.0)
+
+    def add(self, stats: dict):
+        for k in self.SCALED:
+            if k in stats:
+                self.scaled[k][-1] += float(stats[k])
+        n = float(stats["valid_tokens"])
+        for k in self.WEIGHTED:
+            self.wsum[k] += float(stats[k]) * n
+        self.tokens += n
+        self.epoch_kl[0] += float(stats["approx_kl_old"]) * n
+        self.epoch_kl[1] += n
+        if n > 0:
+            self.rmin, self.rmax = min(self.rmin, float(stats["ratio_min"])), max(self.rmax, float(stats["ratio_max"]))
+
+    def epoch_approx_kl(self, dp_group) -> float:
+        t = torch.tensor(self.epoch_kl, dtype=torch.float64)
+        comm.all_reduce(t, "sum", dp_group)  # token-weighted drift from the old policy over DP
+        self.epoch_kl = [0.0, 0.0]
+        return float(t[0] / t[1].clamp(min=1))
+
+    def summary(self, dp_group) -> dict:
+        dp = comm.group_size(dp_group)
+        vals = [sum(self.scaled[k]) / max(len(self.scaled[k]), 1) / dp for k in self.SCALED]
+        vals += [self.wsum[k] for k in self.WEIGHTED] + [self.tokens]
+        t = torch.tensor(vals, dtype=torch.float64)
+        comm.all_reduce(t, "sum", dp_group)  # loss shares and token-weighted sums over DP
+        mm = torch.tensor([-self.rmin, self.rmax, self.drift], dtype=torch.float64)
+        comm.all_reduce(mm, "max", dp_group)  # extreme ratios and the largest log-prob drift over DP
+        out = {k: float(t[i]) for i, k in enumerate(self.SCALED)}
+        n = max(float(t[-1]), 1.0)
+        for j, k in enumerate(self.WEIGHTED):
+            out[k] = float(t[len(self.SCALED) + j]) / n
+        out["ratio_min"] = -float(mm[0]) if self.tokens else 1.0
+        out["ratio_max"] = float(mm[1]) if self.tokens else 1.0
+        out["logp_drift"] = float(mm[2])
+        if self.critic_norms:
+            out["critic_grad_norm"] = self.critic_norms[-1]
+        return out
 
 
 @dataclass
@@ -126,9 +186,9 @@ class RLTrainer:
     # 6: update
 
     def _mini_batches(self, B: int, step: int, epoch: int) -> list[torch.Tensor]:
-        g = torch.Generator().manual_seed(self.cfg.train.seed * 7919 + step * 131 + epoch)
-        order = torch.randperm(B, generator=g)
         n = self.cfg.algo.mini_batches
+        g = torch.Generator().manual_seed(self.cfg.train.seed * 7919 + step * 131 + epoch)
+        order = torch.randperm(B, generator=g) if n > 1 else torch.arange(B)
         if B % n:
             raise ValueError(f"algo.mini_batches={n} must divide the {B} rows each DP rank holds per step")
         return [order[i * (B // n):(i + 1) * (B // n)].to(self.state.device) for i in range(n)]
@@ -140,51 +200,51 @@ class RLTrainer:
     def update(self, data: StepData, step: int) -> dict:
         cfg = self.cfg
         beta = self.controller.beta
-        stats_acc: dict[str, list[float]] = {}
+        acc = _UpdateStats()
         opt_stats = []
         stop_early = False
         ro = data.ro
+        exact = cfg.kl.exact and cfg.kl.where == "loss"
         for epoch in range(cfg.algo.epochs):
-            for rows in self._mini_batches(data.mask.shape[0], step, epoch):
+            for mb, rows in enumerate(self._mini_batches(data.mask.shape[0], step, epoch)):
                 micros = self._micro_batches(rows)
                 scale = loss_scale([data.mask[r] for r in micros], self.dp_group)
+                acc.start_mini_batch()
                 for i, r in enumerate(micros):
                     last = i == len(micros) - 1
                     set_gradient_sync(self.policy, last)
                     sub = Rollout(ro.sequences[r], ro.attention_mask[r], ro.response_mask[r], ro.prompt_len,
                                   ro.scores[r], ro.row_ids[r], ro.metas, [])
-                    exact = cfg.kl.exact and cfg.kl.where == "loss"
                     cur = self._token_stats(
                         self.policy, sub, entropy=True, kl=cfg.kl.direction if exact else None,
                         ref_hidden=data.ref_hidden[r] if exact else None,
                         ref_weight=data.ref_weight if exact else None)
-                    loss, stats = policy_loss(cur.logprobs, data.old_logp[r], data.advantages[r], data.mask[r],
+                    old_logp = data.old_logp[r]
+                    if epoch == 0 and mb == 0:
+                        # nothing has changed since the rollout: the old policy IS the current one, so
+                        # the ratio is exactly 1 (any difference is float noise between batch shapes)
+                        acc.drift = max(acc.drift, _max_abs(cur.logprobs.detach() - old_logp, data.mask[r]))
+                        old_logp = cur.logprobs.detach()
+                    loss, stats = policy_loss(cur.logprobs, old_logp, data.advantages[r], data.mask[r],
                                               cfg.loss, kl_cfg=cfg.kl, beta=beta, ref_logp=data.ref_logp[r],
                                               kl=cur.kl, entropy=cur.entropy, scale=scale)
                     loss.backward()
-                    for k, v in stats.items():
-                        stats_acc.setdefault(k, []).append(float(v))
+                    acc.add(stats)
                     if self.critic is not None:
                         self._critic_backward(data, sub, r, scale, last)
                 sync_replicated_grads(self.policy, self.dp_group)
                 opt_stats.append(self.opt.step())
                 if self.critic is not None:
                     sync_replicated_grads(self.critic, self.dp_group)
-                    cs = self.critic_opt.step()
-                    stats_acc.setdefault("critic_grad_norm", []).append(cs.grad_norm)
-            if cfg.algo.early_stop_kl is not None:
-                approx = torch.tensor([sum(stats_acc["approx_kl_old"]) / len(stats_acc["approx_kl_old"])])
-                comm.all_reduce(approx, "sum", self.dp_group)  # mean over DP of the drift from the old policy
-                if approx.item() / comm.group_size(self.dp_group) > cfg.algo.early_stop_kl:
-                    stop_early = epoch < cfg.algo.epochs - 1
+                    acc.critic_norms.append(self.critic_opt.step().grad_norm)
+            if cfg.algo.early_stop_kl is not None and epoch < cfg.algo.epochs - 1:
+                if acc.epoch_approx_kl(self.dp_group) > cfg.algo.early_stop_kl:
+                    stop_early = True
                     break
-        out = {k: sum(v) / len(v) for k, v in stats_acc.items()}
-        out["grad_norm"] = opt_stats[-1].grad_norm
-        out["lr"] = opt_stats[-1].lr
-        out["skipped"] = sum(int(s.skipped) for s in opt_stats)
-        out["skipped_total"] = opt_stats[-1].skipped_total
-        out["early_stopped"] = stop_early
-        out["optimizer_steps"] = len(opt_stats)
+        out = acc.summary(self.dp_group)
+        out.update(grad_norm=opt_stats[-1].grad_norm, lr=opt_stats[-1].lr,
+                   skipped=sum(int(s.skipped) for s in opt_stats), skipped_total=opt_stats[-1].skipped_total,
+                   early_stopped=stop_early, optimizer_steps=len(opt_stats))
         return out
 
     def _critic_backward(self, data: StepData, sub: Rollout, r, scale, last: bool) -> None:
@@ -235,7 +295,7 @@ class RLTrainer:
                "grad_norm": upd["grad_norm"], "lr": upd["lr"], "skipped": upd["skipped"],
                "skipped_total": upd["skipped_total"], "early_stopped": upd["early_stopped"],
                "response_len": tokens / n, "tokens_per_s": tokens / max(elapsed, 1e-9),
-               "ref_synced": synced, "step_time_s": elapsed,
+               "logp_drift": upd["logp_drift"], "ref_synced": synced, "step_time_s": elapsed,
                **times, **peak_memory(self.state.device)}
         if "critic_grad_norm" in upd:
             rec["critic_grad_norm"] = upd["critic_grad_norm"]

@@ -1,0 +1,202 @@
+"""`python -m tools.diagnose RUN [--json]`: read a run's metrics.jsonl and name the likely problem.
+
+Each check looks for one classic symptom of RL fine-tuning with a KL penalty and, when it fires,
+says what it saw (with the numbers), the likely causes, and the first thing to try:
+
+| finding            | symptom                                                         |
+|--------------------|-----------------------------------------------------------------|
+| non_finite         | NaN/inf in KL, reward, loss or grad norm, or skipped steps      |
+| kl_climbing        | mean KL rising steadily over the recent window                  |
+| kl_flat_reward     | mean KL near zero while the reward does not move                |
+| kl_concentrated    | low mean KL but a heavy tail (p99/max) or late-position spikes  |
+| reward_swings      | step-to-step reward changes large against its trend             |
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+from dataclasses import asdict, dataclass
+
+
+@dataclass
+class Finding:
+    name: str
+    evidence: str
+    causes: str
+    first_try: str
+
+
+def _series(rows: list[dict], key: str) -> list[float]:
+    out = []
+    for r in rows:
+        v = r.get(key)
+        if isinstance(v, (int, float)) and not isinstance(v, bool):
+            out.append(float(v))
+    return out
+
+
+def _slope(ys: list[float]) -> float:
+    """Least-squares slope per step."""
+    n = len(ys)
+    if n < 2:
+        return 0.0
+    mx, my = (n - 1) / 2, sum(ys) / n
+    sxx = sum((i - mx) ** 2 for i in range(n))
+    return sum((i - mx) * (y - my) for i, y in enumerate(ys)) / sxx
+
+
+def _fraction_increasing(ys: list[float]) -> float:
+    if len(ys) < 2:
+        return 0.0
+    return sum(b > a for a, b in zip(ys, ys[1:])) / (len(ys) - 1)
+
+
+def check_non_finite(rows) -> Finding | None:
+    bad = []
+    for r in rows:
+        for k in ("kl_mean", "reward_mean", "grad_norm", "pg_loss", "entropy"):
+            v = r.get(k)
+            if isinstance(v, float) and not math.isfinite(v):
+                bad.append(f"{k}={v} at step {r.get('step')}")
+    skipped = sum(int(r.get("skipped", 0) or 0) for r in rows)
+    if not bad and skipped == 0:
+        return None
+    ev = "; ".join(bad[:4]) + (f" (+{len(bad) - 4} more)" if len(bad) > 4 else "")
+    if skipped:
+        ev = (ev + "; " if ev else "") + f"{skipped} optimizer step(s) skipped for a non-finite gradient norm"
+    return Finding("non_finite", ev,
+                   "learning rate too high; a NaN reward or NaN old log-probs; bf16 reductions without the fp32 "
+                   "path; an unclamped log-ratio exploding in exp()",
+                   "lower optim.lr (e.g. halve it) and keep kl.fp32=true; set kl.log_ratio_clamp=20; check the "
+                   "reward function on the logged responses")
+
+
+def check_kl_climbing(rows, window: int) -> Finding | None:
+    kl = _series(rows, "kl_mean")[-window:]
+    if len(kl) < 6:
+        return None
+    s, rise = _slope(kl), kl[-1] - kl[0]
+    if s > 0 and rise > 0.5 * max(abs(kl[0]), 1e-3) and _fraction_increasing(kl) >= 0.6:
+        beta = _series(rows, "beta")[-window:]
+        bt = f"; beta {beta[0]:.4g} -> {beta[-1]:.4g}" if beta else ""
+        return Finding("kl_climbing", f"mean KL rose from {kl[0]:.4g} to {kl[-1]:.4g} over the last {len(kl)} "
+                                      f"steps (slope {s:.3g}/step){bt}",
+                       "beta too small for this learning rate; learning rate too high; a tokenizer or "
+                       "response-mask mismatch between policy and reference (KL high from the first step)",
+                       "raise kl_ctl.beta or use kl_ctl.mode=adaptive with a target; lower optim.lr; confirm both "
+                       "checkpoints carry the same tokenizer fingerprint")
+    return None
+
+
+def check_kl_flat_reward(rows, window: int) -> Finding | None:
+    kl = _series(rows, "kl_mean")[-window:]
+    rw = _series(rows, "reward_mean")[-window:]
+    if len(kl) < 6 or len(rw) < 6:
+        return None
+    spread = max(rw) - min(rw)
+    if max(abs(x) for x in kl) < 1e-3 and spread < 0.05 * max(abs(sum(rw) / len(rw)), 0.1):
+        adv = _series(rows, "adv_abs_mean")[-window:]
+        ev = f"mean KL <= {max(abs(x) for x in kl):.2e} and reward within {spread:.3g} over {len(kl)} steps"
+        if adv:
+            ev += f"; mean |advantage| {sum(adv) / len(adv):.3g}"
+        return Finding("kl_flat_reward", ev,
+                       "beta too large (the penalty pins the policy to the reference); too little diversity in "
+                       "each group (all samples scored alike, so advantages are zero); learning rate too low",
+                       "lower kl_ctl.beta (or kl_ctl.mode=normalized); raise rollout.temperature or "
+                       "rollout.group_size so groups disagree")
+    return None
+
+
+def check_kl_concentrated(rows, window: int) -> Finding | None:
+    recent = rows[-window:]
+    hits = []
+    for r in recent:
+        m, p99, mx = r.get("kl_mean"), r.get("kl_p99"), r.get("kl_max")
+        if not all(isinstance(x, (int, float)) for x in (m, p99, mx)):
+            continue
+        if abs(m) < 0.5 and mx > 1.0 and mx > 25 * max(abs(m), 1e-4):
+            hits.append((r.get("step"), m, p99, mx))
+    if len(hits) < max(2, len(recent) // 3):
+        return None
+    step, m, p99, mx = hits[-1]
+    ev = f"in {len(hits)}/{len(recent)} recent steps the mean KL is low but the tail is not (step {step}: " \
+         f"mean {m:.3g}, p99 {p99:.3g}, max {mx:.3g})"
+    pos = [r.get("kl_by_position") for r in recent if isinstance(r.get("kl_by_position"), list)]
+    if pos:
+        last = pos[-1]
+        if last and max(last) > 3 * (sum(last) / len(last) + 1e-9):
+            ev += f"; KL by position peaks in bucket {last.index(max(last))} of {len(last)}"
+    return Finding("kl_concentrated", ev,
+                   "a few tokens (often late in the response, or special/tool tokens) carry almost all of the "
+                   "KL: degenerate text can hide behind a low mean",
+                   "look at kl_p99/kl_max and the position heatmap (python -m tools.plot RUN); use the exact "
+                   "full-vocabulary KL (kl.exact=true) or a value clamp, and check the response mask")
+
+
+def check_reward_swings(rows, window: int) -> Finding | None:
+    rw = _series(rows, "reward_mean")[-window:]
+    if len(rw) < 8:
+        return None
+    diffs = [b - a for a, b in zip(rw, rw[1:])]
+    mean_abs_step = sum(abs(d) for d in diffs) / len(diffs)
+    trend = abs(rw[-1] - rw[0])
+    scale = max(max(rw) - min(rw), 1e-9)
+    flips = sum((a > 0) != (b > 0) for a, b in zip(diffs, diffs[1:])) / max(len(diffs) - 1, 1)
+    if mean_abs_step > 0.25 * scale and flips > 0.6 and mean_abs_step > 2 * trend / len(diffs):
+        return Finding("reward_swings", f"reward moves {mean_abs_step:.3g} per step on average (range "
+                                        f"{min(rw):.3g}..{max(rw):.3g}) with the direction flipping in "
+                                        f"{flips:.0%} of steps, against a net change of {trend:.3g}",
+                       "a noisy or unnormalised reward; too few prompts per step",
+                       "set reward.normalize=true (and reward.clip); raise rollout.prompts_per_step")
+    return None
+
+
+def diagnose(rows: list[dict], window: int = 20) -> list[Finding]:
+    checks = [check_non_finite(rows), check_kl_climbing(rows, window), check_kl_flat_reward(rows, window),
+              check_kl_concentrated(rows, window), check_reward_swings(rows, window)]
+    return [f for f in checks if f is not None]
+
+
+def load_rows(run: str) -> list[dict]:
+    path = run if run.endswith(".jsonl") else os.path.join(run, "metrics.jsonl")
+    rows = []
+    with open(path, encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if line.strip():
+                try:
+                    rows.append(json.loads(line))
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"{path}:{n}: not a JSON object ({e})") from None
+    if not rows:
+        raise ValueError(f"{path}: no metrics")
+    return rows
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m tools.diagnose", description=__doc__.split("\n")[0])
+    ap.add_argument("run", help="run folder (with metrics.jsonl) or a metrics.jsonl file")
+    ap.add_argument("--window", type=int, default=20, help="recent steps to examine")
+    ap.add_argument("--json", action="store_true", help="print the findings as JSON")
+    args = ap.parse_args(argv)
+    try:
+        rows = load_rows(args.run)
+    except (OSError, ValueError) as e:
+        print(f"tools.diagnose: error: {e}", file=sys.stderr)
+        return 2
+    found = diagnose(rows, args.window)
+    if args.json:
+        print(json.dumps([asdict(f) for f in found], indent=2))
+        return 0
+    if not found:
+        print(f"{len(rows)} steps read: no known problem found.")
+    for f in found:
+        print(f"[{f.name}] {f.evidence}\n  likely: {f.causes}\n  first try: {f.first_try}\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,112 @@
+"""`python -m tools.plot RUN [--out DIR]`: draw a run's KL story as PNGs.
+
+  kl_beta.png       mean KL and beta on one figure (two y axes)
+  reward.png        reward mean with a +-std band
+  kl_quantiles.png  KL p50 / p90 / p99 / max per step (log scale)
+  kl_heatmap.png    mean KL by response-position bucket (rows) and step (columns)
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from tools.diagnose import load_rows
+
+
+def _col(rows, key):
+    xs, ys = [], []
+    for r in rows:
+        v = r.get(key)
+        if isinstance(v, (int, float)) and not isinstance(v, bool):
+            xs.append(r["step"])
+            ys.append(float(v))
+    return xs, ys
+
+
+def plot_run(rows: list[dict], out: str) -> list[str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    os.makedirs(out, exist_ok=True)
+    written = []
+
+    def save(fig, name):
+        path = os.path.join(out, name)
+        fig.tight_layout()
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        written.append(path)
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot(*_col(rows, "kl_mean"), color="tab:red", label="mean KL")
+    ax.set_xlabel("step")
+    ax.set_ylabel("mean per-token KL", color="tab:red")
+    ax2 = ax.twinx()
+    ax2.plot(*_col(rows, "beta"), color="tab:blue", label="beta")
+    ax2.set_ylabel("beta", color="tab:blue")
+    ax.set_title("KL and its coefficient")
+    save(fig, "kl_beta.png")
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    x, m = _col(rows, "reward_mean")
+    _, s = _col(rows, "reward_std")
+    ax.plot(x, m, color="tab:green", label="reward mean")
+    if len(s) == len(m):
+        ax.fill_between(x, np.array(m) - np.array(s), np.array(m) + np.array(s), color="tab:green", alpha=0.15,
+                        label="+-std")
+    ax.set_xlabel("step")
+    ax.set_ylabel("reward")
+    ax.legend()
+    ax.set_title("Reward")
+    save(fig, "reward.png")
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for key in ("kl_p50", "kl_p90", "kl_p99", "kl_max"):
+        xs, ys = _col(rows, key)
+        ax.plot(xs, [max(abs(y), 1e-8) for y in ys], label=key)
+    ax.set_yscale("log")
+    ax.set_xlabel("step")
+    ax.set_ylabel("|per-token KL|")
+    ax.legend()
+    ax.set_title("KL quantiles")
+    save(fig, "kl_quantiles.png")
+
+    heat = [r.get("kl_by_position") for r in rows if isinstance(r.get("kl_by_position"), list)]
+    if heat:
+        width = max(len(h) for h in heat)
+        grid = np.full((width, len(heat)), np.nan)
+        for j, h in enumerate(heat):
+            grid[: len(h), j] = h
+        fig, ax = plt.subplots(figsize=(7, 4))
+        im = ax.imshow(grid, aspect="auto", origin="lower", cmap="magma", interpolation="nearest")
+        fig.colorbar(im, ax=ax, label="mean KL")
+        ax.set_xlabel("step")
+        ax.set_ylabel("response position bucket")
+        ax.set_title("KL by response position")
+        save(fig, "kl_heatmap.png")
+    return written
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m tools.plot", description=__doc__.split("\n")[0])
+    ap.add_argument("run", help="run folder (with metrics.jsonl) or a metrics.jsonl file")
+    ap.add_argument("--out", default=None, help="output folder (default RUN/plots)")
+    args = ap.parse_args(argv)
+    try:
+        rows = load_rows(args.run)
+    except (OSError, ValueError) as e:
+        print(f"tools.plot: error: {e}", file=sys.stderr)
+        return 2
+    out = args.out or os.path.join(args.run if os.path.isdir(args.run) else os.path.dirname(args.run), "plots")
+    for p in plot_run(rows, out):
+        print(p)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
