@@ -95,6 +95,7 @@ def apply_fsdp(model: nn.Module, dp_mesh, blocks: Iterable[nn.Module] | None = N
     for m in model.modules():
         if is_fsdp(m):
             m.set_gradient_divide_factor(1.0)  # sum over dp: the loss is already a global mean
+            m.set_force_sum_reduction_for_comms(True)  # plain SUM (gloo has no PREMUL_SUM/AVG)
     return model
 
 
