@@ -94,7 +94,14 @@ def tp_slice(name: str, cfg: ModelConfig, tp_rank: int, tp: int) -> TPSlice:
 
 def tp_replicas(name: str, cfg: ModelConfig, tp: int) -> int:
     """How many TP ranks hold identical copies of `name`'s local tensor (1 when truly sharded).
-    Used to count each value once in a global gradient norm."""
+    Used to count each value once in a global gradient norm.
+
+    A model wrapped as the `.body` of another module (a critic) has its names prefixed "body.";
+    parameters outside the model's own names (such a wrapper's small head) must be replicated
+    over TP, so they count tp times."""
+    name = name[len("body."):] if name.startswith("body.") else name
+    if name not in full_param_shapes(cfg):
+        return tp
     sl = tp_slice(name, cfg, 0, tp)
     if sl.dim is None:
         return tp
