@@ -97,9 +97,10 @@ def reference_run(cfg: ModelConfig, device) -> dict:
     return out
 
 
-def layout_run(dp: int, tp: int, variant: str, ref: dict | None = None, device=None) -> list[float]:
+def layout_run(dp: int, tp: int, variant: str, ref: dict | None = None, device=None, fsdp: bool = True) -> list[float]:
     """Run the layout on this rank and compare with `ref` (`reference_run`, computed here when
-    None); raises on a mismatch. Returns the grad norm of every step."""
+    None); raises on a mismatch. Returns the grad norm of every step. `fsdp=False`: plain data
+    parallel (gradients all-reduced, replicated over dp)."""
     cfg = model_config(variant)
     state = init_parallel(ParallelDims(dp, tp), device, cfg.n_heads, cfg.n_kv_heads)
     device = state.device
@@ -108,8 +109,8 @@ def layout_run(dp: int, tp: int, variant: str, ref: dict | None = None, device=N
     ref = {k: _to(v, device) for k, v in ref.items()}
     kv_group = tp_subgroup(state, tp // cfg.n_kv_heads) if tp > cfg.n_kv_heads else None
     model = build_model(cfg, state.tp_group, kv_group, seed=SEED, device=device)
-    model = parallelize(model, state.dp_mesh, FSDPOptions(activation_checkpointing=VARIANTS[variant]["ac"]))
-    assert is_fsdp(model) == (dp > 1)
+    model = parallelize(model, state.dp_mesh, FSDPOptions(fsdp=fsdp, activation_checkpointing=VARIANTS[variant]["ac"]))
+    assert is_fsdp(model) == (dp > 1 and fsdp)
     opt = build_optimizer(model, OPTIM, cfg, STEPS, state.tp_group, state.dp_group)
 
     from parallel.vocab import vocab_parallel_cross_entropy
@@ -174,3 +175,53 @@ def test_layout_matches_single_process(dist_pools, dp, tp):
         else:
             norms = dist_pools.run(dp * tp, layout_run, dp, tp, variant, _reference(variant))
         assert all(n == norms[0] for n in norms), f"ranks disagree on the grad norm: {norms}"
+
+
+def test_plain_data_parallel_without_fsdp(dist_pools):
+    """parallel.fsdp=False with dp=2: gradients all-reduced and counted once in the norm."""
+    variant = "v131_untied"
+    dist_pools.run(2, layout_run, 2, 1, variant, _reference(variant), None, False)
+
+
+# ---------------------------------------------------------------------------------------------
+# bf16 mixed precision, CPU offload and the frozen sharded copy (dp=2, FSDP2)
+
+
+def _bf16_offload_frozen(variant: str, ref: dict) -> dict:
+    cfg = model_config(variant)
+    state = init_parallel(ParallelDims(2, 1), "cpu", cfg.n_heads, cfg.n_kv_heads)
+    ids, tgt = global_batch(cfg, "cpu")
+    rows = slice(state.dp_rank * B // 2, (state.dp_rank + 1) * B // 2)
+    out = {}
+    for name, opts in (("bf16", FSDPOptions(mixed_precision="bf16")), ("offload", FSDPOptions(cpu_offload=True))):
+        model = parallelize(build_model(cfg, seed=SEED), state.dp_mesh, opts)
+        logits = model(ids[rows])[..., :cfg.vocab_size]
+        loss = F.cross_entropy(logits.float().reshape(-1, cfg.vocab_size), tgt[rows].reshape(-1), ignore_index=-100)
+        loss.backward()
+        assert all(p.dtype == torch.float32 and p.grad.dtype == torch.float32 for p in model.parameters())
+        tol = dict(atol=3e-2, rtol=3e-2) if name == "bf16" else TOL  # bf16 keeps ~3 significant digits
+        if name == "bf16":
+            assert logits.dtype == torch.bfloat16
+        torch.testing.assert_close(logits.float(), ref["logits"][rows], **tol, msg=lambda m, n=name: f"{n} logits: {m}")
+        out[name] = float(loss)
+
+    # frozen copy: same outputs as the policy, no grad, eval, sharded over dp
+    from parallel.fsdp import frozen_sharded_copy
+
+    policy = build_model(cfg, seed=SEED)
+    refm = frozen_sharded_copy(policy, state.dp_mesh)
+    assert is_fsdp(refm) and not refm.training
+    assert all(not p.requires_grad for p in refm.parameters())
+    assert all(p.requires_grad for p in policy.parameters()), "the policy must stay trainable"
+    shard = dict(refm.named_parameters())["layers.0.mlp.w_up.weight"]
+    assert shard.to_local().shape[0] == cfg.intermediate_size // 2, "parameters are sharded over dp"
+    with torch.no_grad():
+        torch.testing.assert_close(refm(ids[rows])[..., :cfg.vocab_size], ref["logits"][rows], **TOL)
+    return out
+
+
+def test_bf16_offload_and_frozen_copy(dist_pools):
+    variant = "v131_untied"
+    ref = _reference(variant)
+    out = dist_pools.run(2, _bf16_offload_frozen, variant, ref)
+    assert out[0]["bf16"] != out[0]["offload"], "bf16 must actually compute in bf16"
