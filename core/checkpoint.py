@@ -21,17 +21,14 @@ Distributed use: pass the process group spanning every rank that takes part (e.g
 
 from __future__ import annotations
 
-import base64
 import hashlib
 import json
 import os
-import random
 import re
 import secrets
 import shutil
 from collections.abc import Callable, Mapping
 
-import numpy as np
 import torch
 
 from core.safetensors_io import (
@@ -41,17 +38,25 @@ from core.safetensors_io import (
     save_safetensors_set,
     write_bytes_atomic,
 )
+from core.train_state import (  # noqa: F401 - re-exported
+    TRAIN_STATE,
+    capture_rng_states,
+    read_train_state,
+    restore_rng_states,
+    write_train_state,
+)
 from parallel import comm
 
-__all__ = ["CheckpointError", "FORMAT_VERSION", "save_checkpoint_dir", "find_latest", "read_manifest",
-           "verify_checkpoint", "write_tensors", "read_tensors", "load_tensors", "assemble_full", "check_config",
-           "check_tokenizer", "raise_on_all_ranks", "write_train_state", "read_train_state",
-           "capture_rng_states", "restore_rng_states"]
+__all__ = ["CheckpointError", "FORMAT_VERSION", "save_checkpoint_dir", "save_checkpoint_at", "find_latest",
+           "resolve_checkpoint", "read_manifest", "verify_checkpoint", "write_tensors", "iter_tensors", "read_tensors",
+           "load_tensors", "assemble_full", "check_config", "check_tokenizer", "raise_on_all_ranks",
+           "write_train_state", "read_train_state", "capture_rng_states", "restore_rng_states"]
+# also, resolved lazily (see __getattr__ at the end): load_model_weights, save_model_weights,
+# save_train_checkpoint, load_train_checkpoint
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 LATEST = "latest"
-TRAIN_STATE = "train_state.json"
 KINDS = ("model", "train")
 INFO_FIELDS = ("kind", "model_config", "tp", "dtype", "tokenizer_fingerprint")
 _STEP_RE = re.compile(r"^step-(\d{8,})$")
@@ -193,6 +198,18 @@ def find_latest(root: str) -> str | None:
     return os.path.join(root, steps[-1][1]) if steps else None
 
 
+def resolve_checkpoint(path: str) -> str:
+    """`path` itself when it is a complete checkpoint folder, else the latest complete checkpoint
+    under it (a root with `latest` / step folders); raises CheckpointError naming `path` otherwise."""
+    if os.path.isfile(os.path.join(path, MANIFEST)):
+        return path
+    found = find_latest(path)
+    if found is None:
+        raise CheckpointError(f"{path}: not a kltron checkpoint (no {MANIFEST}) and no complete checkpoint "
+                              f"under it")
+    return found
+
+
 def verify_checkpoint(path: str) -> dict:
     """Recompute every file's sha256 against the manifest; returns the manifest."""
     m = read_manifest(path)
@@ -229,7 +246,8 @@ def _apply_retention(root: str, keep_last: int | None, protect: str) -> None:
             shutil.rmtree(os.path.join(root, name))
 
 
-def _finalize(root: str, tmp: str, step: int, info: Mapping) -> str:
+def _seal(tmp: str, step: int, info: Mapping) -> None:
+    """Hash every file of `tmp` into its manifest.json, written last."""
     files, sizes = {}, {}
     for dirpath, _, names in os.walk(tmp):
         for n in sorted(names):
@@ -241,18 +259,85 @@ def _finalize(root: str, tmp: str, step: int, info: Mapping) -> str:
         raise CheckpointError(f"{tmp}: the writer wrote no files")
     manifest = {"format_version": FORMAT_VERSION, **info, "step": step, "files": files, "sizes": sizes}
     write_bytes_atomic(os.path.join(tmp, MANIFEST), json.dumps(manifest, indent=1).encode("utf-8"))
-    name = step_dir_name(step)
-    final = os.path.join(root, name)
+
+
+def _replace(tmp: str, final: str) -> None:
+    """Rename `tmp` to `final`; an existing `final` is set aside first and deleted once replaced."""
+    parent, name = os.path.split(final)
     old = None
-    if os.path.exists(final):  # re-saving a step: set the old copy aside, delete it once replaced
-        old = os.path.join(root, f".tmp-old-{name}-{secrets.token_hex(4)}")
+    if os.path.exists(final):
+        old = os.path.join(parent, f".tmp-old-{name}-{secrets.token_hex(4)}")
         os.rename(final, old)
     os.rename(tmp, final)
-    fsync_dir(root)
-    write_bytes_atomic(os.path.join(root, LATEST), (name + "\n").encode("utf-8"))
+    fsync_dir(parent)
     if old:
         shutil.rmtree(old, ignore_errors=True)
+
+
+def _finalize(root: str, tmp: str, step: int, info: Mapping) -> str:
+    _seal(tmp, step, info)
+    name = step_dir_name(step)
+    final = os.path.join(root, name)
+    _replace(tmp, final)
+    write_bytes_atomic(os.path.join(root, LATEST), (name + "\n").encode("utf-8"))
     return final
+
+
+def _check_info(info: Mapping) -> dict:
+    missing = [f for f in INFO_FIELDS if f not in info]
+    if missing or info.get("kind") not in KINDS:
+        raise CheckpointError(f"save: info lacks {missing} or has kind "
+                              f"{info.get('kind')!r} (expected one of {KINDS})")
+    reserved = {"format_version", "step", "files", "sizes"} & set(info)
+    if reserved:
+        raise CheckpointError(f"save: info may not set {sorted(reserved)}")
+    return json.loads(json.dumps(dict(info)))  # fail here, on every rank, if not JSON-serialisable
+
+
+def _run_save(prepare, writer_fn, finish, group, writer_rank: int, all_ranks_write: bool) -> str:
+    tmp = raise_on_all_ranks(prepare, group, src=writer_rank)
+
+    def write() -> None:
+        writer_fn(tmp)  # its return value is ignored (it need not be picklable)
+
+    try:
+        raise_on_all_ranks(write, group, None if all_ranks_write else writer_rank)
+        return raise_on_all_ranks(lambda: finish(tmp), group, src=writer_rank)
+    except CheckpointError:
+        if comm.group_rank(group) == writer_rank:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def save_checkpoint_at(path: str, step: int, writer_fn: Callable[[str], object], *, info: Mapping, group=None,
+                       writer_rank: int = 0, all_ranks_write: bool = False) -> str:
+    """Save one checkpoint folder exactly at `path`, atomically: `writer_fn` fills a temporary
+    sibling `.tmp-NAME-xxxx`, which gets its manifest and is renamed over `path`. An existing
+    checkpoint at `path` is replaced only once the new one is complete; an existing folder that is
+    not a checkpoint (no manifest.json) and not empty is refused. Same contract as
+    `save_checkpoint_dir` otherwise (no `latest`, no retention). Returns `path` on every rank."""
+    info = _check_info(info)
+    path = os.path.abspath(path)
+    parent, name = os.path.split(path)
+
+    def prepare() -> str:
+        if os.path.exists(path) and not (os.path.isdir(path) and (
+                os.path.isfile(os.path.join(path, MANIFEST)) or not os.listdir(path))):
+            raise CheckpointError(f"{path} exists and is not a kltron checkpoint; refusing to replace it")
+        os.makedirs(parent, exist_ok=True)
+        for n in os.listdir(parent):  # a killed earlier save of this same folder
+            if n.startswith((f".tmp-{name}-", f".tmp-old-{name}-")):
+                shutil.rmtree(os.path.join(parent, n), ignore_errors=True)
+        tmp = os.path.join(parent, f".tmp-{name}-{secrets.token_hex(4)}")
+        os.mkdir(tmp)
+        return tmp
+
+    def finish(tmp: str) -> str:
+        _seal(tmp, step, info)
+        _replace(tmp, path)
+        return path
+
+    return _run_save(prepare, writer_fn, finish, group, writer_rank, all_ranks_write)
 
 
 def save_checkpoint_dir(root: str, step: int, writer_fn: Callable[[str], object], *, info: Mapping,
@@ -269,15 +354,7 @@ def save_checkpoint_dir(root: str, step: int, writer_fn: Callable[[str], object]
     deletion, and nothing is deleted before the new one is complete. A failure on any rank
     removes the temporary folder and raises the same CheckpointError on every rank.
     """
-    missing = [f for f in INFO_FIELDS if f not in info]
-    if missing or info.get("kind") not in KINDS:
-        raise CheckpointError(f"save_checkpoint_dir: info lacks {missing} or has kind "
-                              f"{info.get('kind')!r} (expected one of {KINDS})")
-    reserved = {"format_version", "step", "files", "sizes"} & set(info)
-    if reserved:
-        raise CheckpointError(f"save_checkpoint_dir: info may not set {sorted(reserved)}")
-    info = json.loads(json.dumps(dict(info)))  # fail here, on every rank, if not JSON-serialisable
-    is_writer = comm.group_rank(group) == writer_rank
+    info = _check_info(info)
 
     def prepare() -> str:
         os.makedirs(root, exist_ok=True)
@@ -286,17 +363,8 @@ def save_checkpoint_dir(root: str, step: int, writer_fn: Callable[[str], object]
         os.mkdir(tmp)
         return tmp
 
-    def write() -> None:
-        writer_fn(tmp)  # its return value is ignored (it need not be picklable)
-
-    tmp = raise_on_all_ranks(prepare, group, src=writer_rank)
-    try:
-        raise_on_all_ranks(write, group, None if all_ranks_write else writer_rank)
-        final = raise_on_all_ranks(lambda: _finalize(root, tmp, step, info), group, src=writer_rank)
-    except CheckpointError:
-        if is_writer:
-            shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    final = _run_save(prepare, writer_fn, lambda tmp: _finalize(root, tmp, step, info), group, writer_rank,
+                      all_ranks_write)
     raise_on_all_ranks(lambda: _apply_retention(root, keep_last, os.path.basename(final)), group,
                        src=writer_rank)
     return final
@@ -316,25 +384,18 @@ def write_tensors(folder: str, tensors: Mapping[str, torch.Tensor], *, prefix: s
 SliceFn = Callable[[str, tuple], tuple]  # (name, full_shape) -> (dim | None, start, stop, local_size)
 
 
-def read_tensors(folder: str, expected: Mapping[str, tuple], slice_fn: SliceFn | None = None, *,
+def iter_tensors(folder: str, expected: Mapping[str, tuple], slice_fn: SliceFn | None = None, *,
                  prefix: str = "model", dtype: torch.dtype | Mapping[str, torch.dtype] | None = None,
-                 cast: bool = False, strict: bool = True) -> dict[str, torch.Tensor]:
-    """This rank's pieces of the tensors in `folder/PREFIX*.safetensors`.
-
-    expected: name -> FULL shape; every name must be present with that shape, and (strict) no
-    other name may be. slice_fn(name, full_shape) -> (dim, start, stop, local_size), e.g.
-    `core.shards.tp_slice`: the result is `full.narrow(dim, start, stop - start)` followed by
-    `local_size - (stop - start)` zero rows along dim (vocabulary padding); dim None (or no
-    slice_fn) reads the whole tensor. dtype: expected dtype (one, or per name); a different stored
-    dtype is an error unless `cast`, which converts. Errors name the file, the key, expected vs found.
-    """
-    out: dict[str, torch.Tensor] = {}
+                 cast: bool = False, strict: bool = True, ignore_extra=()):
+    """Like `read_tensors`, but yields (name, this rank's piece) one tensor at a time, in the order
+    of `expected`, so a caller can copy each into place before the next is read. Every name, shape
+    and dtype is validated before the first tensor is yielded."""
     with open_safetensors_set(folder, prefix) as s:
         missing = [k for k in expected if k not in s]
         if missing:
             raise CheckpointError(f"{s.origin}: missing key '{missing[0]}'"
                                   + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
-        extra = [k for k in s.keys() if k not in expected]
+        extra = [k for k in s.keys() if k not in expected and k not in ignore_extra]
         if strict and extra:
             raise CheckpointError(f"{s.file_of(extra[0]).path}: unexpected key '{extra[0]}'"
                                   + (f" (and {len(extra) - 1} more)" if len(extra) > 1 else ""))
@@ -360,8 +421,24 @@ def read_tensors(folder: str, expected: Mapping[str, tuple], slice_fn: SliceFn |
                     pad_shape[dim] = local - (stop - start)
                     t = torch.cat([t, torch.zeros(pad_shape, dtype=t.dtype)], dim=dim)
             want = dtype.get(name) if isinstance(dtype, Mapping) else dtype
-            out[name] = t.to(want) if want is not None else t
-    return out
+            yield name, (t.to(want) if want is not None else t)
+
+
+def read_tensors(folder: str, expected: Mapping[str, tuple], slice_fn: SliceFn | None = None, *,
+                 prefix: str = "model", dtype: torch.dtype | Mapping[str, torch.dtype] | None = None,
+                 cast: bool = False, strict: bool = True, ignore_extra=()) -> dict[str, torch.Tensor]:
+    """This rank's pieces of the tensors in `folder/PREFIX*.safetensors`.
+
+    expected: name -> FULL shape; every name must be present with that shape, and (strict) no
+    other name may be, except those in `ignore_extra`. slice_fn(name, full_shape) -> (dim, start,
+    stop, local_size), e.g. `core.shards.tp_slice`: the result is `full.narrow(dim, start, stop -
+    start)` followed by `local_size - (stop - start)` zero rows along dim (vocabulary padding); dim
+    None (or no slice_fn) reads the whole tensor. dtype: expected dtype (one, or per name); a
+    different stored dtype is an error unless `cast`, which converts. Errors name the file, the
+    key, expected vs found.
+    """
+    return dict(iter_tensors(folder, expected, slice_fn, prefix=prefix, dtype=dtype, cast=cast, strict=strict,
+                             ignore_extra=ignore_extra))
 
 
 def assemble_full(parts: list[torch.Tensor], slices: list[tuple], full_shape: tuple) -> torch.Tensor:
@@ -442,63 +519,15 @@ def check_tokenizer(manifest_fp: str | None, tokenizer_fp: str | None, what: str
                               f"the current tokenizer is {tokenizer_fp}")
 
 
-# ---------------------------------------------------------------------------------------------
-# train state: JSON, RNG states as base64/lists
+_MODEL_GLUE = {"load_model_weights": "core.model_io", "save_model_weights": "core.model_io",
+               "save_train_checkpoint": "core.train_checkpoint", "load_train_checkpoint": "core.train_checkpoint"}
 
 
-TRAIN_STATE_KEYS = ("step", "schedule", "rng", "data", "extra")
+def __getattr__(name: str):
+    """`core.checkpoint.load_model_weights` etc. live in core/model_io.py and core/train_checkpoint.py,
+    which import this module; they are resolved on first use to avoid an import cycle."""
+    if name in _MODEL_GLUE:
+        import importlib
 
-
-def write_train_state(folder: str, state: Mapping) -> None:
-    """Write `train_state.json`: {step: int, schedule: dict, rng: dict, data: dict, extra: dict}."""
-    unknown = [k for k in state if k not in TRAIN_STATE_KEYS]
-    if unknown or not isinstance(state.get("step"), int):
-        raise CheckpointError(f"train state: unknown keys {unknown} or missing int 'step' "
-                              f"(allowed keys {TRAIN_STATE_KEYS}; put free-form state under 'extra')")
-    try:
-        data = json.dumps(dict(state), indent=1, allow_nan=False).encode("utf-8")
-    except (TypeError, ValueError) as e:
-        raise CheckpointError(f"train state is not plain JSON ({e})") from e
-    write_bytes_atomic(os.path.join(folder, TRAIN_STATE), data)
-
-
-def read_train_state(folder: str) -> dict:
-    path = os.path.join(folder, TRAIN_STATE)
-    try:
-        with open(path, encoding="utf-8") as f:
-            state = json.load(f)
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{path}: cannot read the train state ({e})") from e
-    if not isinstance(state, dict) or not isinstance(state.get("step"), int):
-        raise CheckpointError(f"{path}: expected a JSON object with an integer 'step'")
-    return state
-
-
-def _b64(t: torch.Tensor) -> str:
-    return base64.b64encode(t.numpy().tobytes()).decode("ascii")
-
-
-def _unb64(s: str) -> torch.Tensor:
-    return torch.frombuffer(bytearray(base64.b64decode(s)), dtype=torch.uint8).clone()
-
-
-def capture_rng_states() -> dict:
-    """torch CPU (and CUDA, per device), Python `random` and numpy global RNG states, as JSON."""
-    py = random.getstate()
-    npst = np.random.get_state()
-    out = {"torch": _b64(torch.get_rng_state()),
-           "python": [py[0], list(py[1]), py[2]],
-           "numpy": [npst[0], npst[1].tolist(), int(npst[2]), int(npst[3]), float(npst[4])]}
-    if torch.cuda.is_available():
-        out["cuda"] = [_b64(s) for s in torch.cuda.get_rng_state_all()]
-    return out
-
-
-def restore_rng_states(states: Mapping) -> None:
-    torch.set_rng_state(_unb64(states["torch"]))
-    v, seq, gauss = states["python"]
-    random.setstate((v, tuple(seq), gauss))
-    name, keys, pos, has_gauss, cached = states["numpy"]
-    np.random.set_state((name, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
-    if "cuda" in states and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all([_unb64(s) for s in states["cuda"]])
+        return getattr(importlib.import_module(_MODEL_GLUE[name]), name)
+    raise AttributeError(f"module 'core.checkpoint' has no attribute {name!r}")
