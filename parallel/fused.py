@@ -54,8 +54,8 @@ class FusedHeadOutput(NamedTuple):
 
 def _logits(h: torch.Tensor, w: torch.Tensor, sh) -> torch.Tensor:
     """One chunk's valid logits / temperature, [c, nv], in the reduction dtype."""
-    z = (h @ w[: sh.nv].T).to(sh.dtype)
-    return z / sh.temperature if sh.temperature != 1.0 else z
+    z = (h @ w[: sh.nv].T).to(sh.dtype)  # a fresh tensor: scaled in place
+    return z.div_(sh.temperature) if sh.temperature != 1.0 else z
 
 
 class _FusedHead(torch.autograd.Function):
@@ -101,13 +101,13 @@ class _FusedHead(torch.autograd.Function):
             del zp, zq
             gp = gp.to(weight.dtype)
             if gh is not None:
-                gh[s:e] = gp @ weight[: sh.nv]
+                torch.matmul(gp, weight[: sh.nv], out=gh[s:e])
             if gw is not None:
                 gw[: sh.nv].addmm_(gp.T, hidden[s:e])
             if want_q:
                 gq = gq.to(ref_weight.dtype)
                 if grh is not None:
-                    grh[s:e] = gq @ ref_weight[: sh.nv]
+                    torch.matmul(gq, ref_weight[: sh.nv], out=grh[s:e])
                 if grw is not None:
                     grw[: sh.nv].addmm_(gq.T, ref_hidden[s:e])
         return gh, gw, grh, grw, None, None, None, None

@@ -121,27 +121,31 @@ class StatsSpec:
 
 def local_stats(zp, zq, tsel, spec: StatsSpec, maxes: torch.Tensor, sums: torch.Tensor) -> None:
     """Fill one chunk's rows of `maxes` [c, 1|2] (local max, -inf if nv == 0) and `sums` [c, k]
-    (sums of exp(z - local max), and of the entropy/KL integrands, and the picked target logits)."""
+    (sums of exp(z - local max), and of the entropy/KL integrands, and the picked target logits).
+    Working memory: at most four [c, nv] temporaries besides zp and zq."""
     cols = spec.cols
     if zp.shape[1] == 0:  # this rank holds only padding: contributes nothing
         maxes.fill_(float("-inf"))
         sums.zero_()
         return
     mp = zp.amax(1, keepdim=True)
-    ep = torch.exp(zp - mp)
     maxes[:, 0] = mp[:, 0]
+    shifted = zp - mp  # [c, nv]
+    ep = torch.exp(shifted) if spec.entropy else shifted.exp_()
     sums[:, cols["S_p"]] = ep.sum(1)
-    if spec.entropy:
-        sums[:, cols["H"]] = (ep * (zp - mp)).sum(1)
     if spec.has_q:
         mq = zq.amax(1, keepdim=True)
-        eq = torch.exp(zq - mq)
         maxes[:, 1] = mq[:, 0]
+        eq = (zq - mq).exp_()
         sums[:, cols["S_q"]] = eq.sum(1)
         if spec.kl == "forward":
-            sums[:, cols["KL"]] = (ep * (zp - zq)).sum(1)
+            sums[:, cols["KL"]] = (zp - zq).mul_(ep).sum(1)
         elif spec.kl == "reverse":
-            sums[:, cols["KL"]] = (eq * (zq - zp)).sum(1)
+            sums[:, cols["KL"]] = (zq - zp).mul_(eq).sum(1)
+        del eq
+    if spec.entropy:
+        sums[:, cols["H"]] = shifted.mul_(ep).sum(1)
+    del ep, shifted
     if spec.targets:
         idx, held = tsel
         sums[:, cols["t_p"]] = torch.where(held, zp.gather(1, idx[:, None])[:, 0], 0.0)
@@ -195,45 +199,54 @@ def reduce_stats(maxes: torch.Tensor, sums: torch.Tensor, spec: StatsSpec, group
 def grad_logits(zp, zq, tsel, st: dict, g: dict, spec: StatsSpec, want_q: bool, temperature: float):
     """d(sum_k g_k . out_k)/d(logits) for one chunk's valid columns: (grad_p [c, nv], grad_q or None).
 
-    `st` holds the chunk's rows of the saved values (lse, lse_q, entropy, kl); `g` the upstream
-    gradients by output name (absent or None where unused). Purely local: no collective."""
+    `st` holds the chunk's rows of the saved values (lse, lse_q, dlse, entropy, kl); `g` the
+    upstream gradients by output name (absent or None where unused). Purely local: no collective.
+    Built in place: at most four [c, nv] temporaries besides zp and zq."""
     def col(name):
         v = g.get(name)
         return None if v is None else v[:, None]
 
-    logp = zp - st["lse"][:, None]
-    p = torch.exp(logp)
-    gp = p * (col("lse") if col("lse") is not None else 0.0)
-    if col("logprobs") is not None:
-        gp = gp - p * col("logprobs")
-    if col("entropy") is not None:
-        gp = gp - col("entropy") * p * (logp + st["entropy"][:, None])
+    g_lse, g_lp, g_h, g_kl, g_rlp = (col(k) for k in ("lse", "logprobs", "entropy", "kl", "ref_logprobs"))
+    gp = zp - st["lse"][:, None]  # log p
+    p = torch.exp(gp)
+    # gp := the factor that multiplies p: g_lse - g_lp - g_H (log p + H) [+ g_kl (log p - log q - KL)]
+    if g_h is not None:
+        gp.add_(st["entropy"][:, None]).mul_(-g_h)
+    else:
+        gp.zero_()
+    if g_lse is not None:
+        gp.add_(g_lse)
+    if g_lp is not None:
+        gp.sub_(g_lp)
+    if spec.kl == "forward" and g_kl is not None:  # log p - log q - KL, exactly 0 if p == q
+        gp.add_((zp - zq).sub_((st["dlse"] + st["kl"])[:, None]).mul_(g_kl))
+    gp.mul_(p)
     gq = None
-    gkl = col("kl")
-    if spec.has_q and (gkl is not None or (want_q and col("ref_logprobs") is not None)):
-        logq = zq - st["lse_q"][:, None]
-        q = torch.exp(logq)
-        dlog = (zp - zq) - st["dlse"][:, None]  # log p - log q, exact 0 if p == q
-        if gkl is not None and spec.kl == "forward":
-            gp = gp + gkl * p * (dlog - st["kl"][:, None])
-            gq = gkl * (q - p) if want_q else None
-        elif gkl is not None:
-            gp = gp + gkl * (p - q)
-            gq = gkl * q * (-dlog - st["kl"][:, None]) if want_q else None
-        if want_q and col("ref_logprobs") is not None:
-            gq = (0.0 if gq is None else gq) - q * col("ref_logprobs")
-    if spec.targets and zp.shape[1] > 0:  # a padding-only rank holds no target
+    if spec.has_q and ((spec.kl == "reverse" and g_kl is not None) or want_q):
+        q = (zq - st["lse_q"][:, None]).exp_()
+        if spec.kl == "reverse" and g_kl is not None:  # g_kl (p - q)
+            gp.addcmul_(p, g_kl).addcmul_(q, -g_kl)
+        if want_q:
+            if spec.kl == "reverse" and g_kl is not None:  # log q - log p - KL
+                gq = (zq - zp).add_((st["dlse"] - st["kl"])[:, None]).mul_(g_kl)
+            else:
+                gq = torch.zeros_like(q)
+            if g_rlp is not None:
+                gq.sub_(g_rlp)
+            gq.mul_(q)
+            if spec.kl == "forward" and g_kl is not None:  # g_kl (q - p)
+                gq.addcmul_(q, g_kl).addcmul_(p, -g_kl)
+        del q
+    del p
+    if spec.targets and zp.shape[1] > 0:  # the onehot(target) terms; a padding-only rank holds none
         idx, held = tsel
-        for name, grad in (("logprobs", gp), ("ref_logprobs", gq)):
-            if col(name) is not None and grad is not None and grad.dim() == 2:
-                grad.scatter_add_(1, idx[:, None], torch.where(held[:, None], col(name), 0.0))
-    if not torch.is_tensor(gp) or gp.dim() != 2:
-        gp = torch.zeros_like(zp) + gp
-    if want_q and (gq is None or gq.dim() != 2):
-        gq = torch.zeros_like(zq)
+        for gr, gt in ((gp, g_lp), (gq, g_rlp)):
+            if gr is not None and gt is not None:
+                gr.scatter_add_(1, idx[:, None], torch.where(held[:, None], gt, 0.0))
     if temperature != 1.0:  # z = logits / temperature
-        gp = gp / temperature
-        gq = gq / temperature if gq is not None else None
+        gp.div_(temperature)
+        if gq is not None:
+            gq.div_(temperature)
     return gp, gq
 
 
