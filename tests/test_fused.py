@@ -153,7 +153,7 @@ def test_fused_peak_memory_does_not_grow_with_tokens():
             sum((o * c).sum() for o, c in zip(out, coef)).backward()
         return _peak_bytes(step)
 
-    T = 128
+    T = 256
     fused = [run(T, True), run(2 * T, True)]
     plain = [run(T, False), run(2 * T, False)]
     # fused: the extra T tokens cost only O(T * H) (grad_hidden) and O(T) values, not O(T * V)
