@@ -8,16 +8,16 @@ Normalisation over data parallel
 --------------------------------
 A mini-batch is split over DP ranks (and over micro-batches on each rank). `LossScale` carries
 the counts of the WHOLE mini-batch -- valid tokens, and sequences with at least one valid token,
-summed over every micro-batch of every DP rank -- and `dp_size`. Each micro-batch's loss is
+summed over every micro-batch of every DP rank. Each micro-batch's loss is
 
-    local_loss = (sum of this micro-batch's per-token/per-sequence terms) * dp_size / global_count
+    local_loss = (sum of this micro-batch's per-token/per-sequence terms) / global_count
 
 The trainer sums `local_loss` over its micro-batches (backward on each, no extra averaging) and
-FSDP2 averages gradients over DP (divides by dp_size), so the resulting gradient is exactly the
-gradient of the single-process loss on the whole mini-batch, however the batch is split; and the
-mean over DP ranks of the summed local losses equals the single-process loss. `loss_scale(masks,
-dp_group)` builds a `LossScale` with one all-reduce; with `scale=None` the local counts are used
-(single process).
+kltron's FSDP2 *sums* gradients over DP (parallel/fsdp.py: divide factor 1), so the resulting
+gradient is exactly the gradient of the single-process loss on the whole mini-batch, however the
+batch is split; and the sum over DP ranks of the local losses equals the single-process loss.
+`loss_scale(masks, dp_group)` builds a `LossScale` with one all-reduce; with `scale=None` the
+local counts are used (single process).
 
 Aggregation modes (`aggregate`), with T = global valid tokens, N = global non-empty sequences:
   token-mean              sum_{b,s} x / T
@@ -43,7 +43,6 @@ AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 class LossScale:
     tokens: int  # valid tokens in the whole mini-batch (all micro-batches, all DP ranks)
     seqs: int  # sequences with >= 1 valid token, same scope
-    dp_size: int = 1  # FSDP divides gradients by this; local losses multiply it back
 
 
 def loss_scale(masks, dp_group=None) -> LossScale:
@@ -53,7 +52,7 @@ def loss_scale(masks, dp_group=None) -> LossScale:
     seqs = sum(int(m.bool().any(dim=-1).sum()) for m in masks)
     counts = torch.tensor([tokens, seqs], dtype=torch.int64, device=masks[0].device if masks else None)
     comm.all_reduce(counts, "sum", dp_group)  # [valid tokens, non-empty sequences] over DP ranks
-    return LossScale(int(counts[0]), int(counts[1]), comm.group_size(dp_group))
+    return LossScale(int(counts[0]), int(counts[1]))
 
 
 def _zero_masked(values: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
@@ -71,10 +70,10 @@ def aggregate(values: torch.Tensor, mask: torch.Tensor, mode: str = "token-mean"
         raise ValueError(f"aggregate: unknown mode {mode!r}; expected one of {AGG_MODES}")
     m = mask.bool()
     if scale is None:
-        scale = LossScale(int(m.sum()), int(m.any(dim=-1).sum()), 1)
+        scale = LossScale(int(m.sum()), int(m.any(dim=-1).sum()))
     x = _zero_masked(values, m)
     if mode == "token-mean":
-        return x.sum() * (scale.dp_size / max(scale.tokens, 1))
+        return x.sum() / max(scale.tokens, 1)
     if mode == "seq-mean-token-mean":
         per_seq = x.sum(-1) / m.sum(-1).clamp(min=1).to(x.dtype)
     else:
@@ -82,7 +81,7 @@ def aggregate(values: torch.Tensor, mask: torch.Tensor, mode: str = "token-mean"
             raise ValueError(f"aggregate: mode 'seq-mean-token-sum-norm' needs a positive norm_len "
                              f"(e.g. the max response length), got {norm_len!r}")
         per_seq = x.sum(-1) / norm_len
-    return per_seq.sum() * (scale.dp_size / max(scale.seqs, 1))
+    return per_seq.sum() / max(scale.seqs, 1)
 
 
 def _masked_stats(x: torch.Tensor, m: torch.Tensor, empty: float) -> tuple[torch.Tensor, ...]:

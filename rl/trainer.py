@@ -38,8 +38,8 @@ def _max_abs(x: torch.Tensor, mask: torch.Tensor) -> float:
 
 class _UpdateStats:
     """Update statistics reduced the way they were normalised: the scaled losses (each micro-batch
-    holds its share of the mini-batch loss) are summed over micro-batches and averaged over
-    mini-batches and DP ranks; ratio and clip statistics are weighted by valid tokens."""
+    holds its share of the mini-batch loss) are summed over micro-batches and DP ranks and
+    averaged over mini-batches; ratio and clip statistics are weighted by valid tokens."""
 
     SCALED = ("pg_loss", "kl_loss")
     WEIGHTED = ("clipfrac", "dual_clipfrac", "ratio_mean", "approx_kl_old")
@@ -77,8 +77,8 @@ class _UpdateStats:
         return float(t[0] / t[1].clamp(min=1))
 
     def summary(self, dp_group) -> dict:
-        dp = comm.group_size(dp_group)
-        vals = [sum(self.scaled[k]) / max(len(self.scaled[k]), 1) / dp for k in self.SCALED]
+        # each rank's micro-batch losses add up to its share of the mini-batch loss; shares add over DP
+        vals = [sum(self.scaled[k]) / max(len(self.scaled[k]), 1) for k in self.SCALED]
         vals += [self.wsum[k] for k in self.WEIGHTED] + [self.tokens]
         t = torch.tensor(vals, dtype=torch.float64)
         comm.all_reduce(t, "sum", dp_group)  # loss shares and token-weighted sums over DP
@@ -185,13 +185,24 @@ class RLTrainer:
     # -----------------------------------------------------------------------------------------
     # 6: update
 
-    def _mini_batches(self, B: int, step: int, epoch: int) -> list[torch.Tensor]:
-        n = self.cfg.algo.mini_batches
-        g = torch.Generator().manual_seed(self.cfg.train.seed * 7919 + step * 131 + epoch)
-        order = torch.randperm(B, generator=g) if n > 1 else torch.arange(B)
-        if B % n:
-            raise ValueError(f"algo.mini_batches={n} must divide the {B} rows each DP rank holds per step")
-        return [order[i * (B // n):(i + 1) * (B // n)].to(self.state.device) for i in range(n)]
+    def _mini_batches(self, row_ids: torch.Tensor, step: int, epoch: int) -> list[torch.Tensor]:
+        """Local row indices of each mini-batch. The split depends only on global row ids, so it is
+        the same whatever the DP layout, and every rank gets the same number of rows per
+        mini-batch (no rank waits in an FSDP collective for another): within each prompt's group
+        the samples are shuffled (keyed by seed, step, epoch, prompt), then global position p goes
+        to mini-batch p mod n."""
+        n, G = self.cfg.algo.mini_batches, self.cfg.rollout.group_size
+        if n == 1:
+            return [torch.arange(row_ids.numel(), device=self.state.device)]
+        if row_ids.numel() % n:
+            raise ValueError(f"algo.mini_batches={n} must divide the {row_ids.numel()} rows each DP rank holds")
+        pos = []
+        for rid in row_ids.tolist():
+            prompt, j = divmod(rid, G)
+            g = torch.Generator().manual_seed(self.cfg.train.seed * 1_000_003 + step * 7919 + epoch * 131 + prompt)
+            pos.append(prompt * G + int(torch.randperm(G, generator=g)[j]))
+        mb = torch.tensor(pos) % n
+        return [torch.nonzero(mb == k).flatten().to(self.state.device) for k in range(n)]
 
     def _micro_batches(self, rows: torch.Tensor) -> list[torch.Tensor]:
         m = self.cfg.algo.micro_batch_size or rows.numel()
@@ -206,7 +217,7 @@ class RLTrainer:
         ro = data.ro
         exact = cfg.kl.exact and cfg.kl.where == "loss"
         for epoch in range(cfg.algo.epochs):
-            for mb, rows in enumerate(self._mini_batches(data.mask.shape[0], step, epoch)):
+            for mb, rows in enumerate(self._mini_batches(ro.row_ids.cpu(), step, epoch)):
                 micros = self._micro_batches(rows)
                 scale = loss_scale([data.mask[r] for r in micros], self.dp_group)
                 acc.start_mini_batch()

@@ -1,0 +1,128 @@
+"""The RL step against a single-process reference: GRPO and PPO updates do not depend on the
+tp x dp layout; the first on-policy mini-batch has ratio exactly 1; bad rewards stop every rank."""
+
+import math
+
+import pytest
+import torch
+
+from core.config import ModelConfig, load_config
+from core.model import build_model
+from core.tokenizer import load_tokenizer
+from parallel.dims import ParallelDims, init_parallel, tp_subgroup
+from rl.config import RLConfig
+from rl.critic import Critic
+
+MODEL = dict(vocab_size=256, hidden_size=32, n_layers=2, n_heads=4, n_kv_heads=2, intermediate_size=64,
+             max_seq_len=64)
+BASE = ["rollout.prompts_per_step=4", "rollout.group_size=4", "rollout.max_new_tokens=6", "train.steps=2",
+        "reward.use_task_reward=false", "reward.fns=[tests.test_rl_trainer:digit_reward]", "optim.lr=1e-2",
+        "optim.warmup_steps=0", "optim.grad_clip=0.5", "kl_ctl.beta=0.1", "train.progress=false"]
+
+
+def digit_reward(meta, response):
+    """A dense plug-in reward an untrained model already varies on: the share of digits."""
+    return sum(c.isdigit() for c in response) / 6.0
+
+
+def nan_reward(meta, response):
+    return math.nan if meta["prompt"].startswith("1") else 0.0
+
+
+def _trainer(tp, dp, overrides):
+    from rl.train import assemble
+
+    cfg = load_config(RLConfig, None, BASE + list(overrides))
+    mc = ModelConfig(**MODEL)
+    state = init_parallel(ParallelDims(dp, tp), "cpu", mc.n_heads, mc.n_kv_heads)
+    kv = tp_subgroup(state, tp // mc.n_kv_heads) if tp > mc.n_kv_heads else None
+    policy = build_model(mc, state.tp_group, kv, seed=11)
+    ref = build_model(mc, state.tp_group, kv, seed=11)
+    critic = None
+    if cfg.algo.name == "ppo":
+        critic = Critic(mc, state.tp_group, kv)
+        critic.body.init_weights(11)
+    return assemble(cfg, state, mc, load_tokenizer(None), policy, ref, critic), state
+
+
+def _steps_and_logits(tp, dp, overrides):
+    from parallel.comm import gather_from_tp
+
+    trainer, state = _trainer(tp, dp, overrides)
+    recs = [trainer.step(s) for s in range(2)]
+    ids = torch.arange(3, 3 + 2 * 12).view(2, 12) % 250 + 3
+    with torch.no_grad():
+        logits = gather_from_tp(trainer.policy(ids), state.tp_group)[..., :256]
+    keys = ("reward_mean", "kl_mean", "kl_p50", "kl_p90", "kl_p99", "pg_loss", "grad_norm", "entropy", "ratio_mean", "clipfrac",
+            "logp_drift", "kl_loss")
+    return [{k: r[k] for k in keys} for r in recs], logits
+
+
+def _compare(single, got):
+    recs0, logits0 = single
+    recs, logits = got
+    for a, b in zip(recs0, recs):
+        for k in a:
+            assert b[k] == pytest.approx(a[k], rel=1e-4, abs=1e-5), k
+    torch.testing.assert_close(logits, logits0, atol=1e-5, rtol=1e-5)
+
+
+GRPO = ["algo.name=grpo", "kl.estimator=k3+", "loss.entropy_coef=0.01"]
+PPO = ["algo.name=ppo", "kl.where=reward", "kl.estimator=k1", "algo.mini_batches=2"]
+EXACT = ["algo.name=grpo", "kl.exact=true", "algo.mini_batches=2", "algo.epochs=2"]
+
+
+@pytest.fixture(scope="module")
+def singles():
+    torch.set_num_threads(1)
+    return {name: _steps_and_logits(1, 1, ov) for name, ov in (("grpo", GRPO), ("ppo", PPO), ("exact", EXACT))}
+
+
+def test_first_minibatch_is_on_policy_and_update_moves(singles):
+    recs, _ = singles["grpo"]
+    assert recs[0]["ratio_mean"] == 1.0 and recs[0]["clipfrac"] == 0.0
+    assert recs[0]["logp_drift"] < 1e-5  # rollout-time and update-time log-probs agree
+    assert recs[0]["kl_mean"] == 0.0  # policy == reference before the first update
+    assert recs[1]["kl_mean"] > 0.0 and recs[0]["grad_norm"] > 0.0
+
+
+def test_exact_kl_and_two_epochs(singles):
+    recs, _ = singles["exact"]
+    assert recs[0]["kl_mean"] == 0.0 and recs[1]["kl_mean"] > 0.0
+    assert recs[1]["kl_p99"] >= recs[1]["kl_p50"] >= 0.0  # the exact KL is never negative
+
+
+def test_layouts_match_single_process_tp2(dist_pools, singles):
+    for name, ov in (("grpo", GRPO), ("ppo", PPO), ("exact", EXACT)):
+        res = dist_pools.run(2, _steps_and_logits, 2, 1, ov)
+        _compare(singles[name], res[0])
+
+
+def test_layouts_match_single_process_dp2(dist_pools, singles):
+    for name, ov in (("grpo", GRPO), ("ppo", PPO)):
+        res = dist_pools.run(2, _steps_and_logits, 1, 2, ov)
+        _compare(singles[name], res[0])
+        _compare(singles[name], res[1])
+
+
+def test_layout_tp2_dp2(dist_pools, singles):
+    res = dist_pools.run(4, _steps_and_logits, 2, 2, GRPO)
+    for r in res:
+        _compare(singles["grpo"], r)
+
+
+def _nan_reward_everywhere():
+    import torch.distributed as dist
+
+    trainer, _ = _trainer(1, 2, ["reward.fns=[tests.test_rl_trainer:nan_reward]", "rollout.prompts_per_step=8"])
+    try:
+        trainer.step(0)
+    except ValueError as e:
+        return f"rank {dist.get_rank()}: {e}"
+    return "no error"
+
+
+def test_nan_reward_stops_every_rank(dist_pools):
+    msgs = dist_pools.run(2, _nan_reward_everywhere)
+    assert all("is nan" in m or "another rank failed" in m for m in msgs), msgs
+    assert any("for prompt" in m and "sample" in m for m in msgs), msgs
