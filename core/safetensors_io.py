@@ -435,6 +435,11 @@ def open_safetensors_set(folder: str, prefix: str = "model") -> SafeSet:
 # streaming writer: tensor by tensor, never the whole set in memory
 
 
+def stream_order(specs: Mapping[str, tuple]) -> list[str]:
+    """The order `StreamingWriter` takes tensors in: larger item sizes first, else as given."""
+    return sorted(specs, key=lambda n: -specs[n][0].itemsize)
+
+
 class StreamingWriter:
     """Write `PREFIX.safetensors` (or shards of at most `max_shard_bytes` plus the index) one tensor
     at a time, so peak memory is one tensor, not the set.
@@ -456,7 +461,7 @@ class StreamingWriter:
             if dt not in DTYPE_NAMES:
                 raise TypeError(f"'{name}' has dtype {dt}, which safetensors cannot store")
             self.specs[name] = (dt, tuple(int(s) for s in shape))
-        self.order = sorted(self.specs, key=lambda n: -self.specs[n][0].itemsize)  # stable
+        self.order = stream_order(self.specs)
         sizes = {n: math.prod(s) * dt.itemsize for n, (dt, s) in self.specs.items()}
         self.total = sum(sizes.values())
         groups: list[list[str]] = [[]]
