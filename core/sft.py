@@ -28,6 +28,7 @@ from core.data import DataError, SequenceLoader, tokenize_text_file
 from core.metrics import MetricsWriter, PhaseTimer, ProgressBar, Throughput, peak_memory, reset_peak_memory
 from core.model import build_model
 from core.optim import OptimConfigError, build_optimizer, check_optim_config
+from core.safetensors_io import CheckpointError
 from core.tokenizer import TokenizerError, load_tokenizer
 from parallel.comm import all_reduce
 from parallel.dims import LayoutError, ParallelDims, init_parallel, seed_everything, tp_subgroup
@@ -35,7 +36,8 @@ from parallel.fsdp import FSDPOptions, is_fsdp, parallelize, set_gradient_sync, 
 from parallel.layers import vocab_parallel_logits
 
 # errors that mean "this config or launch cannot work": reported as one line, exit status 2
-USER_ERRORS = (ConfigError, LayoutError, DataError, TokenizerError, OptimConfigError, NotImplementedError)
+USER_ERRORS = (ConfigError, LayoutError, DataError, TokenizerError, OptimConfigError, CheckpointError,
+               NotImplementedError)
 
 # ---------------------------------------------------------------------------------------------
 # hooks into core/checkpoint (wired by the checkpoint owner)
@@ -44,29 +46,32 @@ USER_ERRORS = (ConfigError, LayoutError, DataError, TokenizerError, OptimConfigE
 def _checkpoint_fn(name: str):
     try:
         from core import checkpoint
-    except ImportError:
+
+        return getattr(checkpoint, name, None)
+    except ImportError:  # core.checkpoint, or the module it resolves `name` from, is not there yet
         return None
-    return getattr(checkpoint, name, None)
 
 
-def load_initial_weights(model, path: str, state) -> None:
-    """Fill `model` (this rank's TP/FSDP shards) from the checkpoint at `path`."""
+def load_initial_weights(model, path: str, state, tokenizer_fingerprint: str | None = None) -> None:
+    """Fill `model` (this rank's TP shards, before `parallelize`) from the checkpoint at `path`."""
     loader = _checkpoint_fn("load_model_weights")
     if loader is None:
         raise NotImplementedError(
             f"init_checkpoint={path!r}: core.checkpoint has no load_model_weights(model, path, state) yet, "
             "so SFT cannot start from a checkpoint; unset init_checkpoint to initialise from train.seed")
-    loader(model, path, state)
+    loader(model, path, state, tokenizer_fingerprint=tokenizer_fingerprint)
 
 
-def save_model(model, out_dir: str, state) -> str | None:
-    """Save the trained model under `out_dir` via core/checkpoint; None (and a log line) if absent."""
+def save_model(model, out_dir: str, state, tokenizer_fingerprint: str | None = None, step: int = 0) -> str | None:
+    """Save the trained model as a checkpoint folder `out_dir/model` via core/checkpoint (collective);
+    None (and a log line) if core/checkpoint cannot save yet."""
     saver = _checkpoint_fn("save_model_weights")
     if saver is None:
         if state.is_main:
             print("kltron.sft: core.checkpoint has no save_model_weights yet; model not saved", file=sys.stderr)
         return None
-    return saver(model, out_dir, state)
+    return saver(model, os.path.join(out_dir, "model"), state, tokenizer_fingerprint=tokenizer_fingerprint,
+                 step=step)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -130,7 +135,7 @@ def cross_entropy_head(targets: torch.Tensor, tp_group, vocab_size: int):
 
 def train(cfg: SFTConfig) -> dict:
     """Run SFT as `cfg` says; usable in-process (e.g. tests) or from `main`. Returns
-    {"losses": [...], "grad_norms": [...], "skipped_total": int, "out_dir": str}."""
+    {"losses": [...], "grad_norms": [...], "skipped_total": int, "out_dir": str, "saved": path | None}."""
     dims = check_sft_config(cfg, _world_size())
     tokenizer = load_tokenizer(cfg.data.tokenizer)
     if tokenizer.vocab_size > cfg.model.vocab_size:
@@ -147,7 +152,7 @@ def train(cfg: SFTConfig) -> dict:
     model = build_model(m, state.tp_group, kv_group, seed=None if cfg.init_checkpoint else cfg.train.seed,
                         device=device)
     if cfg.init_checkpoint:
-        load_initial_weights(model, cfg.init_checkpoint, state)
+        load_initial_weights(model, cfg.init_checkpoint, state, tokenizer.fingerprint)
     p = cfg.parallel
     opts = FSDPOptions(fsdp=p.fsdp, mixed_precision=p.mixed_precision,
                        activation_checkpointing=p.activation_checkpointing, cpu_offload=p.cpu_offload)
@@ -204,8 +209,9 @@ def train(cfg: SFTConfig) -> dict:
                           **timer.pop()})
         bar.update(step, loss=loss_v, lr=stats.lr, gnorm=stats.grad_norm, tok_s=tps)
     writer.close()
-    save_model(model, out_dir, state)
-    return {"losses": losses, "grad_norms": norms, "skipped_total": opt.skipped_total, "out_dir": out_dir}
+    saved = save_model(model, out_dir, state, tokenizer.fingerprint, cfg.train.steps)
+    return {"losses": losses, "grad_norms": norms, "skipped_total": opt.skipped_total, "out_dir": out_dir,
+            "saved": saved}
 
 
 # ---------------------------------------------------------------------------------------------
