@@ -120,3 +120,13 @@ def test_torchrun_dp2_matches_single_process_and_learns(tmp_path):
     torch.testing.assert_close(torch.tensor(losses[:5]), torch.tensor(single[:5]), atol=1e-4, rtol=1e-4)
     first, last = sum(losses[:5]) / 5, sum(losses[-5:]) / 5
     assert last < first - 0.7, f"loss must drop clearly: {first:.3f} -> {last:.3f}"
+
+
+def test_shipped_configs_load_and_validate():
+    from core.sft import check_sft_config
+
+    assert check_sft_config(load_config(SFTConfig, TINY), 1).world_size == 1
+    big = load_config(SFTConfig, os.path.join(REPO, "configs", "llama3_8b_multinode.yaml"), ["train.device=auto"])
+    dims = check_sft_config(big, 16)  # 2 nodes x 8 GPUs
+    assert (dims.dp, dims.tp) == (2, 8)
+    assert big.model.padded_vocab_size(8) == 128256 and big.model.head_dim == 128
