@@ -11,12 +11,13 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from dataclasses import replace
 
 import torch
 import yaml
 
 from core import checkpoint as ckpt
-from core.config import ConfigError, load_config, to_dict
+from core.config import ConfigError, ModelConfig, from_dict, load_config, to_dict
 from core.metrics import MetricsWriter, ProgressBar
 from core.model import Transformer
 from core.optim import build_optimizer
@@ -74,43 +75,43 @@ def _load(module_cls, model_cfg, path, state, kv_group, device, tokenizer_fp, wh
     return m
 
 
+def assemble(cfg: RLConfig, state, model_cfg, tokenizer, policy, ref, critic=None) -> RLTrainer:
+    """Shard the (plain, TP-local) policy, reference and critic over DP as configured, build their
+    optimizers, the reward and the trainer. Used by `build` and by tests with seeded models."""
+    p = cfg.parallel
+    opts = FSDPOptions(fsdp=p.fsdp, mixed_precision=p.mixed_precision,
+                       activation_checkpointing=p.activation_checkpointing, cpu_offload=False)
+    total = cfg.train.steps * cfg.algo.epochs * cfg.algo.mini_batches
+    policy = parallelize(policy, state.dp_mesh, opts)
+    ref = parallelize(freeze(ref), state.dp_mesh, FSDPOptions(fsdp=p.fsdp, mixed_precision=p.mixed_precision,
+                                                               cpu_offload=cfg.reference.cpu_offload))
+    opt = build_optimizer(policy, cfg.optim, model_cfg, total, state.tp_group, state.dp_group)
+    critic_opt = None
+    if critic is not None:
+        critic = parallelize(critic, state.dp_mesh, opts)
+        copt = replace(cfg.optim, lr=cfg.critic.lr, min_lr=cfg.critic.lr * 0.1, warmup_steps=cfg.critic.warmup_steps)
+        critic_opt = build_optimizer(critic, copt, model_cfg, total, state.tp_group, state.dp_group)
+    task, reward_fn, reward_norm = build_reward(cfg.reward)
+    return RLTrainer(cfg, state, policy, ref, opt, tokenizer, task, reward_fn, reward_norm, critic, critic_opt)
+
+
 def build(cfg: RLConfig):
     world = _world_size()
     dims = check_rl_config(cfg, world)
     device = _device(cfg)
     tokenizer = load_tokenizer(cfg.tokenizer)
-    start = ensure_start_checkpoint(cfg, tokenizer, device)  # collective-free until here on failure
-    manifest = ckpt.read_manifest(start)
-    from core.config import ModelConfig, from_dict
-
-    model_cfg = from_dict(ModelConfig, manifest["model_config"])
+    start = ensure_start_checkpoint(cfg, tokenizer, device)
+    model_cfg = from_dict(ModelConfig, ckpt.read_manifest(start)["model_config"])
     state = init_parallel(dims, device, model_cfg.n_heads, model_cfg.n_kv_heads)
     seed_everything(cfg.train.seed)
     kv_group = tp_subgroup(state, dims.tp // model_cfg.n_kv_heads) if dims.tp > model_cfg.n_kv_heads else None
     fp = tokenizer.fingerprint
-    p = cfg.parallel
-    opts = FSDPOptions(fsdp=p.fsdp, mixed_precision=p.mixed_precision,
-                       activation_checkpointing=p.activation_checkpointing, cpu_offload=False)
     policy = _load(Transformer, model_cfg, start, state, kv_group, device, fp, "policy")
-    policy = parallelize(policy, state.dp_mesh, opts)
-    ref_path = cfg.reference.checkpoint or start
-    ref = freeze(_load(Transformer, model_cfg, ref_path, state, kv_group, device, fp, "reference"))
-    ref = parallelize(ref, state.dp_mesh, FSDPOptions(fsdp=p.fsdp, mixed_precision=p.mixed_precision,
-                                                      cpu_offload=cfg.reference.cpu_offload))
-    opt = build_optimizer(policy, cfg.optim, model_cfg, cfg.train.steps * cfg.algo.epochs * cfg.algo.mini_batches,
-                          state.tp_group, state.dp_group)
-    critic = critic_opt = None
+    ref = _load(Transformer, model_cfg, cfg.reference.checkpoint or start, state, kv_group, device, fp, "reference")
+    critic = None
     if cfg.algo.name == "ppo":
-        critic = parallelize(_load(Critic, model_cfg, start, state, kv_group, device, fp, "critic"),
-                             state.dp_mesh, opts, blocks=None)
-        from dataclasses import replace
-
-        copt = replace(cfg.optim, lr=cfg.critic.lr, min_lr=cfg.critic.lr * 0.1, warmup_steps=cfg.critic.warmup_steps)
-        critic_opt = build_optimizer(critic, copt, model_cfg, cfg.train.steps * cfg.algo.epochs * cfg.algo.mini_batches,
-                                     state.tp_group, state.dp_group)
-    task, reward_fn, reward_norm = build_reward(cfg.reward)
-    trainer = RLTrainer(cfg, state, policy, ref, opt, tokenizer, task, reward_fn, reward_norm, critic, critic_opt)
-    return trainer, state, tokenizer, model_cfg
+        critic = _load(Critic, model_cfg, start, state, kv_group, device, fp, "critic")
+    return assemble(cfg, state, model_cfg, tokenizer, policy, ref, critic), state, tokenizer, model_cfg
 
 
 def _modules(trainer: RLTrainer) -> dict:
