@@ -126,13 +126,15 @@ def test_fused_tp_matches_full_head(dist_pools, tp):
         assert res[:tp] == [True] * tp
 
 
-def _peak_bytes(fn) -> int:
-    """Peak bytes of the tensors created inside fn (the inputs, made outside, are not counted)."""
+def _peak_bytes(fn, *inputs) -> int:
+    """Peak tensor bytes while fn runs, above what `inputs` already hold."""
+    total = lambda snap: sum(d["Total"] for d in snap.values())
     mt = MemTracker()
+    mt.track_external(*inputs)  # counted from the start, so that views of them are not new memory
     with mt:
+        base = total(mt.get_tracker_snapshot("current"))
         fn()
-    snap = mt.get_tracker_snapshot("peak")
-    return max((d["Total"] for d in snap.values()), default=0)
+    return total(mt.get_tracker_snapshot("peak")) - base
 
 
 def test_fused_peak_memory_does_not_grow_with_tokens():
@@ -151,7 +153,7 @@ def test_fused_peak_memory_does_not_grow_with_tokens():
                 out = (vocab_parallel_logprobs(zp, t, chunk_size=chunk), vocab_parallel_entropy(zp, chunk_size=chunk),
                        vocab_parallel_kl(zp, zq, chunk_size=chunk))
             sum((o * c).sum() for o, c in zip(out, coef)).backward()
-        return _peak_bytes(step)
+        return _peak_bytes(step, h, w, hr, wr, t, coef)
 
     T = 256
     fused = [run(T, True), run(2 * T, True)]
