@@ -1,6 +1,7 @@
 """SFT: the data loader (windows of the raw stream, seeded order, DP sharding, exact resume), bitwise
-determinism of the loop, and a real `torchrun -m core.sft` run with dp=2 (FSDP2) that matches the
-single-process run of the same global batch and lowers the loss."""
+determinism of the loop, metrics and progress output, and a real `torchrun -m core.sft` run with
+dp=2 (FSDP2) and gradient accumulation that matches the single-process run of the same global batch
+and lowers the loss."""
 
 from __future__ import annotations
 
@@ -109,14 +110,15 @@ def test_torchrun_dp2_matches_single_process_and_learns(tmp_path):
     common = FAST + [f"train.steps={steps}"]
     single = train(load_config(SFTConfig, TINY, common + [f"train.out_dir={tmp_path / 'single'}"]))["losses"]
     out = tmp_path / "dp2"
-    res = run_torchrun(["core.sft", "--config", TINY, *common, "data.micro_batch_size=4", "parallel.tp=1",
-                        f"train.out_dir={out}"], nproc=2, timeout=240)
+    # 2 DP ranks x grad_accum 2 x 2 sequences: FSDP2 skips the reduce-scatter on the first micro-step
+    res = run_torchrun(["core.sft", "--config", TINY, *common, "data.micro_batch_size=2", "data.grad_accum=2",
+                        "parallel.tp=1", f"train.out_dir={out}"], nproc=2, timeout=240)
     assert res.returncode == 0, res.stderr[-3000:]
     recs = read_metrics(str(out / "metrics.jsonl"))
     assert [r["step"] for r in recs] == list(range(1, steps + 1))
     losses = [r["loss"] for r in recs]
-    assert recs[0]["tokens"] == 2 * 4 * 32, "global tokens: 2 DP ranks x 4 sequences x 32"
-    # dp=2 x 4 sequences is the single process's batch of 8, split: the same training run
+    assert recs[0]["tokens"] == 8 * 32, "global tokens: 2 DP ranks x 2 micro-steps x 2 sequences x 32"
+    # that is the single process's batch of 8, split: the same training run
     torch.testing.assert_close(torch.tensor(losses[:5]), torch.tensor(single[:5]), atol=1e-4, rtol=1e-4)
     first, last = sum(losses[:5]) / 5, sum(losses[-5:]) / 5
     assert last < first - 0.7, f"loss must drop clearly: {first:.3f} -> {last:.3f}"
@@ -130,3 +132,30 @@ def test_shipped_configs_load_and_validate():
     dims = check_sft_config(big, 16)  # 2 nodes x 8 GPUs
     assert (dims.dp, dims.tp) == (2, 8)
     assert big.model.padded_vocab_size(8) == 128256 and big.model.head_dim == 128
+
+
+def test_progress_bar_and_metrics_writer(tmp_path):
+    import io
+    import json
+
+    from core.metrics import MetricsWriter, PhaseTimer, ProgressBar, peak_memory
+
+    log = io.StringIO()  # not a terminal: one full line every `every` steps, the first and the last
+    bar = ProgressBar(25, every=10, stream=log)
+    for step in range(1, 26):
+        bar.update(step, loss=1.0 / step)
+    lines = log.getvalue().splitlines()
+    assert [ln.split("] ")[1].split(" ")[0] for ln in lines] == ["1/25", "10/25", "20/25", "25/25"]
+    assert "loss=0.04" in lines[-1]
+    path = tmp_path / "m.jsonl"
+    with MetricsWriter(str(path)) as w:
+        w.write({"step": 1, "loss": float("nan"), "x": torch.tensor(2.5)})
+        assert json.loads(path.read_text()) == {"step": 1, "loss": "nan", "x": 2.5}, "flushed per line"
+    MetricsWriter(str(tmp_path / "off.jsonl"), enabled=False).write({"step": 1})
+    assert not (tmp_path / "off.jsonl").exists(), "only the main rank writes"
+    mem = peak_memory(torch.device("cpu"))
+    assert mem["peak_mem_kind"] == "cpu_max_rss" and mem["peak_mem_bytes"] > 10 * 2**20
+    timer = PhaseTimer()
+    with timer("a"):
+        pass
+    assert list(timer.pop()) == ["time_a_s"] and timer.pop() == {}
