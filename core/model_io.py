@@ -39,7 +39,7 @@ from core.checkpoint import (
     save_checkpoint_at,
 )
 from core.config import ModelConfig, to_dict
-from core.safetensors_io import StreamingWriter, stream_order
+from core.safetensors_stream import StreamingWriter, stream_order
 from core.shards import TPSlice, full_param_shapes, tp_slice
 from parallel.comm import all_gather_along, group_rank, group_size
 from parallel.fsdp import full_tensor
