@@ -6,7 +6,8 @@ shape, on the same machine, in one run.
 Both models run in fp32 with SDPA attention and the same loss (`F.cross_entropy` over the logits
 of the true vocabulary). Repeats are interleaved (ours, theirs, ours, ...) after warm-up so drift
 in machine load hits both alike; the median is reported, and ratio = ours / transformers (<= 1.0:
-kltron is at least as fast). Peak memory is the peak of tensor memory during one fwd+bwd (params,
+kltron is at least as fast). Process CPU time is reported beside wall time: on a shared machine it
+is the steadier of the two (use --threads 1 there). Peak memory is the peak of tensor memory during one fwd+bwd (params,
 activations, grads, temporaries) measured by `torch.distributed._tools.mem_tracker.MemTracker` in
 a separate, untimed pass (it intercepts every op, so it is not used while timing).
 
@@ -85,14 +86,19 @@ def bench(name: str, repeats: int) -> dict:
         step_ours()
         step_theirs()
     times = {"ours": [], "theirs": []}
+    cpu = {"ours": [], "theirs": []}
     for _ in range(repeats):
         for who, fn in (("ours", step_ours), ("theirs", step_theirs)):
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             fn()
             times[who].append(time.perf_counter() - t0)
+            cpu[who].append(time.process_time() - c0)
     med = {k: statistics.median(v) for k, v in times.items()}
+    med_cpu = {k: statistics.median(v) for k, v in cpu.items()}
     return {"config": name, "params": n_params, "tokens": spec["batch"] * spec["seq"],
             "ours_ms": 1e3 * med["ours"], "hf_ms": 1e3 * med["theirs"], "ratio": med["ours"] / med["theirs"],
+            "ours_cpu_ms": 1e3 * med_cpu["ours"], "hf_cpu_ms": 1e3 * med_cpu["theirs"],
+            "cpu_ratio": med_cpu["ours"] / med_cpu["theirs"],
             "ours_peak_mib": peak_tensor_bytes(step_ours, ours) / 2**20,
             "hf_peak_mib": peak_tensor_bytes(step_theirs, theirs) / 2**20,
             "threads": torch.get_num_threads(), "repeats": repeats}
@@ -109,12 +115,14 @@ def main(argv=None) -> list[dict]:
         torch.set_num_threads(args.threads)
     rows = [bench(n, args.repeats) for n in args.configs.split(",")]
     print(f"{'config':6} {'params':>10} {'tokens':>6} {'kltron ms':>10} {'HF ms':>9} {'ratio':>6} "
-          f"{'kltron peak MiB':>15} {'HF peak MiB':>11}")
+          f"{'kltron cpu ms':>13} {'HF cpu ms':>9} {'cpu ratio':>9} {'kltron peak MiB':>15} {'HF peak MiB':>11}")
     for r in rows:
         print(f"{r['config']:6} {r['params']:>10,} {r['tokens']:>6} {r['ours_ms']:>10.1f} {r['hf_ms']:>9.1f} "
-              f"{r['ratio']:>6.2f} {r['ours_peak_mib']:>15.1f} {r['hf_peak_mib']:>11.1f}")
-    print(f"(fp32, CPU, {rows[0]['threads']} threads, median of {args.repeats} interleaved repeats; peak = "
-          "MemTracker tensor memory during one fwd+bwd)")
+              f"{r['ratio']:>6.2f} {r['ours_cpu_ms']:>13.1f} {r['hf_cpu_ms']:>9.1f} {r['cpu_ratio']:>9.2f} "
+              f"{r['ours_peak_mib']:>15.1f} {r['hf_peak_mib']:>11.1f}")
+    print(f"(fp32, CPU, {rows[0]['threads']} threads, median of {args.repeats} interleaved repeats; ms = wall time, "
+          "cpu ms = process CPU time (less sensitive to other load on a shared machine); peak = MemTracker "
+          "tensor memory during one fwd+bwd)")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
