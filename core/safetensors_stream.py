@@ -92,7 +92,7 @@ class StreamingWriter:
 
     def write(self, name: str, tensor: torch.Tensor) -> None:
         if self._next >= len(self.order) or name != self.order[self._next]:
-            want = self.order[self._next] if self._next < len(self.order) else "nothing (all written)"
+            want = f"'{self.order[self._next]}'" if self._next < len(self.order) else "nothing (all written)"
             raise ValueError(f"StreamingWriter: got '{name}', expected {want}")
         dt, shape = self.specs[name]
         if tensor.dtype != dt or tuple(tensor.shape) != shape:

@@ -213,3 +213,29 @@ def test_single_file_set(tmp_path):
     assert save_safetensors_set({"x": torch.ones(3)}, str(tmp_path), prefix="optim") == ["optim.safetensors"]
     with open_safetensors_set(str(tmp_path), prefix="optim") as s:
         assert torch.equal(s.get("x"), torch.ones(3))
+
+
+@pytest.mark.parametrize("cap", [None, 64])
+def test_streaming_writer_reads_back_with_the_library(tmp_path, cap):
+    from core.safetensors_stream import StreamingWriter
+
+    g = torch.Generator().manual_seed(0)
+    ts = {"w": torch.randn(3, 5, generator=g), "h": torch.randn(7, generator=g).half(),
+          "d": torch.randn(2, 2, generator=g, dtype=torch.float64), "s": torch.tensor(4.0), "e": torch.zeros(0, 3)}
+    with StreamingWriter(str(tmp_path), "model", {k: (v.dtype, v.shape) for k, v in ts.items()}, cap) as w:
+        assert w.order[0] == "d" and w.order[-1] == "h"  # 8-byte items first: every tensor aligned
+        with pytest.raises(ValueError, match="expected 'd'"):
+            w.write("w", ts["w"])
+        with pytest.raises(ValueError, match="declared"):
+            w.write("d", ts["d"].float())
+        for n in w.order:
+            w.write(n, ts[n])
+        files = w.close()
+    got = {}
+    for f in files:
+        if f.endswith(".safetensors"):
+            got.update(st.load_file(str(tmp_path / f)))  # the reference implementation
+    assert sorted(got) == sorted(ts) and all(torch.equal(got[k], v) for k, v in ts.items())
+    assert (len(files) > 1) == (cap is not None) and not [f for f in os.listdir(tmp_path) if f.endswith(".tmp")]
+    with open_safetensors_set(str(tmp_path)) as s:
+        assert torch.equal(s.get_slice("w", 1, 1, 4), ts["w"][:, 1:4])
