@@ -106,7 +106,7 @@ def test_same_config_twice_is_bitwise_equal(tmp_path):
 def test_torchrun_dp2_matches_single_process_and_learns(tmp_path):
     from core.sft import train
 
-    steps = 30
+    steps = 20
     common = FAST + [f"train.steps={steps}"]
     single = train(load_config(SFTConfig, TINY, common + [f"train.out_dir={tmp_path / 'single'}"]))["losses"]
     out = tmp_path / "dp2"
@@ -121,7 +121,7 @@ def test_torchrun_dp2_matches_single_process_and_learns(tmp_path):
     # that is the single process's batch of 8, split: the same training run
     torch.testing.assert_close(torch.tensor(losses[:5]), torch.tensor(single[:5]), atol=1e-4, rtol=1e-4)
     first, last = sum(losses[:5]) / 5, sum(losses[-5:]) / 5
-    assert last < first - 0.7, f"loss must drop clearly: {first:.3f} -> {last:.3f}"
+    assert last < first - 0.5, f"loss must drop clearly: {first:.3f} -> {last:.3f}"
 
 
 def test_shipped_configs_load_and_validate():
