@@ -111,6 +111,7 @@ class TrainConfig:
     log_every: int = 1
     out_dir: str = "runs/sft"
     save_every: int = 0  # 0: save only at the end
+    stop_after: int | None = None  # end this run after this step (a job time limit); resume continues
     keep_last: int = 2
     resume: bool = True
     progress: bool = True

@@ -29,7 +29,8 @@ class DataError(ValueError):
 
 
 def tokenize_text_file(path: str | None, tokenizer: Tokenizer) -> torch.Tensor:
-    """All non-empty lines of `path` (None: the shipped corpus), each followed by EOS -> int64 [N]."""
+    """All non-empty lines of `path` (None: the shipped corpus), each as BOS line EOS -> int64 [N]
+    (a line is a document, as a prompt is at sampling time)."""
     path = DEFAULT_CORPUS if path is None else path
     try:
         with open(path, encoding="utf-8") as f:
@@ -39,7 +40,7 @@ def tokenize_text_file(path: str | None, tokenizer: Tokenizer) -> torch.Tensor:
     ids: list[int] = []
     for line in lines:
         if line.strip():
-            ids.extend(tokenizer.encode(line, eos=True))
+            ids.extend(tokenizer.encode(line, bos=True, eos=True))
     if not ids:
         raise DataError(f"data.text_file {path} holds no text")
     return torch.tensor(ids, dtype=torch.long)

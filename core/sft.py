@@ -23,56 +23,23 @@ import torch
 import torch.distributed as dist
 import yaml
 
+from core.checkpoint import find_latest
 from core.config import ConfigError, SFTConfig, load_config, to_dict
 from core.data import DataError, SequenceLoader, tokenize_text_file
 from core.metrics import MetricsWriter, PhaseTimer, ProgressBar, Throughput, peak_memory, reset_peak_memory
 from core.model import build_model
+from core.model_io import load_model_weights, save_model_weights
 from core.optim import OptimConfigError, build_optimizer, check_optim_config
 from core.safetensors_io import CheckpointError
 from core.tokenizer import TokenizerError, load_tokenizer
+from core.train_checkpoint import load_train_checkpoint, save_train_checkpoint
 from parallel.comm import all_reduce
 from parallel.dims import LayoutError, ParallelDims, init_parallel, seed_everything, tp_subgroup
 from parallel.fsdp import FSDPOptions, is_fsdp, parallelize, set_gradient_sync, sync_replicated_grads
 from parallel.layers import vocab_parallel_logits
 
 # errors that mean "this config or launch cannot work": reported as one line, exit status 2
-USER_ERRORS = (ConfigError, LayoutError, DataError, TokenizerError, OptimConfigError, CheckpointError,
-               NotImplementedError)
-
-# ---------------------------------------------------------------------------------------------
-# hooks into core/checkpoint (wired by the checkpoint owner)
-
-
-def _checkpoint_fn(name: str):
-    try:
-        from core import checkpoint
-
-        return getattr(checkpoint, name, None)
-    except ImportError:  # core.checkpoint, or the module it resolves `name` from, is not there yet
-        return None
-
-
-def load_initial_weights(model, path: str, state, tokenizer_fingerprint: str | None = None) -> None:
-    """Fill `model` (this rank's TP shards, before `parallelize`) from the checkpoint at `path`."""
-    loader = _checkpoint_fn("load_model_weights")
-    if loader is None:
-        raise NotImplementedError(
-            f"init_checkpoint={path!r}: core.checkpoint has no load_model_weights(model, path, state) yet, "
-            "so SFT cannot start from a checkpoint; unset init_checkpoint to initialise from train.seed")
-    loader(model, path, state, tokenizer_fingerprint=tokenizer_fingerprint)
-
-
-def save_model(model, out_dir: str, state, tokenizer_fingerprint: str | None = None, step: int = 0) -> str | None:
-    """Save the trained model as a checkpoint folder `out_dir/model` via core/checkpoint (collective);
-    None (and a log line) if core/checkpoint cannot save yet."""
-    saver = _checkpoint_fn("save_model_weights")
-    if saver is None:
-        if state.is_main:
-            print("kltron.sft: core.checkpoint has no save_model_weights yet; model not saved", file=sys.stderr)
-        return None
-    return saver(model, os.path.join(out_dir, "model"), state, tokenizer_fingerprint=tokenizer_fingerprint,
-                 step=step)
-
+USER_ERRORS = (ConfigError, LayoutError, DataError, TokenizerError, OptimConfigError, CheckpointError)
 
 # ---------------------------------------------------------------------------------------------
 # checks (pure: no collective)
@@ -108,8 +75,6 @@ def check_sft_config(cfg: SFTConfig, world_size: int) -> ParallelDims:
         raise ConfigError(f"train.device must be auto, cpu or cuda, got {t.device!r}")
     if t.device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("train.device=cuda but CUDA is not available")
-    if cfg.init_checkpoint is not None and _checkpoint_fn("load_model_weights") is None:
-        load_initial_weights(None, cfg.init_checkpoint, None)  # raises the clear NotImplementedError
     return dims
 
 
@@ -152,7 +117,7 @@ def train(cfg: SFTConfig) -> dict:
     model = build_model(m, state.tp_group, kv_group, seed=None if cfg.init_checkpoint else cfg.train.seed,
                         device=device)
     if cfg.init_checkpoint:
-        load_initial_weights(model, cfg.init_checkpoint, state, tokenizer.fingerprint)
+        load_model_weights(model, cfg.init_checkpoint, state, tokenizer_fingerprint=tokenizer.fingerprint)
     p = cfg.parallel
     opts = FSDPOptions(fsdp=p.fsdp, mixed_precision=p.mixed_precision,
                        activation_checkpointing=p.activation_checkpointing, cpu_offload=p.cpu_offload)
@@ -166,17 +131,26 @@ def train(cfg: SFTConfig) -> dict:
                             state.dp_rank, dims.dp)
 
     out_dir = cfg.train.out_dir
+    ckpt_root = os.path.join(out_dir, "checkpoints")
+    first = 1
+    latest = find_latest(ckpt_root) if cfg.train.resume else None
+    if latest is not None:  # resume: weights, AdamW state, schedule, RNG and data position
+        extra = load_train_checkpoint(latest, state, {"policy": (model, opt)})
+        loader.load_state_dict(extra["data"])
+        first = extra["step"] + 1
     if state.is_main:
         os.makedirs(out_dir, exist_ok=True)
         with open(os.path.join(out_dir, "config.yaml"), "w") as f:
             yaml.safe_dump(to_dict(cfg), f, sort_keys=False)
-    writer = MetricsWriter(os.path.join(out_dir, "metrics.jsonl"), enabled=state.is_main, mode="w")
+    writer = MetricsWriter(os.path.join(out_dir, "metrics.jsonl"), enabled=state.is_main,
+                           mode="a" if first > 1 else "w")
     bar = ProgressBar(cfg.train.steps, enabled=state.is_main and cfg.train.progress,
                       every=max(cfg.train.log_every, cfg.train.steps // 20))
     timer, meter = PhaseTimer(device), Throughput()
     reset_peak_memory(device)
     losses, norms = [], []
-    for step in range(1, cfg.train.steps + 1):
+    step = first - 1
+    for step in range(first, cfg.train.steps + 1):
         with timer("data"):
             batches = [next(loader) for _ in range(cfg.data.grad_accum)]
             n_tokens = torch.tensor([float(sum(b.targets.numel() for b in batches))], device=device)
@@ -208,8 +182,19 @@ def train(cfg: SFTConfig) -> dict:
                           "tokens": int(n_tokens.item()), "tokens_per_s": tps, **peak_memory(device),
                           **timer.pop()})
         bar.update(step, loss=loss_v, lr=stats.lr, gnorm=stats.grad_norm, tok_s=tps)
+        stop = cfg.train.stop_after is not None and step >= cfg.train.stop_after
+        if (cfg.train.save_every and step % cfg.train.save_every == 0) or stop:
+            save_train_checkpoint(ckpt_root, step, state, {"policy": (model, opt)},
+                                  extra={"data": loader.state_dict()}, keep_last=cfg.train.keep_last,
+                                  tokenizer_fingerprint=tokenizer.fingerprint)
+        if stop:
+            break
     writer.close()
-    saved = save_model(model, out_dir, state, tokenizer.fingerprint, cfg.train.steps)
+    if step < cfg.train.steps:  # stopped early: the train checkpoint is the state to resume from
+        return {"losses": losses, "grad_norms": norms, "skipped_total": opt.skipped_total, "out_dir": out_dir,
+                "saved": None}
+    saved = save_model_weights(model, os.path.join(out_dir, "model"), state,
+                               tokenizer_fingerprint=tokenizer.fingerprint, step=cfg.train.steps)
     return {"losses": losses, "grad_norms": norms, "skipped_total": opt.skipped_total, "out_dir": out_dir,
             "saved": saved}
 

@@ -82,7 +82,7 @@ class GuardConfig:
 
 @dataclass
 class InitConfig:
-    checkpoint: str | None = None  # the policy's starting checkpoint; None: {sft_dir}/final, built if missing
+    checkpoint: str | None = None  # the policy's starting checkpoint; None: {sft_dir}/model, built if missing
     sft_dir: str = "runs/tiny_sft"  # where the start checkpoint is built by supervised training on the task
     sft_steps: int = 300
     sft_lr: float = 3e-3
@@ -94,7 +94,7 @@ class InitConfig:
     def start_checkpoint(self) -> str:
         import os
 
-        return self.checkpoint or os.path.join(self.sft_dir, "final")
+        return self.checkpoint or os.path.join(self.sft_dir, "model")
 
 
 @dataclass

@@ -166,9 +166,10 @@ def run(cfg: RLConfig) -> list[dict]:
         if rec.get("kl_stop"):
             stop = (f"kltron: step {step}: mean KL {rec['kl_mean']:.3f} passed guard.kl_stop={cfg.guard.kl_stop}; "
                     "stopping after this checkpoint (see python -m tools.diagnose)")
-        if last or stop or (cfg.train.save_every and (step + 1) % cfg.train.save_every == 0):
+        pause = cfg.train.stop_after is not None and step + 1 >= cfg.train.stop_after
+        if last or stop or pause or (cfg.train.save_every and (step + 1) % cfg.train.save_every == 0):
             save(step)
-        if stop:
+        if stop or pause:
             break
     writer.close()
     if stop:

@@ -103,6 +103,23 @@ def test_same_config_twice_is_bitwise_equal(tmp_path):
     assert [r["loss"] for r in recs] == runs[0]
 
 
+def test_entry_point_resume_is_bitwise_equal(tmp_path):
+    """6 steps straight == 3 steps (the job stops, as at a time limit), a train checkpoint, a
+    fresh run of the same command that resumes, 3 more steps."""
+    from core.sft import train
+
+    straight = train(load_config(SFTConfig, TINY, FAST + ["train.steps=6", f"train.out_dir={tmp_path / 'a'}"]))
+    out = f"train.out_dir={tmp_path / 'b'}"
+    first = train(load_config(SFTConfig, TINY, FAST + ["train.steps=6", "train.save_every=3", "train.stop_after=3", out]))
+    assert first["losses"] == straight["losses"][:3]
+    torch.manual_seed(999)  # resume must restore the RNG, not rely on it
+    resumed = train(load_config(SFTConfig, TINY, FAST + ["train.steps=6", out]))
+    recs = read_metrics(str(tmp_path / "b" / "metrics.jsonl"))
+    assert [r["step"] for r in recs] == [1, 2, 3, 4, 5, 6]
+    assert [r["loss"] for r in recs] == straight["losses"]
+    assert resumed["losses"] == straight["losses"][3:]
+
+
 def test_torchrun_dp2_matches_single_process_and_learns(tmp_path):
     from core.sft import train
 
