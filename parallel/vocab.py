@@ -14,8 +14,9 @@ Math, per token, with z = logits / temperature (p the policy, q the other side):
 (lse_p - lse_q = m_p - m_q + log(S_p/S_q): identical inputs give sum p*0 = 0 minus 0: exactly 0.0.)
 
 Communication per call, whatever the number of token chunks: one all-reduce(MAX) of the local
-maxima [T, 1|2] and one all-gather of [T, <=6] partial sums (summed in rank order), each computed against the rank's
-own maximum and rescaled once the global maximum is known. That is O(T) floats, never O(T*V).
+maxima [T, 1|2] and one all-gather of [T, <=6] partial sums (then summed in rank order), each
+computed against the rank's own maximum and rescaled once the global maximum is known. Each rank
+sends O(T) floats (receives O(T*tp)), never O(T*V).
 Every backward is local, except log_softmax's, whose upstream gradient is an arbitrary sharded
 [T, V/tp] tensor: it needs one all-reduce of sum_v grad ([T] floats).
 
@@ -336,7 +337,7 @@ def vocab_parallel_logsumexp(logits_local, tp_group=None, *, vocab_size=None, te
 def vocab_parallel_logprobs(logits_local, targets, tp_group=None, *, vocab_size=None, temperature=1.0,
                             fp32=True, chunk_size=None):
     """log p(target) under softmax(logits/temperature): [..., Vp/tp] sharded, targets [...] global
-    ids -> [...]. Two all-reduces of O(T) floats; local backward (onehot - p)."""
+    ids -> [...]. Two O(T) collectives (max; sum-exp with the target logit); local backward."""
     spec = StatsSpec(False, True, False, None, ("logprobs",))
     return _run(logits_local, None, targets, tp_group, spec, vocab_size=vocab_size, temperature=temperature,
                 fp32=fp32, chunk_size=chunk_size)[0]
@@ -345,7 +346,7 @@ def vocab_parallel_logprobs(logits_local, targets, tp_group=None, *, vocab_size=
 def vocab_parallel_cross_entropy(logits_local, targets, tp_group=None, *, vocab_size=None, ignore_index=-100,
                                  fp32=True, chunk_size=None):
     """Per-token -log p(target): [..., Vp/tp] sharded -> [...], exactly 0 (and zero gradient) where
-    targets == ignore_index. Two all-reduces (max; sum-exp stacked with the target logit)."""
+    targets == ignore_index. Two O(T) collectives (max; sum-exp with the target logit), local backward."""
     spec = StatsSpec(False, True, False, None, ("logprobs",))
     lp = _run(logits_local, None, targets, tp_group, spec, vocab_size=vocab_size, temperature=1.0,
               fp32=fp32, chunk_size=chunk_size, ignore_index=ignore_index)[0]
