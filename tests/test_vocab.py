@@ -23,10 +23,21 @@ FUNCS = ["logsumexp", "log_softmax", "logprobs", "cross_entropy", "entropy", "kl
 B, S = 3, 5  # leading dims [B, S, V/tp]; T = 15 tokens, chunks of 4 (uneven)
 
 
-def _group():
+_SUBGROUPS = {}
+
+
+def _group(tp=None):
+    """The TP group of this test: None in-process, else the first `tp` ranks of the 4-rank pool
+    (one pool serves tp=2 and tp=4; ranks outside the group return None from the checks)."""
     import torch.distributed as dist
 
-    return dist.group.WORLD if dist.is_initialized() else None
+    if not dist.is_initialized():
+        return None
+    if tp is None or tp == dist.get_world_size():
+        return dist.group.WORLD
+    if tp not in _SUBGROUPS:  # every rank creates every subgroup, in the same order
+        _SUBGROUPS[tp] = dist.new_group(list(range(tp)))
+    return _SUBGROUPS[tp] if dist.get_rank() < tp else False
 
 
 def _ours(name, x, y, t, group, V, tau, chunk, fp32=True):
@@ -82,8 +93,10 @@ def _inputs(V, tp, seed, pad_value=None):
     return Vp, X, Y, t, t_ce
 
 
-def _check_against_reference(V, seed):
-    group = _group()
+def _check_against_reference(V, seed, tp=None):
+    group = _group(tp)
+    if group is False:
+        return None
     tp, r = comm.group_size(group), comm.group_rank(group)
     Vp, X, Y, t, t_ce = _inputs(V, tp, seed)
     width = Vp // tp
@@ -122,8 +135,10 @@ def _check_against_reference(V, seed):
     return comm_by_func
 
 
-def _check_identical_and_masked(V, seed):
-    group = _group()
+def _check_identical_and_masked(V, seed, tp=None):
+    group = _group(tp)
+    if group is False:
+        return True
     tp, r = comm.group_size(group), comm.group_rank(group)
     Vp, X, _, t, _ = _inputs(V, tp, seed)
     width = Vp // tp
@@ -171,8 +186,8 @@ def test_single_process_matches_float64_reference(V):
 def test_vocab_parallel_matches_float64_reference(dist_pools, tp):
     per_vocab = {}
     for V in (131, 1000):  # V=131 at tp=4 leaves rank 3 with padding only
-        per_vocab[V] = dist_pools.run(tp, _check_against_reference, V, 2)
-        assert all(dist_pools.run(tp, _check_identical_and_masked, V, 3))
+        per_vocab[V] = dist_pools.run(4, _check_against_reference, V, 2, tp)
+        assert all(dist_pools.run(4, _check_identical_and_masked, V, 3, tp))
     # the counter: no collective grows with V (same bytes for 131 and 1000), each at most 6T floats
     T = B * S
     for name in FUNCS:
