@@ -87,6 +87,7 @@ class InitConfig:
     sft_steps: int = 300
     sft_lr: float = 3e-3
     sft_examples: int = 4000  # task examples written to {sft_dir}/task_data.txt
+    sft_answer_noise: float = 0.0  # share of those examples given a wrong answer (a noisy demonstration set)
     sft_seq_len: int = 64
     sft_micro_batch_size: int = 16
 

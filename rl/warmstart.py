@@ -18,12 +18,28 @@ from rl.rewards import build_reward
 from rl.tasks import sft_text
 
 
+def corrupt_answer(answer: str, rng: random.Random) -> str:
+    """The answer with one character replaced by another of its kind (digit or letter)."""
+    if not answer:
+        return answer
+    i = rng.randrange(len(answer))
+    pool = "0123456789" if answer[i].isdigit() else "abcdefgh" if answer[i].isalpha() else answer[i]
+    choices = [c for c in pool if c != answer[i]] or [answer[i]]
+    return answer[:i] + rng.choice(choices) + answer[i + 1:]
+
+
 def write_task_corpus(cfg: RLConfig, path: str) -> None:
     """`init.sft_examples` lines "prompt+answer" from the task, drawn with a seed that the RL
-    prompts never use; written atomically."""
+    prompts never use; a share `init.sft_answer_noise` of them carries a wrong answer (one
+    character changed): a noisy demonstration set, whose mistakes the policy imitates and RL
+    against the exact-match verifier then removes. Written atomically."""
     task, _, _ = build_reward(cfg.reward)
     rng = random.Random(f"sft-{cfg.train.seed}")
-    lines = [sft_text(meta) for _, meta in task.sample_prompts(cfg.init.sft_examples, rng)]
+    lines = []
+    for _, meta in task.sample_prompts(cfg.init.sft_examples, rng):
+        if rng.random() < cfg.init.sft_answer_noise:
+            meta = dict(meta, answer=corrupt_answer(meta["answer"], rng))
+        lines.append(sft_text(meta))
     tmp = path + ".tmp"
     with open(tmp, "w", encoding="utf-8") as f:
         f.write("\n".join(lines) + "\n")
