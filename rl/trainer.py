@@ -305,7 +305,7 @@ class RLTrainer:
                "kl_loss": upd.get("kl_loss", 0.0), "adv_abs_mean": stats[4].item() / max(tokens, 1.0),
                "grad_norm": upd["grad_norm"], "lr": upd["lr"], "skipped": upd["skipped"],
                "skipped_total": upd["skipped_total"], "early_stopped": upd["early_stopped"],
-               "response_len": tokens / n, "tokens_per_s": tokens / max(elapsed, 1e-9),
+               "samples": int(n), "response_len": tokens / n, "tokens_per_s": tokens / max(elapsed, 1e-9),
                "logp_drift": upd["logp_drift"], "ref_synced": synced, "step_time_s": elapsed,
                **times, **peak_memory(self.state.device)}
         if "critic_grad_norm" in upd:

@@ -59,6 +59,14 @@ def test_reward_swings():
     assert _names(_run(reward=lambda i: 0.5 + (0.3 if i % 2 else -0.3))) == ["reward_swings"]
 
 
+def test_sampling_noise_is_not_a_swing():
+    noisy = dict(samples=lambda i: 256, reward_std=lambda i: 0.5)  # 0/1 rewards: SE of a mean 0.03
+    rows = _run(reward=lambda i: 0.5 + (0.03 if i % 2 else -0.03), **noisy)
+    assert _names(rows) == []  # +-0.03 is sampling noise
+    rows = _run(reward=lambda i: 0.5 + (0.3 if i % 2 else -0.3), **noisy)
+    assert _names(rows) == ["reward_swings"]
+
+
 def test_cli_and_plots(tmp_path, capsys):
     run = tmp_path / "run"
     run.mkdir()

@@ -118,7 +118,7 @@ def check_kl_concentrated(rows, window: int) -> Finding | None:
         m, p99, mx = r.get("kl_mean"), r.get("kl_p99"), r.get("kl_max")
         if not all(isinstance(x, (int, float)) for x in (m, p99, mx)):
             continue
-        if abs(m) < 0.5 and mx > 1.0 and mx > 25 * max(abs(m), 1e-4):
+        if abs(m) < 0.5 and mx > 1.0 and mx > 25 * max(abs(m), 1e-4) and p99 > 10 * max(abs(m), 1e-4):
             hits.append((r.get("step"), m, p99, mx))
     if len(hits) < max(2, len(recent) // 3):
         return None
@@ -146,6 +146,12 @@ def check_reward_swings(rows, window: int) -> Finding | None:
     trend = abs(rw[-1] - rw[0])
     scale = max(max(rw) - min(rw), 1e-9)
     flips = sum((a > 0) != (b > 0) for a, b in zip(diffs, diffs[1:])) / max(len(diffs) - 1, 1)
+    sd, n = _series(rows, "reward_std")[-window:], _series(rows, "samples")[-window:]
+    if sd and n and len(sd) == len(n):
+        # swings beyond sampling noise: |difference of two step means| ~ 1.13 * sqrt(2) * SE
+        se = sum(s / max(k, 1.0) ** 0.5 for s, k in zip(sd, n)) / len(sd)
+        if mean_abs_step < 3 * 1.6 * se:
+            return None
     if mean_abs_step > 0.25 * scale and flips > 0.6 and mean_abs_step > 2 * trend / len(diffs):
         return Finding("reward_swings", f"reward moves {mean_abs_step:.3g} per step on average (range "
                                         f"{min(rw):.3g}..{max(rw):.3g}) with the direction flipping in "
