@@ -126,8 +126,9 @@ class DistPool:
         if not force:
             for q in self.tasks:
                 q.put(None)
+            deadline = time.monotonic() + 3.0  # a clean exit is quick; don't wait on a slow teardown
             for p in self.procs:
-                p.join(timeout=10)
+                p.join(timeout=max(deadline - time.monotonic(), 0.05))
         for p in self.procs:
             if p.is_alive():
                 p.kill()
