@@ -50,6 +50,17 @@ def policy_token_stats(model, sequences, attention_mask, prompt_len: int, *, tp_
 
 
 @torch.no_grad()
+def logprobs_from_hidden(hidden: torch.Tensor, weight_local: torch.Tensor, targets: torch.Tensor, *, tp_group=None,
+                         vocab_size: int, temperature: float = 1.0, chunk_size: int = 1024) -> torch.Tensor:
+    """Log-probs [B, N] of `targets` [B, N] from final hidden states [B, N, H] and a local head
+    weight [Vp/tp, H] (e.g. what `reference_hidden` returned): no second forward of the model."""
+    B, N = targets.shape
+    out = fused_head(hidden.reshape(B * N, -1), weight_local, targets.reshape(-1), tp_group, vocab_size=vocab_size,
+                     temperature=temperature, chunk_size=chunk_size, entropy=False)
+    return out.logprobs.view(B, N)
+
+
+@torch.no_grad()
 def reference_hidden(ref, sequences, attention_mask, prompt_len: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The reference's final hidden states at the response positions [B, N, H] and its local head
     weight [Vp/tp, H] (copied: under FSDP the gathered weight is freed after forward)."""

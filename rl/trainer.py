@@ -26,7 +26,7 @@ from rl.advantages import broadcast_to_tokens, gae, grpo_advantages, kl_shaped_r
 from rl.config import RLConfig
 from rl.controller import KLController
 from rl.kl import kl_by_position, kl_from_config, kl_quantiles, masked_mean
-from rl.logprobs import critic_values, policy_token_stats, reference_hidden
+from rl.logprobs import critic_values, logprobs_from_hidden, policy_token_stats, reference_hidden
 from rl.losses import clipped_value_loss, loss_scale, policy_loss
 from rl.reference import ReferenceSync
 from rl.rollout import Rollout, collect_rollout
@@ -153,7 +153,9 @@ class RLTrainer:
         exact = cfg.kl.exact
         with self.timer("ref_logprobs"):
             ref_h, ref_w = reference_hidden(self.ref, ro.sequences, ro.attention_mask, ro.prompt_len)
-            ref_logp = self._token_stats(self.ref, ro, entropy=False).logprobs
+            ref_logp = logprobs_from_hidden(ref_h, ref_w, ro.responses_ids, tp_group=self.tp_group,
+                                            vocab_size=self.vocab, temperature=self._temperature,
+                                            chunk_size=cfg.algo.kl_chunk_size)
         with self.timer("old_logprobs"):
             kl_dir = cfg.kl.direction if exact else None
             old = self._token_stats(self.policy, ro, entropy=True, kl=kl_dir, ref_hidden=ref_h, ref_weight=ref_w)
@@ -170,7 +172,8 @@ class RLTrainer:
             adv = grpo_advantages(scores, cfg.rollout.group_size, cfg.algo.adv_std_norm)
             data.advantages = broadcast_to_tokens(adv, mask)
         else:
-            values = critic_values(self.critic, ro.sequences, ro.attention_mask, ro.prompt_len)
+            with self.timer("critic_values"):
+                values = critic_values(self.critic, ro.sequences, ro.attention_mask, ro.prompt_len)
             beta = self.controller.beta if cfg.kl.where == "reward" else 0.0
             valid = mask.any(1)
             rewards = torch.zeros_like(kl)
