@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from core.config import ModelConfig
 from core.shards import full_param_shapes, kv_heads_per_rank, tp_slice
-from parallel.comm import group_rank, group_size
+from parallel.comm import copy_to_tp, group_rank, group_size
 from parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, vocab_parallel_logits
 
 # ---------------------------------------------------------------------------------------------
@@ -107,14 +107,16 @@ class Attention(nn.Module):
         tp = group_size(tp_group)
         self.hd, self.nh_l, self.nkv_l = cfg.head_dim, cfg.n_heads // tp, kv_heads_per_rank(cfg, tp)
         H, b = cfg.hidden_size, cfg.qkv_bias
-        kw = dict(device=device, dtype=dtype)
+        self.tp_group = tp_group
+        kw = dict(device=device, dtype=dtype, copy_input=False)  # forward() copies x to tp once for q, k, v
         self.wq = ColumnParallelLinear(H, self.nh_l * self.hd, tp_group, bias=b, **kw)
         self.wk = ColumnParallelLinear(H, self.nkv_l * self.hd, tp_group, bias=b, replica_group=kv_replica_group, **kw)
         self.wv = ColumnParallelLinear(H, self.nkv_l * self.hd, tp_group, bias=b, replica_group=kv_replica_group, **kw)
-        self.wo = RowParallelLinear(self.nh_l * self.hd, H, tp_group, **kw)
+        self.wo = RowParallelLinear(self.nh_l * self.hd, H, tp_group, device=device, dtype=dtype)
 
     def forward(self, x, cos, sin, mask, cache: KVCache | None, layer: int):
         B, S, _ = x.shape
+        x = copy_to_tp(x, self.tp_group)  # backward: one all-reduce of dL/dx for q, k and v together
         q = self.wq(x).view(B, S, self.nh_l, self.hd).transpose(1, 2)  # (B, nh_l, S, hd)
         k = self.wk(x).view(B, S, self.nkv_l, self.hd).transpose(1, 2)  # (B, nkv_l, S, hd)
         v = self.wv(x).view(B, S, self.nkv_l, self.hd).transpose(1, 2)
@@ -137,12 +139,14 @@ class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig, tp_group, device=None, dtype=None):
         super().__init__()
         tp, H = group_size(tp_group), cfg.hidden_size
-        kw = dict(device=device, dtype=dtype)
+        self.tp_group = tp_group
+        kw = dict(device=device, dtype=dtype, copy_input=False)  # forward() copies x to tp once for gate, up
         self.w_gate = ColumnParallelLinear(H, cfg.intermediate_size // tp, tp_group, **kw)
         self.w_up = ColumnParallelLinear(H, cfg.intermediate_size // tp, tp_group, **kw)
-        self.w_down = RowParallelLinear(cfg.intermediate_size // tp, H, tp_group, **kw)
+        self.w_down = RowParallelLinear(cfg.intermediate_size // tp, H, tp_group, device=device, dtype=dtype)
 
     def forward(self, x):
+        x = copy_to_tp(x, self.tp_group)  # backward: one all-reduce of dL/dx for gate and up together
         return self.w_down(F.silu(self.w_gate(x)) * self.w_up(x))
 
 

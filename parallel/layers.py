@@ -21,27 +21,11 @@ import torch.nn.functional as F
 from parallel.comm import copy_to_tp, group_rank, group_size, reduce_from_tp
 
 
-class _CopyToReplicas(torch.autograd.Function):
-    """Identity forward; backward sums the gradient over the ranks that hold the same replica."""
-
-    @staticmethod
-    def forward(ctx, w, group):
-        ctx.group = group
-        return w
-
-    @staticmethod
-    def backward(ctx, grad):
-        from parallel.comm import all_reduce
-
-        # replicas of one weight each saw part of the batch's heads: the true gradient is the sum
-        return all_reduce(grad.contiguous().clone(), "sum", ctx.group), None
-
-
 def tie_replicas(w: torch.Tensor, replica_group) -> torch.Tensor:
-    """Use `w` in forward so that its gradient is summed over `replica_group` in backward."""
-    if group_size(replica_group) == 1:
-        return w
-    return _CopyToReplicas.apply(w, replica_group)
+    """Use `w` in forward so that its gradient is summed over `replica_group` in backward: the
+    replicas of one weight (a KV head shared by several TP ranks) each saw part of the heads.
+    This is the "f" collective of `parallel.comm`, applied to a weight instead of an activation."""
+    return copy_to_tp(w, replica_group)
 
 
 class ColumnParallelLinear(nn.Module):
@@ -49,18 +33,21 @@ class ColumnParallelLinear(nn.Module):
 
     `local_out_features` is the shard height (out_features / tp, or a replicated KV head's rows);
     `replica_group` names the ranks holding the same shard (their gradients are summed).
+    `copy_input=False` when the caller already passed x through `copy_to_tp` once for several
+    column-parallel layers that read it (q, k, v; gate, up), so backward all-reduces dL/dx once.
     """
 
     def __init__(self, in_features: int, local_out_features: int, tp_group=None, bias: bool = False,
-                 replica_group=None, device=None, dtype=None):
+                 replica_group=None, copy_input: bool = True, device=None, dtype=None):
         super().__init__()
-        self.tp_group, self.replica_group = tp_group, replica_group
+        self.tp_group, self.replica_group, self.copy_input = tp_group, replica_group, copy_input
         self.weight = nn.Parameter(torch.empty(local_out_features, in_features, device=device, dtype=dtype))
         self.bias = (nn.Parameter(torch.empty(local_out_features, device=device, dtype=dtype))
                      if bias else None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = copy_to_tp(x, self.tp_group)  # backward: every shard contributed a partial dL/dx
+        if self.copy_input:
+            x = copy_to_tp(x, self.tp_group)  # backward: every shard contributed a partial dL/dx
         w, b = tie_replicas(self.weight, self.replica_group), self.bias
         if b is not None:
             b = tie_replicas(b, self.replica_group)

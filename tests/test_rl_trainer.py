@@ -53,8 +53,8 @@ def _steps_and_logits(tp, dp, overrides):
     ids = torch.arange(3, 3 + 2 * 12).view(2, 12) % 250 + 3
     with torch.no_grad():
         logits = gather_from_tp(trainer.policy(ids), state.tp_group)[..., :256]
-    keys = ("reward_mean", "kl_mean", "kl_p50", "kl_p90", "kl_p99", "pg_loss", "grad_norm", "entropy", "ratio_mean", "clipfrac",
-            "logp_drift", "kl_loss")
+    keys = ("reward_mean", "kl_mean", "kl_p50", "kl_p90", "kl_p99", "pg_loss", "grad_norm", "entropy", "ratio_mean",
+            "clipfrac", "logp_drift", "kl_loss")
     return [{k: r[k] for k in keys} for r in recs], logits
 
 

@@ -110,7 +110,8 @@ def test_entry_point_resume_is_bitwise_equal(tmp_path):
 
     straight = train(load_config(SFTConfig, TINY, FAST + ["train.steps=6", f"train.out_dir={tmp_path / 'a'}"]))
     out = f"train.out_dir={tmp_path / 'b'}"
-    first = train(load_config(SFTConfig, TINY, FAST + ["train.steps=6", "train.save_every=3", "train.stop_after=3", out]))
+    first = train(load_config(SFTConfig, TINY, FAST + ["train.steps=6", "train.save_every=3", "train.stop_after=3",
+                                                       out]))
     assert first["losses"] == straight["losses"][:3]
     torch.manual_seed(999)  # resume must restore the RNG, not rely on it
     resumed = train(load_config(SFTConfig, TINY, FAST + ["train.steps=6", out]))
