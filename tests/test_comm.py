@@ -71,3 +71,30 @@ def test_pool_reports_failure_without_hanging(dist_pools):
     with pytest.raises(DistError, match="boom on rank 1"):
         dist_pools.run(2, _fails_on_rank_one, timeout=60)
     assert dist_pools.run(2, _collectives, 2) == [0, 1]  # the pool restarts after a failure
+
+
+def _model_collectives():
+    import torch.distributed as dist
+
+    from core.config import ModelConfig
+    from core.model import build_model
+
+    cfg = ModelConfig(vocab_size=131, hidden_size=32, n_layers=3, n_heads=4, n_kv_heads=2, intermediate_size=64)
+    model = build_model(cfg, tp_group=dist.group.WORLD, seed=0)
+    ids = torch.randint(0, 131, (2, 8))
+    with comm.count_comm() as fwd:
+        logits = model(ids)
+    with comm.count_comm() as bwd:
+        (logits ** 2).sum().backward()
+    return fwd.by_kind(), bwd.by_kind(), fwd.max_numel(), bwd.max_numel()
+
+
+def test_model_issues_megatron_collective_count(dist_pools):
+    """Per layer: forward all-reduces the attention and MLP outputs (g); backward all-reduces
+    dL/dx once for q,k,v and once for gate,up (f); plus the embedding (g) and the head's input (f).
+    Every payload is [B, S, H] activations, never weights or vocab-sized."""
+    fwd, bwd, fmax, bmax = dist_pools.run(2, _model_collectives)[0]
+    L, B, S, H = 3, 2, 8, 32
+    assert fwd == {"all_reduce:sum": (1 + 2 * L, (1 + 2 * L) * B * S * H * 4)}
+    assert bwd == {"all_reduce:sum": (2 * L + 1, (2 * L + 1) * B * S * H * 4)}
+    assert fmax == bmax == B * S * H
