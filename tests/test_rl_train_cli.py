@@ -97,3 +97,20 @@ def test_two_nodes_on_loopback(sft_dir):
     rows = _rows(out)
     assert [r["step"] for r in rows] == [0, 1]
     assert os.path.isdir(os.path.join(out, "checkpoints", "step-00000001"))
+
+
+def test_kl_stop_guard_saves_and_stops(sft_dir):
+    """Mean KL above guard.kl_stop: the step's checkpoint is written, then the run stops with a
+    message pointing at tools.diagnose (step 0 has KL exactly 0: policy == reference)."""
+    from rl.train import main
+
+    base, sft = sft_dir
+    out = base / "kl_stop"
+    with pytest.raises(SystemExit) as exc:
+        main(["--config", CONFIG, *SMALL, f"init.sft_dir={sft}", f"train.out_dir={out}", "guard.kl_stop=1e-9",
+              "guard.kl_warn=1e-10", "reward.use_task_reward=false", "reward.fns=[tests.test_rl_trainer:digit_reward]",
+              "train.steps=6"])
+    assert "guard.kl_stop" in str(exc.value.code) and "tools.diagnose" in str(exc.value.code)
+    rows = _rows(str(out))
+    assert [r["step"] for r in rows] == [0, 1] and rows[1]["kl_stop"] and rows[1]["kl_warning"]
+    assert os.path.isdir(out / "checkpoints" / "step-00000001")

@@ -126,3 +126,14 @@ def test_nan_reward_stops_every_rank(dist_pools):
     msgs = dist_pools.run(2, _nan_reward_everywhere)
     assert all("is nan" in m or "another rank failed" in m for m in msgs), msgs
     assert any("for prompt" in m and "sample" in m for m in msgs), msgs
+
+
+def test_early_stop_of_update_epochs():
+    torch.set_num_threads(1)
+    trainer, _ = _trainer(1, 1, GRPO + ["algo.epochs=4", "algo.mini_batches=2", "algo.early_stop_kl=1e-12",
+                                        "optim.lr=1e-1"])
+    rec = trainer.update(trainer.make_experience(0), 0)
+    assert rec["early_stopped"] and rec["optimizer_steps"] == 2  # one epoch, then the drift check stops it
+    trainer, _ = _trainer(1, 1, GRPO + ["algo.epochs=4", "algo.mini_batches=2"])
+    rec = trainer.update(trainer.make_experience(0), 0)
+    assert not rec["early_stopped"] and rec["optimizer_steps"] == 8
