@@ -113,14 +113,11 @@ class _FusedHead(torch.autograd.Function):
         return gh, gw, grh, grw, None, None, None, None
 
 
-def fused_head(hidden, weight_local, targets=None, tp_group=None, *, vocab_size=None, ref_hidden=None,
-               ref_weight_local=None, temperature=1.0, chunk_size=1024, entropy=True, kl=None,
-               fp32=True) -> FusedHeadOutput:
-    """Log-probs of `targets`, entropy and exact KL (kl="forward": KL(p||q), "reverse": KL(q||p)) of
-    the head logits = hidden @ weight_local.T, sharded on the vocabulary over tp_group, against the
-    reference logits = ref_hidden @ ref_weight_local.T. Fields not requested are None; ref_logprobs
-    is filled when both targets and ref_weight_local are given. See the module docstring for the
-    copy_to_tp contract at tp > 1."""
+def prepare_head(hidden, weight_local, targets, tp_group, vocab_size, ref_hidden, ref_weight_local, temperature,
+                 entropy, kl, fp32, who):
+    """Validate the fused head's inputs (one clear error naming the culprit) and flatten them:
+    (hidden [T, H], ref_hidden [T, H_ref] or None, targets [T] or None, VocabShard, StatsSpec, lead dims).
+    Shared by fused_head and parallel/fused_loss.py's fused_head_loss."""
     if kl is not None and kl not in KL_DIRECTIONS:
         raise ValueError(f"kl must be None or one of {KL_DIRECTIONS}, got {kl!r}")
     if kl is not None and ref_weight_local is None:
@@ -149,9 +146,23 @@ def fused_head(hidden, weight_local, targets=None, tp_group=None, *, vocab_size=
                                           ("kl", kl is not None), ("ref_logprobs", t is not None and has_q))
                     if on)
     if not outputs:
-        raise ValueError("fused_head was asked for nothing: pass targets, entropy=True or kl=...")
+        raise ValueError(f"{who} was asked for nothing: pass targets, entropy=True or kl=...")
     spec = StatsSpec(has_q, t is not None, bool(entropy), kl, outputs)
-    outs = _FusedHead.apply(hidden.reshape(-1, H), weight_local, ref_hidden, ref_weight_local, t, sh, spec,
+    return hidden.reshape(-1, H), ref_hidden, t, sh, spec, lead
+
+
+def fused_head(hidden, weight_local, targets=None, tp_group=None, *, vocab_size=None, ref_hidden=None,
+               ref_weight_local=None, temperature=1.0, chunk_size=1024, entropy=True, kl=None,
+               fp32=True) -> FusedHeadOutput:
+    """Log-probs of `targets`, entropy and exact KL (kl="forward": KL(p||q), "reverse": KL(q||p)) of
+    the head logits = hidden @ weight_local.T, sharded on the vocabulary over tp_group, against the
+    reference logits = ref_hidden @ ref_weight_local.T. Fields not requested are None; ref_logprobs
+    is filled when both targets and ref_weight_local are given. See the module docstring for the
+    copy_to_tp contract at tp > 1."""
+    hidden2d, ref_hidden, t, sh, spec, lead = prepare_head(
+        hidden, weight_local, targets, tp_group, vocab_size, ref_hidden, ref_weight_local, temperature, entropy,
+        kl, fp32, "fused_head")
+    outs = _FusedHead.apply(hidden2d, weight_local, ref_hidden, ref_weight_local, t, sh, spec,
                             chunk_size)
-    got = {name: o.reshape(lead) for name, o in zip(outputs, outs)}
+    got = {name: o.reshape(lead) for name, o in zip(spec.outputs, outs)}
     return FusedHeadOutput(*(got.get(k) for k in FusedHeadOutput._fields))

@@ -1,0 +1,136 @@
+"""Fused head with the loss inside: hidden states and sharded head weights -> a scalar loss built from
+per-token log-probs, entropy and exact KL, whose gradient is computed during the forward pass
+(Liger-style), so no logits are ever recomputed.
+
+| tensor             | shape          | layout                                                |
+|--------------------|----------------|-------------------------------------------------------|
+| hidden             | [..., H]       | replicated over tp_group                              |
+| weight_local       | [Vp/tp, H]     | sharded on the vocabulary (rows = global ids of rank) |
+| ref_hidden         | [..., H_ref]   | replicated (defaults to `hidden`, as a constant)      |
+| ref_weight_local   | [Vp/tp, H_ref] | sharded like weight_local                             |
+| targets            | [...]          | global token ids                                      |
+| loss               | []             | replicated                                            |
+| stats              | [...] each     | replicated, detached                                  |
+
+Per chunk of `chunk_size` tokens, in the forward pass: the policy (and reference) logits
+[c, Vp/tp], the chunk's statistics reduced over tp_group, the chunk's per-token values, then
+`token_loss` and its gradient with respect to those [c] values (torch.autograd on [c] tensors
+only), then d loss / d logits locally (parallel/vocab.py's grad_logits), then
+grad_hidden[chunk] = dz @ W and grad_weight += dz^T @ h; the logits are freed before the next chunk.
+The autograd backward only scales the saved grad_hidden / grad_weight by the incoming scalar.
+
+Compared with parallel/fused.py (policy and reference logits computed twice: forward and the
+recomputing backward, 6 head-sized matmuls), this does 4: two logit matmuls and two gradient matmuls.
+The price: the statistics must be final before a chunk's gradient, so the two collectives (one
+all-reduce MAX of [c, 1|2], one all-gather of [c, <=6]) run once per chunk instead of once per call;
+each still moves O(chunk) floats, never O(V), and O(T) in total.
+
+Tensor parallelism: as for fused_head, each rank's grad_hidden is its vocabulary shard's partial sum;
+the caller passes `comm.copy_to_tp(hidden, tp_group)`, whose backward all-reduces the partials.
+
+The reference is frozen: no gradient reaches ref_hidden or ref_weight_local (they are read
+detached), nor `hidden` through the reference side when ref_hidden is None.
+The gradient is that of the loss at the moment of the call: a second backward through the
+returned loss gives the same (saved) gradients scaled again, not a graph of higher order.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from parallel.fused import FusedHeadOutput, _logits, prepare_head
+from parallel.vocab import chunks, grad_logits, local_stats, reduce_stats
+
+_VALUES = ("logprobs", "entropy", "kl")  # what token_loss sees, in its argument order
+
+
+class _FusedHeadLoss(torch.autograd.Function):
+    """(hidden [T, H], weight [Vp/tp, H]) -> (loss [], *per-token stats [T]); the gradient is formed
+    in forward and saved."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, ref_hidden, ref_weight, targets, sh, spec, chunk_size, token_loss):
+        T = hidden.shape[0]
+        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        gh = torch.zeros_like(hidden) if need_h else None
+        gw = torch.zeros_like(weight) if need_w else None
+        stats = {k: torch.empty(T, dtype=sh.dtype) for k in spec.outputs}
+        tl = sh.local_index(targets)
+        loss = None
+        for s, e in chunks(T, chunk_size):
+            zp = _logits(hidden[s:e], weight, sh)  # [c, nv]
+            zq = _logits(ref_hidden[s:e], ref_weight, sh) if spec.has_q else None
+            tsel = None if tl is None else (tl[0][s:e], tl[1][s:e])
+            maxes = torch.empty(e - s, 1 + spec.has_q, dtype=sh.dtype)
+            sums = torch.empty(e - s, len(spec.cols), dtype=sh.dtype)
+            local_stats(zp, zq, tsel, spec, maxes, sums)
+            # this chunk's values must be final before its gradient: the max all-reduce and the
+            # partial-sum all-gather run per chunk, each O(chunk) floats (see the module docstring)
+            st = reduce_stats(maxes, sums, spec, sh.group)
+            for k in spec.outputs:
+                stats[k][s:e] = st[k]
+            with torch.enable_grad():
+                vals = [st[k].detach().requires_grad_(True) if k in st else None for k in _VALUES]
+                out = token_loss(*vals, slice(s, e))
+                if not isinstance(out, torch.Tensor) or tuple(out.shape) != (e - s,):
+                    raise ValueError(f"token_loss must return a [{e - s}] tensor (one value per token of the "
+                                     f"chunk), got {type(out).__name__} {tuple(getattr(out, 'shape', ()))}")
+                chunk_loss = out.sum()
+                live = [v for v in vals if v is not None]
+                grads = (torch.autograd.grad(chunk_loss, live, allow_unused=True)
+                         if chunk_loss.requires_grad and (need_h or need_w) else [None] * len(live))
+            chunk_loss = chunk_loss.detach()
+            loss = chunk_loss if loss is None else loss + chunk_loss
+            it = iter(grads)
+            g = {k: next(it) for k, v in zip(_VALUES, vals) if v is not None}
+            g = {k: (None if v is None else v.to(sh.dtype)) for k, v in g.items()}
+            if any(v is not None for v in g.values()):
+                gp, _ = grad_logits(zp, zq, tsel, st, g, spec, False, sh.temperature)
+                gp = gp.to(weight.dtype)
+                if gh is not None:
+                    torch.matmul(gp, weight[: sh.nv], out=gh[s:e])
+                if gw is not None:
+                    gw[: sh.nv].addmm_(gp.T, hidden[s:e])
+                del gp
+            del zp, zq
+        ctx.save_for_backward(gh, gw)
+        outs = tuple(stats[k] for k in spec.outputs)
+        ctx.mark_non_differentiable(*outs)
+        return (loss, *outs)
+
+    @staticmethod
+    def backward(ctx, grad_loss, *_):
+        gh, gw = ctx.saved_tensors
+        return (None if gh is None else gh * grad_loss, None if gw is None else gw * grad_loss,
+                None, None, None, None, None, None, None)
+
+
+def fused_head_loss(hidden, weight_local, targets=None, tp_group=None, *, token_loss, vocab_size=None,
+                    ref_hidden=None, ref_weight_local=None, temperature=1.0, chunk_size=1024, kl=None,
+                    entropy=True, fp32=True) -> tuple[torch.Tensor, FusedHeadOutput]:
+    """loss = sum over chunks of token_loss(logprobs, entropy, kl, tokens).sum(), with the gradient
+    to hidden and weight_local computed chunk by chunk in this call.
+
+    hidden [..., H] replicated (wrap it in copy_to_tp at tp > 1), weight_local [Vp/tp, H] sharded
+    on the vocabulary over tp_group, targets [...] global ids (or None), kl None / "forward" /
+    "reverse" against the frozen reference ref_hidden @ ref_weight_local.T.
+
+    token_loss(logprobs, entropy, kl, tokens) -> [c]: called once per chunk with that chunk's [c]
+    values (None for those not requested) and `tokens`, the chunk's slice of the flattened leading
+    dims, so that per-token data (old log-probs, advantages, masks) bound in a closure can be
+    indexed as `old_logprobs.reshape(-1)[tokens]`. Any torch function of its inputs; it must be
+    the same on every tp rank.
+
+    Returns (loss: 0-d tensor with grad to hidden and weight_local, stats: FusedHeadOutput of the
+    detached per-token values, shaped like targets, fields not requested None)."""
+    if not callable(token_loss):
+        raise TypeError(f"token_loss must be callable, got {type(token_loss).__name__}")
+    hidden2d, ref_hidden, t, sh, spec, lead = prepare_head(
+        hidden, weight_local, targets, tp_group, vocab_size, ref_hidden, ref_weight_local, temperature, entropy,
+        kl, fp32, "fused_head_loss")
+    if spec.has_q:
+        ref_hidden, ref_weight_local = ref_hidden.detach(), ref_weight_local.detach()
+    loss, *outs = _FusedHeadLoss.apply(hidden2d, weight_local, ref_hidden, ref_weight_local, t, sh, spec,
+                                       chunk_size, token_loss)
+    got = {name: o.reshape(lead) for name, o in zip(spec.outputs, outs)}
+    return loss, FusedHeadOutput(*(got.get(k) for k in FusedHeadOutput._fields))
