@@ -1,8 +1,10 @@
 """Side-by-side cost of the KL head: (a) gather full logits then KL, (b) vocab-parallel on
-materialised logits, (c) the same chunked, (d) fused head exact KL, (e) fused head sampled-token k3.
+materialised logits, (c) the same chunked, (d) fused head exact KL, (d') the same with the loss inside and the gradient
+formed in forward, (e) fused head sampled-token k3.
 
     timeout 900 python bench/bench_kl_head.py [--tokens 8192 --hidden 1024 --vocab 32000 --tp 1]
         [--dtype fp32] [--chunk-size 512] [--pass forward+backward|forward|both] [--json OUT.json]
+        [--methods gather,fused_exact,fused_exact_loss]
 
 One run of each (see tools/kl_memory.py for what is measured and how); prints a markdown table with
 peak memory and time relative to (a).
@@ -20,6 +22,7 @@ from tools import kl_memory  # noqa: E402
 
 LABELS = {"gather": "(a) gather full logits, then KL", "vp_materialized": "(b) vocab-parallel, materialised",
           "vp_chunked": "(c) vocab-parallel, chunked", "fused_exact": "(d) fused head, exact KL",
+          "fused_exact_loss": "(d') fused head + loss, exact KL, grad in forward",
           "fused_k3": "(e) fused head, sampled-token k3"}
 
 
@@ -45,10 +48,11 @@ def main(argv=None):
     ap.add_argument("--chunk-size", type=int, default=512)
     ap.add_argument("--pass", dest="pass_", default="forward+backward", choices=["forward", "forward+backward", "both"])
     ap.add_argument("--json", default=None)
+    ap.add_argument("--methods", default=",".join(kl_memory.METHODS))
     a = ap.parse_args(argv)
     args = ["--tokens", str(a.tokens), "--hidden", str(a.hidden), "--vocab", str(a.vocab), "--tp", str(a.tp),
             "--dtype", a.dtype, "--chunk-size", str(a.chunk_size), "--pass", a.pass_,
-            "--json", a.json or "/tmp/bench_kl_head.json"]
+            "--json", a.json or "/tmp/bench_kl_head.json", "--methods", a.methods]
     rows = kl_memory.main(args)
     print(f"T={a.tokens} H={a.hidden} V={a.vocab} tp={a.tp} {a.dtype} chunk={a.chunk_size}, one run each, CPU")
     print(table(rows))

@@ -22,7 +22,7 @@ def test_cli_tp2_rows_and_comm(tmp_path):
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr
     rows = json.loads(out.read_text())
-    assert len(rows) == 10
+    assert len(rows) == 2 * len(kl_memory.METHODS) == 12
     assert {(r["name"], r["pass"]) for r in rows} == {(n, p) for n in kl_memory.METHODS
                                                        for p in ("forward", "forward+backward")}
     for r in rows:
@@ -38,6 +38,10 @@ def test_cli_tp2_rows_and_comm(tmp_path):
     # fused exact: one MAX of [T, 2] and one gather of [T, 6] (sum-exp p/q, entropy, KL, 2 targets)
     assert by["fused_exact", "forward"]["comm_bytes"] == T * (2 + 6) * 4
     assert by["fused_exact", "forward+backward"]["comm_bytes"] == T * (2 + 6) * 4 + grad_hidden
+    # fused exact with the loss inside: the same volume, in T / chunk = 3 calls of each collective
+    for p in ("forward", "forward+backward"):
+        assert by["fused_exact_loss", p]["comm_bytes"] == by["fused_exact", p]["comm_bytes"]
+        assert by["fused_exact_loss", p]["comm_calls"] == by["fused_exact", p]["comm_calls"] + 2 * (3 - 1)
     # fused k3: [T, 2] maxima, [T, 4] sums (sum-exp p/q and the two target logits)
     assert by["fused_k3", "forward"]["comm_bytes"] == T * (2 + 4) * 4
     # the unfused vocab-parallel calls (logprobs, entropy, KL): O(T) each, chunking changes nothing

@@ -1,8 +1,8 @@
-"""What the policy-vs-reference KL term costs: peak memory, time and communication of five ways to
+"""What the policy-vs-reference KL term costs: peak memory, time and communication of six ways to
 get target log-probs, entropy and the KL from hidden states and (sharded) LM-head weights.
 
     python -m tools.kl_memory --tokens T --hidden H --vocab V --tp N --dtype D --json OUT.json
-        [--methods gather,vp_materialized,vp_chunked,fused_exact,fused_k3] [--chunk-size C]
+        [--methods gather,vp_materialized,vp_chunked,fused_exact,fused_exact_loss,fused_k3] [--chunk-size C]
         [--pass forward|forward+backward|both] [--seed S]
 
 | method          | mode  | what it does (per TP rank; the head weights are sharded [Vp/tp, H])        |
@@ -11,12 +11,14 @@ get target log-probs, entropy and the KL from hidden states and (sharded) LM-hea
 | vp_materialized | exact | local logits [T, Vp/tp] kept; parallel/vocab.py functions, no chunking     |
 | vp_chunked      | exact | the same with chunk_size tokens at a time                                  |
 | fused           | exact | parallel/fused.py: no logits tensor, chunked, recomputed in backward       |
+| fused_loss      | exact | parallel/fused_loss.py: the loss inside, gradient formed in forward         |
 | fused           | k3    | fused head for log p and log q of the sampled tokens only, then k3         |
 
 Every method produces log p(target) and, for "exact", the entropy and KL(p||q) over the full
 vocabulary; the reference (hidden and head) is frozen and has its own hidden states. Pass
 "forward" runs under no_grad (scoring); "forward+backward" backpropagates a fixed linear loss of
-the outputs into the policy hidden states and head weight.
+the outputs into the policy hidden states and head weight (fused_exact_loss: the same linear loss,
+given as its token_loss, differentiated inside the call).
 
 tp > 1 is real: the tool spawns `tp` gloo ranks on this machine (hidden replicated, wrapped in
 copy_to_tp; head weights sharded by rows), and each row reports the largest peak and time over
@@ -44,6 +46,7 @@ import torch
 from core.config import ModelConfig
 from parallel import comm
 from parallel.fused import fused_head
+from parallel.fused_loss import fused_head_loss
 from parallel.vocab import vocab_parallel_entropy, vocab_parallel_kl, vocab_parallel_logprobs
 
 METHODS = {  # name -> (method, mode)
@@ -51,6 +54,7 @@ METHODS = {  # name -> (method, mode)
     "vp_materialized": ("vp_materialized", "exact"),
     "vp_chunked": ("vp_chunked", "exact"),
     "fused_exact": ("fused", "exact"),
+    "fused_exact_loss": ("fused_loss", "exact"),
     "fused_k3": ("fused", "k3"),
 }
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -71,9 +75,23 @@ def _inputs(T, H, V, tp, rank, dtype, seed, grad):
     return h, w, hr, wr, t, coef
 
 
-def _outputs(name, h, w, hr, wr, t, group, V, chunk):
-    """(log p(t), entropy or None, KL-ish term) for one method."""
+def _linear_loss(outs, coef):
+    return sum((o.float() * c).sum() for o, c in zip(outs, coef) if o is not None)
+
+
+def _outputs(name, h, w, hr, wr, t, group, V, chunk, coef):
+    """((log p(t), entropy or None, KL-ish term), the loss to backpropagate) for one method."""
     hp = comm.copy_to_tp(h, group)  # replicated hidden: backward sums the ranks' partial grads
+    if name == "fused_exact_loss":  # the same linear loss, per chunk of tokens `s`
+        token_loss = lambda lp, ent, kl, s: lp.float() * coef[0][s] + ent.float() * coef[1][s] + kl.float() * coef[2][s]
+        loss, out = fused_head_loss(hp, w, t, group, vocab_size=V, ref_hidden=hr, ref_weight_local=wr,
+                                    chunk_size=chunk, entropy=True, kl="forward", token_loss=token_loss)
+        return (out.logprobs, out.entropy, out.kl), loss
+    outs = _method_outputs(name, hp, w, hr, wr, t, group, V, chunk)
+    return outs, _linear_loss(outs, coef)
+
+
+def _method_outputs(name, hp, w, hr, wr, t, group, V, chunk):
     if name == "gather":
         zp = comm.gather_from_tp(hp @ w.T, group)[:, :V].float()  # [T, Vp] gathered, padding dropped
         zq = comm.gather_from_tp(hr @ wr.T, group)[:, :V].float()
@@ -114,8 +132,7 @@ def measure(name, pass_, T, H, V, dtype, chunk, group=None, seed=0) -> dict:
         base = _total(tracker.get_tracker_snapshot("current"))
         start = time.perf_counter()
         with torch.set_grad_enabled(backward):
-            outs = _outputs(name, h, w, hr, wr, t, group, V, chunk)
-            loss = sum((o.float() * c).sum() for o, c in zip(outs, coef) if o is not None)
+            outs, loss = _outputs(name, h, w, hr, wr, t, group, V, chunk, coef)
         if backward:
             loss.backward()
         elapsed = time.perf_counter() - start
