@@ -41,6 +41,7 @@ class AlgoConfig:
     whiten_advantages: bool = True  # PPO
     early_stop_kl: float | None = None  # stop the update epochs once approx KL(old||new) exceeds this
     kl_chunk_size: int = 1024  # tokens per chunk of the fused head
+    fused_loss: bool = True  # policy loss inside the fused head, gradient formed in forward (no logits recomputed)
 
     def __post_init__(self):
         if self.name not in ("grpo", "ppo"):

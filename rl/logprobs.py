@@ -71,3 +71,27 @@ def reference_hidden(ref, sequences, attention_mask, prompt_len: int) -> tuple[t
 def critic_values(critic, sequences, attention_mask, prompt_len: int) -> torch.Tensor:
     """V(state before each response token) [B, N]."""
     return critic(sequences, attention_mask=attention_mask)[:, prompt_len - 1:-1]
+
+
+def policy_fused_loss(model, sequences, attention_mask, prompt_len: int, token_loss, *, tp_group=None,
+                      vocab_size: int, temperature: float = 1.0, chunk_size: int = 1024, entropy: bool = False,
+                      kl: str | None = None, ref_hidden: torch.Tensor | None = None,
+                      ref_weight: torch.Tensor | None = None) -> tuple[torch.Tensor, TokenStats]:
+    """The policy loss over the response tokens through `parallel.fused_loss.fused_head_loss`
+    (gradient formed in forward, no logits recomputed in backward). Returns (loss, detached
+    per-token stats [B, N])."""
+    from parallel.fused_loss import fused_head_loss
+
+    targets = sequences[:, prompt_len:]
+    B, N = targets.shape
+
+    def head(h, w):
+        hr = copy_to_tp(_response_hidden(h, prompt_len), tp_group).reshape(B * N, -1)
+        rh = None if ref_hidden is None else ref_hidden.reshape(B * N, -1)
+        return fused_head_loss(hr, w, targets.reshape(-1), tp_group, token_loss=token_loss, vocab_size=vocab_size,
+                               ref_hidden=rh, ref_weight_local=ref_weight, temperature=temperature,
+                               chunk_size=chunk_size, entropy=entropy, kl=kl)
+
+    loss, out = model(sequences, attention_mask=attention_mask, head=head)
+    shape = lambda t: None if t is None else t.view(B, N)
+    return loss, TokenStats(shape(out.logprobs), shape(out.entropy), shape(out.kl))

@@ -241,3 +241,51 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
         if cfg.entropy_coef != 0.0:
             loss = loss - cfg.entropy_coef * ent
     return loss, stats
+
+
+def token_weights(mask: torch.Tensor, mode: str = "token-mean", scale: LossScale | None = None,
+                  norm_len: float | None = None) -> torch.Tensor:
+    """Per-token weights w [B, S] (fp32, 0 off the mask) with aggregate(x, mask, mode, scale,
+    norm_len) == (w * x).sum() for any x: every aggregation mode is linear in the per-token terms."""
+    m = mask.bool()
+    if scale is None:
+        scale = LossScale(int(m.sum()), int(m.any(dim=-1).sum()))
+    one = torch.ones(m.shape, dtype=torch.float32, device=m.device)
+    if mode == "token-mean":
+        w = one / max(scale.tokens, 1)
+    elif mode == "seq-mean-token-mean":
+        w = one / (m.sum(-1, keepdim=True).clamp(min=1).float() * max(scale.seqs, 1))
+    elif mode == "seq-mean-token-sum-norm":
+        if norm_len is None or not norm_len > 0:
+            raise ValueError("token_weights: mode 'seq-mean-token-sum-norm' needs a positive norm_len")
+        w = one / (norm_len * max(scale.seqs, 1))
+    else:
+        raise ValueError(f"token_weights: unknown mode {mode!r}; expected one of {AGG_MODES}")
+    return torch.where(m, w, torch.zeros((), device=m.device))
+
+
+def token_policy_loss(cfg: PolicyLossConfig, weights: torch.Tensor, mask: torch.Tensor, old_logp: torch.Tensor,
+                      advantages: torch.Tensor, *, kl_cfg: KLConfig | None = None, beta: float = 0.0,
+                      ref_logp: torch.Tensor | None = None, on_policy: bool = False):
+    """`policy_loss` as a per-token function for `parallel.fused_loss.fused_head_loss`, which forms
+    the gradient during its forward pass, chunk by chunk. All tensors [B, S] (flattened here);
+    `weights` from `token_weights`. Summed over every token, the returned function's values equal
+    `policy_loss(...)`'s loss. `on_policy`: the first mini-batch after the rollout, whose old
+    policy is the current one, so old log-probs are the current ones, detached (ratio exactly 1)."""
+    w, m = weights.reshape(-1), mask.reshape(-1).bool()
+    old, adv = old_logp.reshape(-1), advantages.reshape(-1)
+    ref = None if ref_logp is None else ref_logp.reshape(-1)
+    kl_in_loss = kl_cfg is not None and kl_cfg.where == "loss" and beta != 0.0
+
+    def fn(logp, entropy, kl, tokens):
+        mm = m[tokens]
+        o = logp.detach() if on_policy else old[tokens]
+        total, _ = clipped_surrogate(logp, o, adv[tokens], mm, cfg.clip_low, cfg.clip_high, cfg.dual_clip,
+                                     cfg.log_ratio_clamp)
+        if kl_in_loss:
+            total = total + beta * (kl if kl_cfg.exact else kl_from_config(kl_cfg, logp, ref[tokens]))
+        if cfg.entropy_coef != 0.0:
+            total = total - cfg.entropy_coef * entropy
+        return torch.where(mm, total * w[tokens].to(total.dtype), torch.zeros((), dtype=total.dtype,
+                                                                               device=total.device))
+    return fn

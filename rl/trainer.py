@@ -26,8 +26,8 @@ from rl.advantages import broadcast_to_tokens, gae, grpo_advantages, kl_shaped_r
 from rl.config import RLConfig
 from rl.controller import KLController
 from rl.kl import kl_by_position, kl_from_config, kl_quantiles, masked_mean
-from rl.logprobs import critic_values, logprobs_from_hidden, policy_token_stats, reference_hidden
-from rl.losses import clipped_value_loss, loss_scale, policy_loss
+from rl.logprobs import critic_values, logprobs_from_hidden, policy_fused_loss, policy_token_stats, reference_hidden
+from rl.losses import clipped_value_loss, loss_scale, policy_loss, token_policy_loss, token_weights
 from rl.reference import ReferenceSync
 from rl.rollout import Rollout, collect_rollout
 
@@ -137,6 +137,11 @@ class RLTrainer:
                                   vocab_size=self.vocab, temperature=self._temperature,
                                   chunk_size=self.cfg.algo.kl_chunk_size, **kw)
 
+    def _fused_loss(self, ro: Rollout, token_loss, **kw):
+        return policy_fused_loss(self.policy, ro.sequences, ro.attention_mask, ro.prompt_len, token_loss,
+                                 tp_group=self.tp_group, vocab_size=self.vocab, temperature=self._temperature,
+                                 chunk_size=self.cfg.algo.kl_chunk_size, **kw)
+
     @property
     def _temperature(self) -> float:
         t = self.cfg.rollout.temperature
@@ -229,20 +234,28 @@ class RLTrainer:
                     set_gradient_sync(self.policy, last)
                     sub = Rollout(ro.sequences[r], ro.attention_mask[r], ro.response_mask[r], ro.prompt_len,
                                   ro.scores[r], ro.row_ids[r], ro.metas, [])
-                    cur = self._token_stats(
-                        self.policy, sub, entropy=True, kl=cfg.kl.direction if exact else None,
-                        ref_hidden=data.ref_hidden[r] if exact else None,
-                        ref_weight=data.ref_weight if exact else None)
+                    # nothing has changed since the rollout on the first mini-batch: the old policy IS
+                    # the current one, so the ratio is exactly 1 (any difference is float noise)
+                    on_policy = epoch == 0 and mb == 0
+                    kw = dict(kl=cfg.kl.direction if exact else None, ref_hidden=data.ref_hidden[r] if exact else None,
+                              ref_weight=data.ref_weight if exact else None)
+                    if cfg.algo.fused_loss:
+                        fn = token_policy_loss(cfg.loss, token_weights(data.mask[r], cfg.loss.agg, scale,
+                                                                       cfg.loss.norm_len),
+                                               data.mask[r], data.old_logp[r], data.advantages[r], kl_cfg=cfg.kl,
+                                               beta=beta, ref_logp=data.ref_logp[r], on_policy=on_policy)
+                        loss, cur = self._fused_loss(sub, fn, entropy=cfg.loss.entropy_coef != 0.0, **kw)
+                    else:
+                        cur = self._token_stats(self.policy, sub, entropy=True, **kw)
                     old_logp = data.old_logp[r]
-                    if epoch == 0 and mb == 0:
-                        # nothing has changed since the rollout: the old policy IS the current one, so
-                        # the ratio is exactly 1 (any difference is float noise between batch shapes)
+                    if on_policy:
                         acc.drift = max(acc.drift, _max_abs(cur.logprobs.detach() - old_logp, data.mask[r]))
                         old_logp = cur.logprobs.detach()
-                    loss, stats = policy_loss(cur.logprobs, old_logp, data.advantages[r], data.mask[r],
-                                              cfg.loss, kl_cfg=cfg.kl, beta=beta, ref_logp=data.ref_logp[r],
-                                              kl=cur.kl, entropy=cur.entropy, scale=scale)
-                    loss.backward()
+                    with torch.set_grad_enabled(not cfg.algo.fused_loss):
+                        loss_u, stats = policy_loss(cur.logprobs, old_logp, data.advantages[r], data.mask[r],
+                                                    cfg.loss, kl_cfg=cfg.kl, beta=beta, ref_logp=data.ref_logp[r],
+                                                    kl=cur.kl, entropy=cur.entropy, scale=scale)
+                    (loss if cfg.algo.fused_loss else loss_u).backward()
                     acc.add(stats)
                     if self.critic is not None:
                         self._critic_backward(data, sub, r, scale, last)

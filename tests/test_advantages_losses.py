@@ -338,3 +338,30 @@ def test_dp_two_ranks_gradient_equals_full_batch(dist_pools, mode):
     assert abs(res[0][1] + res[1][1] - float(full.detach())) < 1e-12
     assert res[0][2] == LossScale(int(m.sum()), int(m.any(-1).sum())) and res[0][3] == 1
     torch.testing.assert_close(torch.cat([res[0][4], res[1][4]]), whiten(adv, m), atol=1e-12, rtol=1e-12)
+
+
+@pytest.mark.parametrize("mode", AGG_MODES)
+def test_token_weights_and_token_loss_match_aggregate(mode):
+    from rl.kl import KLConfig
+    from rl.losses import token_policy_loss, token_weights
+
+    lp, old, adv, m = _loss_batch()
+    ref = lp - 0.2
+    ent = torch.rand(lp.shape, dtype=D)
+    scale = LossScale(int(m.sum()) + 7, int(m.any(-1).sum()) + 2)  # counts of a larger global batch
+    x = torch.randn(lp.shape, dtype=D)
+    w = token_weights(m, mode, scale, norm_len=6.0)
+    assert abs(float((w.double() * x).sum()) - float(aggregate(x, m, mode, scale, norm_len=6.0))) < 1e-6
+    cfg = PolicyLossConfig(agg=mode, norm_len=6.0, entropy_coef=0.01, dual_clip=3.0)
+    kl_cfg = KLConfig(estimator="k3+", where="loss")
+    a = lp.clone().requires_grad_(True)
+    want, _ = policy_loss(a, old, adv, m, cfg, kl_cfg=kl_cfg, beta=0.1, ref_logp=ref, entropy=ent, scale=scale)
+    want.backward()
+    b = lp.clone().requires_grad_(True)
+    fn = token_policy_loss(cfg, w.double(), m, old, adv, kl_cfg=kl_cfg, beta=0.1, ref_logp=ref)
+    tokens = torch.arange(lp.numel())
+    got = sum(fn(b.reshape(-1)[c], ent.reshape(-1)[c], None, c).sum() for c in tokens.chunk(3))
+    got.backward()
+    # the weights are fp32 (as the fp32 log-probs they multiply): agreement to fp32 rounding
+    assert abs(float(got.detach()) - float(want.detach())) < 1e-6
+    torch.testing.assert_close(b.grad, a.grad, atol=1e-8, rtol=1e-6)

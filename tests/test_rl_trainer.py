@@ -137,3 +137,10 @@ def test_early_stop_of_update_epochs():
     trainer, _ = _trainer(1, 1, GRPO + ["algo.epochs=4", "algo.mini_batches=2"])
     rec = trainer.update(trainer.make_experience(0), 0)
     assert not rec["early_stopped"] and rec["optimizer_steps"] == 8
+
+
+def test_fused_loss_equals_recomputing_head(singles):
+    """The default update (policy loss inside the fused head, gradient formed in forward) takes the
+    same steps as autograd through the recomputing fused head and rl.losses.policy_loss."""
+    for name, ov in (("grpo", GRPO), ("ppo", PPO), ("exact", EXACT)):
+        _compare(singles[name], _steps_and_logits(1, 1, ov + ["algo.fused_loss=false"]))
