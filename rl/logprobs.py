@@ -28,25 +28,37 @@ def _response_hidden(h: torch.Tensor, prompt_len: int) -> torch.Tensor:
     return h[:, prompt_len - 1:-1]  # (B, N, H)
 
 
-def policy_token_stats(model, sequences, attention_mask, prompt_len: int, *, tp_group=None, vocab_size: int,
-                       temperature: float = 1.0, chunk_size: int = 1024, entropy: bool = True,
-                       kl: str | None = None, ref_hidden: torch.Tensor | None = None,
-                       ref_weight: torch.Tensor | None = None) -> TokenStats:
-    """Log-probs (and entropy, exact KL against the given reference hidden states and head
-    weight) of the response tokens of `sequences` [B, P + N] under `model`."""
+def _through_head(model, sequences, attention_mask, prompt_len: int, tp_group, ref_hidden, fn):
+    """Run `model` with a head that hands the response positions, flattened, to
+    fn(hidden [B*N, H] (copied to tp), weight_local, targets [B*N], ref_hidden [B*N, H] or None)."""
     targets = sequences[:, prompt_len:]  # (B, N)
     B, N = targets.shape
 
     def head(h, w):
         hr = copy_to_tp(_response_hidden(h, prompt_len), tp_group).reshape(B * N, -1)
         rh = None if ref_hidden is None else ref_hidden.reshape(B * N, -1)
-        return fused_head(hr, w, targets.reshape(-1), tp_group, vocab_size=vocab_size, ref_hidden=rh,
-                          ref_weight_local=ref_weight, temperature=temperature, chunk_size=chunk_size,
-                          entropy=entropy, kl=kl)
+        return fn(hr, w, targets.reshape(-1), rh)
 
-    out = model(sequences, attention_mask=attention_mask, head=head)
-    shape = lambda t: None if t is None else t.view(B, N)
-    return TokenStats(shape(out.logprobs), shape(out.entropy), shape(out.kl))
+    return model(sequences, attention_mask=attention_mask, head=head), (B, N)
+
+
+def _stats(out, shape) -> TokenStats:
+    view = lambda t: None if t is None else t.view(shape)
+    return TokenStats(view(out.logprobs), view(out.entropy), view(out.kl))
+
+
+def policy_token_stats(model, sequences, attention_mask, prompt_len: int, *, tp_group=None, vocab_size: int,
+                       temperature: float = 1.0, chunk_size: int = 1024, entropy: bool = True,
+                       kl: str | None = None, ref_hidden: torch.Tensor | None = None,
+                       ref_weight: torch.Tensor | None = None) -> TokenStats:
+    """Log-probs (and entropy, exact KL against the given reference hidden states and head
+    weight) of the response tokens of `sequences` [B, P + N] under `model`."""
+    out, shape = _through_head(
+        model, sequences, attention_mask, prompt_len, tp_group, ref_hidden,
+        lambda h, w, t, rh: fused_head(h, w, t, tp_group, vocab_size=vocab_size, ref_hidden=rh,
+                                       ref_weight_local=ref_weight, temperature=temperature,
+                                       chunk_size=chunk_size, entropy=entropy, kl=kl))
+    return _stats(out, shape)
 
 
 @torch.no_grad()
@@ -82,16 +94,9 @@ def policy_fused_loss(model, sequences, attention_mask, prompt_len: int, token_l
     per-token stats [B, N])."""
     from parallel.fused_loss import fused_head_loss
 
-    targets = sequences[:, prompt_len:]
-    B, N = targets.shape
-
-    def head(h, w):
-        hr = copy_to_tp(_response_hidden(h, prompt_len), tp_group).reshape(B * N, -1)
-        rh = None if ref_hidden is None else ref_hidden.reshape(B * N, -1)
-        return fused_head_loss(hr, w, targets.reshape(-1), tp_group, token_loss=token_loss, vocab_size=vocab_size,
-                               ref_hidden=rh, ref_weight_local=ref_weight, temperature=temperature,
-                               chunk_size=chunk_size, entropy=entropy, kl=kl)
-
-    loss, out = model(sequences, attention_mask=attention_mask, head=head)
-    shape = lambda t: None if t is None else t.view(B, N)
-    return loss, TokenStats(shape(out.logprobs), shape(out.entropy), shape(out.kl))
+    (loss, out), shape = _through_head(
+        model, sequences, attention_mask, prompt_len, tp_group, ref_hidden,
+        lambda h, w, t, rh: fused_head_loss(h, w, t, tp_group, token_loss=token_loss, vocab_size=vocab_size,
+                                            ref_hidden=rh, ref_weight_local=ref_weight, temperature=temperature,
+                                            chunk_size=chunk_size, entropy=entropy, kl=kl))
+    return loss, _stats(out, shape)
