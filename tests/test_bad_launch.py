@@ -73,9 +73,11 @@ def test_torchrun_exits_nonzero_with_the_message(tmp_path):
     res = run_torchrun(["core.sft", "--config", TINY, "parallel.tp=3", f"train.out_dir={tmp_path}"],
                        nproc=2, timeout=120)
     assert res.returncode != 0
-    for rank in (0, 1):
-        assert f"kltron.sft: error (rank {rank}): parallel.tp=3 does not divide the world size 2" in res.stderr, \
-            res.stderr[-3000:]
+    # torchrun stops the other workers as soon as one exits with an error, so a rank may be
+    # terminated before it prints; that every rank raises is checked above on a process pool
+    printed = [r for r in (0, 1)
+               if f"kltron.sft: error (rank {r}): parallel.tp=3 does not divide the world size 2" in res.stderr]
+    assert printed, res.stderr[-3000:]
     assert not os.path.exists(tmp_path / "metrics.jsonl")
 
 
