@@ -239,12 +239,13 @@ def fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def write_bytes_atomic(path: str, data: bytes) -> None:
-    """Write `path` via `path.tmp`, fsync, os.replace: readers see the old file or the new one."""
+def write_file_atomic(path: str, write) -> None:
+    """Call write(f) on `path.tmp`, fsync, os.replace: readers see the old file or the new one,
+    and a failure leaves no temporary file behind."""
     tmp = path + ".tmp"
     try:
         with open(tmp, "wb") as f:
-            f.write(data)
+            write(f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -252,6 +253,11 @@ def write_bytes_atomic(path: str, data: bytes) -> None:
         if os.path.exists(tmp):
             os.remove(tmp)
     fsync_dir(os.path.dirname(os.path.abspath(path)))
+
+
+def write_bytes_atomic(path: str, data: bytes) -> None:
+    """Write `data` to `path` atomically (see write_file_atomic)."""
+    write_file_atomic(path, lambda f: f.write(data))
 
 
 def _check_tensors(tensors: Mapping[str, torch.Tensor]) -> None:
@@ -285,22 +291,16 @@ def save_safetensors(tensors: Mapping[str, torch.Tensor], path: str,
         pos += nbytes
     hjson = json.dumps(header, separators=(",", ":")).encode("utf-8")
     hjson += b" " * (-(8 + len(hjson)) % 8)
-    tmp = path + ".tmp"
-    try:
-        with open(tmp, "wb") as f:
-            f.write(struct.pack("<Q", len(hjson)))
-            f.write(hjson)
-            for n in names:
-                t = tensors[n].detach().to("cpu").contiguous()
-                if t.numel():
-                    f.write(t.reshape(-1).view(torch.uint8).numpy().data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-    fsync_dir(os.path.dirname(os.path.abspath(path)))
+
+    def write(f):
+        f.write(struct.pack("<Q", len(hjson)))
+        f.write(hjson)
+        for n in names:
+            t = tensors[n].detach().to("cpu").contiguous()
+            if t.numel():
+                f.write(t.reshape(-1).view(torch.uint8).numpy().data)
+
+    write_file_atomic(path, write)
 
 
 # ---------------------------------------------------------------------------------------------

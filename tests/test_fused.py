@@ -4,12 +4,12 @@ single-process float64 autograd of the full head with torch.distributions, at tp
 
 import pytest
 import torch
-from torch.distributed._tools.mem_tracker import MemTracker
 from torch.distributions import Categorical, kl_divergence
 
 from parallel import comm
 from parallel.fused import fused_head
 from parallel.vocab import vocab_parallel_entropy, vocab_parallel_kl, vocab_parallel_logprobs
+from tests.memory import peak_bytes
 
 FIELDS = ("logprobs", "entropy", "kl", "ref_logprobs")
 
@@ -126,17 +126,6 @@ def test_fused_tp_matches_full_head(dist_pools, tp):
         assert res[:tp] == [True] * tp
 
 
-def _peak_bytes(fn, *inputs) -> int:
-    """Peak tensor bytes while fn runs, above what `inputs` already hold."""
-    total = lambda snap: sum(d["Total"] for d in snap.values())
-    mt = MemTracker()
-    mt.track_external(*inputs)  # counted from the start, so that views of them are not new memory
-    with mt:
-        base = total(mt.get_tracker_snapshot("current"))
-        fn()
-    return total(mt.get_tracker_snapshot("peak")) - base
-
-
 def test_fused_peak_memory_does_not_grow_with_tokens():
     H, V, chunk = 16, 2048, 32
 
@@ -153,7 +142,7 @@ def test_fused_peak_memory_does_not_grow_with_tokens():
                 out = (vocab_parallel_logprobs(zp, t, chunk_size=chunk), vocab_parallel_entropy(zp, chunk_size=chunk),
                        vocab_parallel_kl(zp, zq, chunk_size=chunk))
             sum((o * c).sum() for o, c in zip(out, coef)).backward()
-        return _peak_bytes(step, h, w, hr, wr, t, coef)
+        return peak_bytes(step, h, w, hr, wr, t, coef)
 
     T = 256
     fused = [run(T, True), run(2 * T, True)]

@@ -4,11 +4,11 @@ tp = 2 against a single process, constant memory in the number of tokens, and an
 
 import pytest
 import torch
-from torch.distributed._tools.mem_tracker import MemTracker
 
 from parallel import comm
 from parallel.fused import fused_head
 from parallel.fused_loss import fused_head_loss
+from tests.memory import peak_bytes
 
 FIELDS = ("logprobs", "entropy", "kl", "ref_logprobs")
 
@@ -131,16 +131,6 @@ def test_tp2_matches_single_process(dist_pools):
         assert dist_pools.run(2, _tp2_vs_single, kl, 5) == [True, True]
 
 
-def _peak_bytes(fn, *inputs) -> int:
-    total = lambda snap: sum(d["Total"] for d in snap.values())
-    mt = MemTracker()
-    mt.track_external(*inputs)  # counted from the start, so that views of them are not new memory
-    with mt:
-        base = total(mt.get_tracker_snapshot("current"))
-        fn()
-    return total(mt.get_tracker_snapshot("peak")) - base
-
-
 def test_peak_memory_does_not_grow_with_tokens():
     H, V, chunk = 16, 2048, 32
 
@@ -154,7 +144,7 @@ def test_peak_memory_does_not_grow_with_tokens():
             loss, _ = fused_head_loss(h, w, t, ref_hidden=hr, ref_weight_local=wr, chunk_size=chunk,
                                       kl="forward", token_loss=tl)
             loss.backward()
-        return _peak_bytes(step, h, w, hr, wr, t, old, adv, wts)
+        return peak_bytes(step, h, w, hr, wr, t, old, adv, wts)
 
     T = 256
     peaks = [run(T), run(2 * T)]
