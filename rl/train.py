@@ -48,8 +48,6 @@ def check_rl_config(cfg: RLConfig, world: int) -> ParallelDims:
     if rows % cfg.algo.mini_batches:
         raise ConfigError(f"algo.mini_batches={cfg.algo.mini_batches} must divide the {rows} rows per DP rank "
                           f"(prompts_per_step / dp * group_size)")
-    if cfg.algo.name == "ppo" and cfg.kl.exact and cfg.kl.where == "reward":
-        pass  # the exact KL per token is a fine reward penalty too
     return dims
 
 

@@ -27,7 +27,7 @@ from rl.config import RLConfig
 from rl.controller import KLController
 from rl.kl import kl_by_position, kl_from_config, kl_quantiles, masked_mean
 from rl.logprobs import critic_values, logprobs_from_hidden, policy_fused_loss, policy_token_stats, reference_hidden
-from rl.losses import clipped_value_loss, loss_scale, policy_loss, token_policy_loss, token_weights
+from rl.losses import aggregate, clipped_value_loss, loss_scale, policy_loss, token_policy_loss, token_weights
 from rl.reference import ReferenceSync
 from rl.rollout import Rollout, collect_rollout
 
@@ -279,8 +279,6 @@ class RLTrainer:
         values = critic_values(self.critic, sub.sequences, sub.attention_mask, sub.prompt_len)
         vloss, _ = clipped_value_loss(values, data.old_values[r], data.returns[r], data.mask[r],
                                       self.cfg.critic.value_clip)
-        from rl.losses import aggregate
-
         aggregate(vloss, data.mask[r], "token-mean", scale).backward()
 
     # -----------------------------------------------------------------------------------------
