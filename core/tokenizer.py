@@ -41,8 +41,8 @@ from core.chat_template import ChatTemplateError, render_chat_template
 DATA_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")
 DEFAULT_TOKENIZER = os.path.join(DATA_DIR, "tokenizer.model")
 DEFAULT_CORPUS = os.path.join(DATA_DIR, "corpus.txt")
-# The files that travel with a checkpoint (tools.convert_hf copies them); the first four are hashed
-# into an HF tokenizer's fingerprint when present.
+# The files that travel with a checkpoint (tools.convert_hf copies them); the first three are hashed
+# into an HF tokenizer's fingerprint when present (the tokenizer file given counts as tokenizer.json).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                    "generation_config.json")
 _NAMED_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
@@ -253,10 +253,10 @@ def _sidecars(folder: str, backend) -> dict:
             "template": template, "pad": pad, "config_path": cpath}
 
 
-def _fingerprint(folder: str, names: Sequence[str]) -> str:
+def _fingerprint(files: Sequence[tuple[str, str]]) -> str:
+    """sha256 over "name\0sha256(content)\n" of the (name, path) pairs whose file exists."""
     h = hashlib.sha256()
-    for name in names:
-        p = os.path.join(folder, name)
+    for name, p in files:
         if os.path.isfile(p):
             with open(p, "rb") as f:
                 h.update(f"{name}\0{hashlib.sha256(f.read()).hexdigest()}\n".encode())
@@ -268,7 +268,7 @@ def _load_hf(path: str) -> Tokenizer:
     b = _HFTokenizers(path)
     s = _sidecars(folder, b)
     eos = [i for i in (s["ids"]["eos_token"], *s["gen_eos"]) if i is not None]
-    fp = _fingerprint(folder, (os.path.basename(path), *TOKENIZER_FILES[1:3]))
+    fp = _fingerprint([("tokenizer.json", path)] + [(n, os.path.join(folder, n)) for n in TOKENIZER_FILES[1:3]])
     return Tokenizer(b, path, fp, bos_id=s["ids"]["bos_token"], eos_ids=list(dict.fromkeys(eos)), pad_id=s["pad"],
                      unk_id=s["ids"]["unk_token"], adds_bos=b.prepended is not None, chat_template=s["template"],
                      special_tokens=s["tokens"], config_path=s["config_path"])

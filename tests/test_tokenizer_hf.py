@@ -131,6 +131,8 @@ def test_fingerprint_hashes_the_files(pair, tmp_path):
     copy = tmp_path / "copy"
     shutil.copytree(d, copy)
     assert load_tokenizer(str(copy)).fingerprint == ours.fingerprint  # path independent
+    shutil.copyfile(copy / "tokenizer.json", copy / "renamed.json")
+    assert load_tokenizer(str(copy / "renamed.json")).fingerprint == ours.fingerprint  # file name independent
     cfg = json.loads((copy / "tokenizer_config.json").read_text())
     cfg["chat_template"] += " "
     (copy / "tokenizer_config.json").write_text(json.dumps(cfg))
@@ -180,3 +182,18 @@ def test_cli_hf_style(tmp_path):
                         "200", "--hf-style", "qwen2", "--out", str(tmp_path / "x")], cwd=REPO, capture_output=True,
                        text=True, timeout=120)
     assert r.returncode == 1 and "256 byte pieces" in r.stderr
+
+
+_role_turns = st.lists(st.tuples(st.sampled_from(["user", "assistant"]), _text), min_size=1, max_size=4)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(system=st.one_of(st.none(), _text), turns=_role_turns, gen=st.booleans())
+def test_random_chats_match_apply_chat_template(pair, system, turns, gen):
+    _, ours, hf, _ = pair
+    chat = ([{"role": "system", "content": system}] if system is not None else []) + [
+        {"role": r, "content": c} for r, c in turns]
+    want = hf.apply_chat_template(chat, tokenize=False, add_generation_prompt=gen)
+    assert ours.render_chat(chat, add_generation_prompt=gen) == want
+    assert ours.encode_chat(chat, add_generation_prompt=gen) == list(
+        hf.apply_chat_template(chat, tokenize=True, add_generation_prompt=gen, return_dict=False))
