@@ -187,7 +187,7 @@ def test_cli_hf_style(tmp_path):
 _role_turns = st.lists(st.tuples(st.sampled_from(["user", "assistant"]), _text), min_size=1, max_size=4)
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(system=st.one_of(st.none(), _text), turns=_role_turns, gen=st.booleans())
 def test_random_chats_match_apply_chat_template(pair, system, turns, gen):
     _, ours, hf, _ = pair
