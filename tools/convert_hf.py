@@ -8,8 +8,11 @@ Supported: LlamaForCausalLM (Llama 2/3, llama3 / linear RoPE scaling), Qwen2ForC
 2.5: qkv bias, tied embeddings), MistralForCausalLM. config.json comes in two layouts: transformers
 5 writes `rope_parameters` (rope_theta inside) and `dtype`; hub checkpoints carry `rope_theta` /
 `rope_scaling` at the top level and `torch_dtype`. Both import; export writes the hub layout.
-Weights: model.safetensors, or shards listed in model.safetensors.index.json. A tokenizer.model
-(sentencepiece) is copied into the checkpoint and its fingerprint recorded.
+Weights: model.safetensors, or shards listed in model.safetensors.index.json. The tokenizer files
+(tokenizer.json, tokenizer_config.json, special_tokens_map.json, tokenizer.model,
+generation_config.json: core.tokenizer.TOKENIZER_FILES) present are copied into the checkpoint --
+so its manifest hashes them and `load_tokenizer(checkpoint)` works -- and the tokenizer's fingerprint
+is recorded; export writes them back (from `--tokenizer-dir` if given, e.g. for an RL checkpoint).
 
 kltron's attention is full causal: a Mistral config whose sliding_window is smaller than
 max_position_embeddings is refused (sequences longer than the window would differ) unless
@@ -39,7 +42,6 @@ from core.shards import full_param_shapes
 ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "MistralForCausalLM": "mistral"}
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "keep": None}
 ROPE_TYPES = ("default", "linear", "llama3")
-TOKENIZER_FILE = "tokenizer.model"
 
 
 class ConvertError(CheckpointError):
@@ -188,6 +190,33 @@ def _read_json(path: str) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------
+# tokenizer files
+
+
+def copy_tokenizer_files(src: str, dst: str) -> list[str]:
+    """Copy the files of core.tokenizer.TOKENIZER_FILES that `src` holds into the folder `dst`; returns
+    their names. A model checkpoint's writer calls it on its temporary folder, so the manifest hashes them."""
+    from core.tokenizer import TOKENIZER_FILES
+
+    names = [n for n in TOKENIZER_FILES if os.path.isfile(os.path.join(src, n))]
+    for n in names:
+        shutil.copyfile(os.path.join(src, n), os.path.join(dst, n))
+    return names
+
+
+def tokenizer_fingerprint(folder: str) -> str | None:
+    """The fingerprint of the tokenizer in `folder` (None when it holds no tokenizer.json / .model)."""
+    from core.tokenizer import TokenizerError, load_tokenizer
+
+    if not any(os.path.isfile(os.path.join(folder, n)) for n in ("tokenizer.json", "tokenizer.model")):
+        return None
+    try:
+        return load_tokenizer(folder).fingerprint
+    except TokenizerError as e:
+        raise ConvertError(str(e)) from e
+
+
+# ---------------------------------------------------------------------------------------------
 # import / export
 
 
@@ -224,12 +253,7 @@ def import_hf(hf_dir: str, out: str, dtype: str = "keep", max_shard_bytes: int |
             raise ConvertError(f"{s.file_of('lm_head.weight').path}: key 'lm_head.weight' differs from "
                                f"model.embed_tokens.weight although tie_word_embeddings is true")
         specs = {n: (want or s.dtype(names[n]), shapes[n]) for n in shapes}
-        tok_src = os.path.join(hf_dir, TOKENIZER_FILE)
-        fingerprint = None
-        if os.path.isfile(tok_src):
-            from core.tokenizer import load_tokenizer
-
-            fingerprint = load_tokenizer(tok_src).fingerprint
+        fingerprint = tokenizer_fingerprint(hf_dir)
         info = {"kind": "model", "model_config": to_dict(cfg), "tp": 1,
                 "dtype": ",".join(sorted({dtype_name(dt) for dt, _ in specs.values()})),
                 "tokenizer_fingerprint": fingerprint,
@@ -241,14 +265,14 @@ def import_hf(hf_dir: str, out: str, dtype: str = "keep", max_shard_bytes: int |
                 for n in w.order:  # one tensor in memory at a time
                     w.write(n, s.get(names[n]).to(specs[n][0]))
                 w.close()
-            if fingerprint is not None:
-                shutil.copyfile(tok_src, os.path.join(tmp, TOKENIZER_FILE))
+            copy_tokenizer_files(hf_dir, tmp)  # hashed into the manifest's `files` with the weights
 
         return save_checkpoint_at(out, 0, write, info=info)
 
 
-def export_hf(ckpt: str, hf_dir: str, max_shard_bytes: int | None = None) -> str:
-    """Write config.json + model.safetensors (+ tokenizer.model) for checkpoint `ckpt` into `hf_dir`."""
+def export_hf(ckpt: str, hf_dir: str, max_shard_bytes: int | None = None, tokenizer_dir: str | None = None) -> str:
+    """Write config.json + model.safetensors + the tokenizer files (from `tokenizer_dir`, default the
+    checkpoint itself) for checkpoint `ckpt` into `hf_dir`."""
     ckpt = resolve_checkpoint(ckpt)
     m = read_manifest(ckpt)
     cfg = from_dict(ModelConfig, m["model_config"])
@@ -276,8 +300,7 @@ def export_hf(ckpt: str, hf_dir: str, max_shard_bytes: int | None = None) -> str
     dtypes = {dtype_name(dt) for dt, _ in specs.values()}
     config = hf_config_from_model(cfg, dtypes.pop() if len(dtypes) == 1 else "float32", src.get("config"))
     write_bytes_atomic(os.path.join(hf_dir, "config.json"), json.dumps(config, indent=2).encode("utf-8"))
-    if os.path.isfile(os.path.join(ckpt, TOKENIZER_FILE)):
-        shutil.copyfile(os.path.join(ckpt, TOKENIZER_FILE), os.path.join(hf_dir, TOKENIZER_FILE))
+    copy_tokenizer_files(tokenizer_dir or ckpt, hf_dir)
     return hf_dir
 
 
@@ -294,12 +317,13 @@ def main(argv=None) -> int:
     ex.add_argument("--ckpt", required=True)
     ex.add_argument("--hf-dir", required=True)
     ex.add_argument("--max-shard-bytes", type=int, default=None)
+    ex.add_argument("--tokenizer-dir", default=None, help="copy the tokenizer files from here (default: --ckpt)")
     args = ap.parse_args(argv)
     try:
         if args.cmd == "import":
             path = import_hf(args.hf_dir, args.out, args.dtype, args.max_shard_bytes, args.ignore_sliding_window)
         else:
-            path = export_hf(args.ckpt, args.hf_dir, args.max_shard_bytes)
+            path = export_hf(args.ckpt, args.hf_dir, args.max_shard_bytes, args.tokenizer_dir)
     except CheckpointError as e:
         print(f"kltron.convert_hf: error: {e}", file=sys.stderr)
         return 2
