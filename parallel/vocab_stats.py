@@ -15,8 +15,8 @@ The large constants m_p, m_q cancel analytically, so KL stays exact when the two
 large offset (logits of 1e4 and more), and identical inputs give bitwise 0.
 Edge values: a -inf logit has p = 0 and contributes exactly 0 to every sum (0 * log 0 := 0), so
 entropy and KL are finite; KL(p||q) is +inf where some p > 0 meets q = 0 (a -inf logit on the q
-side only), and its gradient is then NaN (the KL is not differentiable there). A row whose
-logits are all -inf is not a distribution: NaN.
+side only); the KL is not differentiable there and what its gradient holds is unspecified
+(non-finite in general). A row whose logits are all -inf is not a distribution: NaN.
 
 Masked tokens (`keep` false): their logits are replaced by 0, their targets by -1 (held by no
 rank), their values by 0 and their upstream gradients by 0 before any arithmetic, so whatever
@@ -159,7 +159,7 @@ def _shift(z: torch.Tensor):
 def local_stats(zp, zq, tsel, spec: StatsSpec, maxes: torch.Tensor, sums: torch.Tensor) -> None:
     """Fill one chunk's rows of `maxes` [c, 1|2] (local max, -inf if nv == 0) and `sums` [c, k]
     (sums of exp(s) with s = z - local max, of the entropy/KL integrands in s, and the picked
-    target logits). Working memory: at most four [c, nv] temporaries besides zp and zq."""
+    target logits). Working memory: at most five [c, nv] temporaries besides zp and zq."""
     cols = spec.cols
     if zp.shape[1] == 0:  # this rank holds only padding: contributes nothing
         maxes.fill_(float("-inf"))
@@ -167,12 +167,12 @@ def local_stats(zp, zq, tsel, spec: StatsSpec, maxes: torch.Tensor, sums: torch.
         return
     mp, sp = _shift(zp)
     maxes[:, 0] = mp[:, 0]
-    ep = sp.exp()
+    ep = sp.exp() if (spec.entropy or spec.kl is not None) else sp.exp_()  # s_p is needed again?
     sums[:, cols["S_p"]] = ep.sum(1)
     if spec.has_q:
         mq, sq = _shift(zq)
         maxes[:, 1] = mq[:, 0]
-        eq = sq.exp()
+        eq = sq.exp() if spec.kl is not None else sq.exp_()
         sums[:, cols["S_q"]] = eq.sum(1)
         # integrands in shifted logits; where the weight is 0 the term is 0 (never 0 * inf = NaN),
         # +inf survives (p > 0 meeting q = 0)
