@@ -160,3 +160,39 @@ def test_bad_mask_names_the_culprit():
         vocab_parallel_entropy(x, mask=torch.ones(3, dtype=torch.bool))
     with pytest.raises(ValueError, match="mask has shape"):
         fused_head(torch.randn(4, 3), torch.randn(10, 3), mask=torch.ones(5, dtype=torch.bool))
+
+
+def _tp2_masked_vs_single(seed):
+    """tp = 2 with garbage at masked positions equals one process with those tokens removed."""
+    import torch.distributed as dist
+
+    from parallel import comm
+
+    group = dist.group.WORLD
+    tp, r = comm.group_size(group), comm.group_rank(group)
+    h, w, hr, wr, t, adv, wts, keep, ref_lp = _batch(torch.float64, seed)
+    hg, tg, rg, hrg = h, t, ref_lp, hr
+    h, hr, t, ref_lp = _plant(h, hr, t, ref_lp, keep)
+    kw = dict(vocab_size=V, kl="forward", chunk_size=5, temperature=0.9)
+    rows = slice(r * (VP // tp), (r + 1) * (VP // tp))
+    leaves = [h.clone().requires_grad_(True), w[rows].clone().requires_grad_(True)]
+    loss, st = fused_head_loss(comm.copy_to_tp(leaves[0], group), leaves[1], t, group, ref_hidden=hr,
+                               ref_weight_local=wr[rows], token_loss=_rl_token_loss(adv, wts, ref_lp, keep),
+                               mask=keep, **kw)
+    gh, gw = torch.autograd.grad(loss, leaves)
+    k = keep
+    kept = [hg[k].clone().requires_grad_(True), w.clone().requires_grad_(True)]
+    loss2, st2 = fused_head_loss(*kept, tg[k], ref_hidden=hrg[k], ref_weight_local=wr,
+                                 token_loss=_rl_token_loss(adv[k], wts[k], rg[k], keep[k]), **kw)
+    gh2, gw2 = torch.autograd.grad(loss2, kept)
+    tol = dict(atol=1e-10, rtol=1e-10)
+    torch.testing.assert_close(loss, loss2, **tol)
+    torch.testing.assert_close(gh[k], gh2, **tol)
+    assert torch.equal(gh[~k], torch.zeros_like(gh[~k]))
+    torch.testing.assert_close(gw, gw2[rows], **tol)
+    torch.testing.assert_close(st.logprobs[k], st2.logprobs, **tol)
+    return True
+
+
+def test_tp2_masked_garbage_equals_single_process_without_it(dist_pools):
+    assert dist_pools.run(2, _tp2_masked_vs_single, 7) == [True, True]
