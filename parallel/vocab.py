@@ -163,7 +163,7 @@ def vocab_parallel_cross_entropy(logits_local, targets, tp_group=None, *, vocab_
     spec = StatsSpec(False, True, False, None, ("logprobs",))
     lp = _run(logits_local, None, targets, tp_group, spec, vocab_size=vocab_size, temperature=1.0,
               fp32=fp32, chunk_size=chunk_size, ignore_index=ignore_index, mask=keep)[0]
-    return -lp
+    return torch.where(keep, -lp, lp.new_zeros(()))  # +0.0, not -0.0, where ignored
 
 
 def vocab_parallel_entropy(logits_local, tp_group=None, *, vocab_size=None, temperature=1.0, fp32=True,
