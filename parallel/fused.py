@@ -24,6 +24,16 @@ exactly as for a column-parallel head. The same holds for ref_hidden if it requi
 Gradients flow to hidden and weight_local, and to ref_hidden / ref_weight_local only if they
 require grad (normally the reference is frozen). When ref_hidden is None the reference logits use
 `hidden` detached: no gradient reaches hidden through the reference side.
+
+Precision: with fp32=True and bf16/fp16 weights, each chunk's logits come out of the matmul in
+float32 (`torch.mm(..., out_dtype=torch.float32)` on CUDA; elsewhere a float32 matmul of upcast
+operands, the weight shard upcast once per call), so they are never rounded to bf16 before the
+float32 reductions. The backward's gradient matmuls run in the weights' dtype.
+
+Masks: `mask` [...] (like hidden's leading dims) marks the tokens that exist. A masked token's
+hidden rows (policy and reference) are read as 0, its target as "none", its outputs are 0 and its
+upstream gradients are dropped before any arithmetic: NaN, inf or an out-of-range id at a padded
+position reaches no value and no gradient, and the gradients equal those without the token.
 """
 
 from __future__ import annotations
@@ -33,16 +43,22 @@ from typing import NamedTuple
 import torch
 
 from parallel.comm import group_size
-from parallel.vocab import (
+from parallel.vocab_stats import (
     KL_DIRECTIONS,
+    SAVED,
     StatsSpec,
+    VocabShard,
+    check_mask,
     check_targets,
     chunks,
     grad_logits,
     local_stats,
+    masked,
     reduce_stats,
     vocab_shard,
 )
+
+_MM_OUT_DTYPE = ("cuda", "meta")  # devices whose torch.mm takes out_dtype= (bf16/fp16 -> fp32)
 
 
 class FusedHeadOutput(NamedTuple):
@@ -52,72 +68,120 @@ class FusedHeadOutput(NamedTuple):
     ref_logprobs: torch.Tensor | None  # log q(target), [...]
 
 
-def _logits(h: torch.Tensor, w: torch.Tensor, sh) -> torch.Tensor:
-    """One chunk's valid logits / temperature, [c, nv], in the reduction dtype."""
-    z = (h @ w[: sh.nv].T).to(sh.dtype)  # a fresh tensor: scaled in place
-    return z.div_(sh.temperature) if sh.temperature != 1.0 else z
+class HeadMatmul:
+    """logits of one chunk, [c, nv] = hidden_c [c, H] @ weight[:nv].T / temperature, in the
+    reduction dtype and computed in it: an fp32 output from bf16 operands on CUDA, an fp32 copy of
+    the weight shard (made once, here) elsewhere. Masked rows (`keep` false) of hidden read as 0."""
+
+    def __init__(self, weight: torch.Tensor, sh: VocabShard):
+        self.sh = sh
+        w = weight[: sh.nv]
+        low = weight.dtype in (torch.bfloat16, torch.float16)
+        self.out_dtype = low and sh.dtype == torch.float32 and weight.device.type in _MM_OUT_DTYPE
+        self.w = w if weight.dtype == sh.dtype or self.out_dtype else w.to(sh.dtype)
+
+    def __call__(self, h: torch.Tensor, keep: torch.Tensor | None = None) -> torch.Tensor:
+        h = rows(h, keep)
+        if self.out_dtype:
+            z = torch.mm(h, self.w.T, out_dtype=self.sh.dtype)
+        else:
+            z = h.to(self.w.dtype) @ self.w.T  # a fresh tensor: scaled in place
+        return z.div_(self.sh.temperature) if self.sh.temperature != 1.0 else z
+
+
+def rows(h: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
+    """h [c, H] with the rows of masked tokens replaced by 0 (selected, never multiplied)."""
+    return h if keep is None else torch.where(keep[:, None], h, h.new_zeros(()))
+
+
+def part(x: torch.Tensor | None, s: int, e: int) -> torch.Tensor | None:
+    return None if x is None else x[s:e]
 
 
 class _FusedHead(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, ref_hidden, ref_weight, targets, sh, spec: StatsSpec, chunk_size):
+    def forward(ctx, hidden, weight, ref_hidden, ref_weight, targets, keep, sh, spec: StatsSpec, chunk_size):
         T = hidden.shape[0]
-        maxes = torch.empty(T, 1 + spec.has_q, dtype=sh.dtype)
-        sums = torch.empty(T, len(spec.cols), dtype=sh.dtype)
+        maxes, sums = spec.buffers(T, hidden, sh.dtype)
         tl = sh.local_index(targets)
+        mm_p = HeadMatmul(weight, sh)
+        mm_q = HeadMatmul(ref_weight, sh) if spec.has_q else None
         for s, e in chunks(T, chunk_size):
-            zp = _logits(hidden[s:e], weight, sh)
-            zq = _logits(ref_hidden[s:e], ref_weight, sh) if spec.has_q else None
+            kc = part(keep, s, e)
+            zp = mm_p(hidden[s:e], kc)
+            zq = mm_q(ref_hidden[s:e], kc) if spec.has_q else None
             tsel = None if tl is None else (tl[0][s:e], tl[1][s:e])
             local_stats(zp, zq, tsel, spec, maxes[s:e], sums[s:e])
             del zp, zq
         st = reduce_stats(maxes, sums, spec, sh.group)
         ctx.sh, ctx.spec, ctx.chunk_size = sh, spec, chunk_size
-        ctx.keys = [k for k in ("lse", "lse_q", "dlse", "entropy", "kl") if k in st]
-        ctx.save_for_backward(hidden, weight, ref_hidden, ref_weight, targets, *[st[k] for k in ctx.keys])
+        ctx.keys = [k for k in SAVED if k in st]
+        ctx.save_for_backward(hidden, weight, ref_hidden, ref_weight, targets, keep, *[st[k] for k in ctx.keys])
         ctx.set_materialize_grads(False)
-        return tuple(st[k] for k in spec.outputs)
+        return tuple(masked(st[k], keep) for k in spec.outputs)
 
     @staticmethod
     def backward(ctx, *grads):
-        hidden, weight, ref_hidden, ref_weight, targets, *saved = ctx.saved_tensors
+        hidden, weight, ref_hidden, ref_weight, targets, keep, *saved = ctx.saved_tensors
         sh, spec = ctx.sh, ctx.spec
         st_all = dict(zip(ctx.keys, saved))
         g_all = dict(zip(spec.outputs, grads))
         need = ctx.needs_input_grad
         want_q = spec.has_q and (need[2] or need[3])
-        gh = torch.zeros_like(hidden) if need[0] else None
-        gw = torch.zeros_like(weight) if need[1] else None
-        grh = torch.zeros_like(ref_hidden) if need[2] else None
-        grw = torch.zeros_like(ref_weight) if need[3] else None
+        acc = GradAccumulator(hidden, weight, ref_hidden, ref_weight, need, sh.nv)
         tl = sh.local_index(targets)
+        mm_p = HeadMatmul(weight, sh)
+        mm_q = HeadMatmul(ref_weight, sh) if spec.has_q else None
         for s, e in chunks(hidden.shape[0], ctx.chunk_size):
-            zp = _logits(hidden[s:e], weight, sh)  # recomputed: the forward kept no logits
-            zq = _logits(ref_hidden[s:e], ref_weight, sh) if spec.has_q else None
+            kc = part(keep, s, e)
+            zp = mm_p(hidden[s:e], kc)  # recomputed: the forward kept no logits
+            zq = mm_q(ref_hidden[s:e], kc) if spec.has_q else None
             tsel = None if tl is None else (tl[0][s:e], tl[1][s:e])
-            g = {k: (None if v is None else v[s:e]) for k, v in g_all.items()}
+            g = {k: masked(part(v, s, e), kc) for k, v in g_all.items()}
             gp, gq = grad_logits(zp, zq, tsel, {k: v[s:e] for k, v in st_all.items()}, g, spec, want_q,
                                  sh.temperature)
             del zp, zq
-            gp = gp.to(weight.dtype)
+            acc.add(s, e, kc, gp, gq if want_q else None)
+        return (*acc.grads(), None, None, None, None, None)
+
+
+class GradAccumulator:
+    """grad_hidden [T, H] (rows written per chunk), grad_weight [Vp/tp, H] (summed over chunks), and
+    the same for the reference side, from each chunk's d/dlogits, in the parameters' dtypes."""
+
+    def __init__(self, hidden, weight, ref_hidden, ref_weight, need, nv: int):
+        self.h, self.w, self.rh, self.rw, self.nv = hidden, weight, ref_hidden, ref_weight, nv
+        self.g = [torch.zeros_like(x) if n else None for x, n in zip((hidden, weight, ref_hidden, ref_weight), need)]
+
+    def add(self, s: int, e: int, keep, gp: torch.Tensor, gq: torch.Tensor | None) -> None:
+        for i, (dz, h, w) in enumerate(((gp, self.h, self.w), (gq, self.rh, self.rw))):
+            if dz is None:
+                continue
+            dz = dz.to(w.dtype)
+            gh, gw = self.g[2 * i], self.g[2 * i + 1]
             if gh is not None:
-                torch.matmul(gp, weight[: sh.nv], out=gh[s:e])
-            if gw is not None:
-                gw[: sh.nv].addmm_(gp.T, hidden[s:e])
-            if want_q:
-                gq = gq.to(ref_weight.dtype)
-                if grh is not None:
-                    torch.matmul(gq, ref_weight[: sh.nv], out=grh[s:e])
-                if grw is not None:
-                    grw[: sh.nv].addmm_(gq.T, ref_hidden[s:e])
-        return gh, gw, grh, grw, None, None, None, None
+                torch.matmul(dz, w[: self.nv], out=gh[s:e])
+            if gw is not None:  # masked rows of dz are 0 and of h read as 0: they add exactly nothing
+                gw[: self.nv].addmm_(dz.T, rows(h[s:e], keep))
+
+    def grads(self):
+        return tuple(self.g)
 
 
-def prepare_head(hidden, weight_local, targets, tp_group, vocab_size, ref_hidden, ref_weight_local, temperature,
-                 entropy, kl, fp32, who):
-    """Validate the fused head's inputs (one clear error naming the culprit) and flatten them:
-    (hidden [T, H], ref_hidden [T, H_ref] or None, targets [T] or None, VocabShard, StatsSpec, lead dims).
-    Shared by fused_head and parallel/fused_loss.py's fused_head_loss."""
+class PreparedHead(NamedTuple):
+    """The fused heads' validated, flattened inputs."""
+
+    hidden: torch.Tensor  # [T, H]
+    ref_hidden: torch.Tensor | None  # [T, H_ref]
+    targets: torch.Tensor | None  # [T] int64, -1 at masked tokens
+    keep: torch.Tensor | None  # [T] bool, False at masked tokens
+    sh: VocabShard
+    spec: StatsSpec
+    lead: torch.Size  # hidden's leading dims, the outputs' shape
+
+
+def _check_ref(hidden, weight_local, ref_hidden, ref_weight_local, kl):
+    """ref_hidden [T, H_ref] (hidden detached when None) after the shape checks, or None."""
     if kl is not None and kl not in KL_DIRECTIONS:
         raise ValueError(f"kl must be None or one of {KL_DIRECTIONS}, got {kl!r}")
     if kl is not None and ref_weight_local is None:
@@ -127,42 +191,51 @@ def prepare_head(hidden, weight_local, targets, tp_group, vocab_size, ref_hidden
     if hidden.dim() < 1 or weight_local.dim() != 2 or weight_local.shape[1] != hidden.shape[-1]:
         raise ValueError(f"weight_local has shape {tuple(weight_local.shape)}, expected [Vp/tp, "
                          f"{hidden.shape[-1]}] to match hidden {tuple(hidden.shape)}")
-    lead, H = hidden.shape[:-1], hidden.shape[-1]
-    width = weight_local.shape[0]
-    has_q = ref_weight_local is not None
-    if has_q:
-        ref_hidden = hidden.detach() if ref_hidden is None else ref_hidden
-        if tuple(ref_hidden.shape[:-1]) != tuple(lead):
-            raise ValueError(f"ref_hidden has shape {tuple(ref_hidden.shape)}, expected leading dims "
-                             f"{tuple(lead)} like hidden")
-        if tuple(ref_weight_local.shape) != (width, ref_hidden.shape[-1]):
-            raise ValueError(f"ref_weight_local has shape {tuple(ref_weight_local.shape)}, expected "
-                             f"{(width, ref_hidden.shape[-1])}")
-        ref_hidden = ref_hidden.reshape(-1, ref_hidden.shape[-1])
+    if ref_weight_local is None:
+        return None
+    lead, width = hidden.shape[:-1], weight_local.shape[0]
+    ref_hidden = hidden.detach() if ref_hidden is None else ref_hidden
+    if tuple(ref_hidden.shape[:-1]) != tuple(lead):
+        raise ValueError(f"ref_hidden has shape {tuple(ref_hidden.shape)}, expected leading dims "
+                         f"{tuple(lead)} like hidden")
+    if tuple(ref_weight_local.shape) != (width, ref_hidden.shape[-1]):
+        raise ValueError(f"ref_weight_local has shape {tuple(ref_weight_local.shape)}, expected "
+                         f"{(width, ref_hidden.shape[-1])}")
+    return ref_hidden.reshape(-1, ref_hidden.shape[-1])
+
+
+def prepare_head(hidden, weight_local, targets, tp_group, vocab_size, ref_hidden, ref_weight_local, temperature,
+                 entropy, kl, fp32, who, mask=None) -> PreparedHead:
+    """Validate the fused head's inputs (one clear error naming the culprit) and flatten them.
+    Shared by fused_head and parallel/fused_loss.py's fused_head_loss."""
+    ref_hidden = _check_ref(hidden, weight_local, ref_hidden, ref_weight_local, kl)
+    lead, width = hidden.shape[:-1], weight_local.shape[0]
+    has_q = ref_hidden is not None
     sh = vocab_shard(width, tp_group, vocab_size, temperature, weight_local.dtype, fp32)
     vocab = width * group_size(tp_group) if vocab_size is None else vocab_size
-    t = None if targets is None else check_targets(targets, lead, vocab)
+    keep = check_mask(mask, lead)
+    t = None if targets is None else check_targets(targets, lead, vocab, keep=keep)
     outputs = tuple(name for name, on in (("logprobs", t is not None), ("entropy", entropy),
                                           ("kl", kl is not None), ("ref_logprobs", t is not None and has_q))
                     if on)
     if not outputs:
         raise ValueError(f"{who} was asked for nothing: pass targets, entropy=True or kl=...")
     spec = StatsSpec(has_q, t is not None, bool(entropy), kl, outputs)
-    return hidden.reshape(-1, H), ref_hidden, t, sh, spec, lead
+    return PreparedHead(hidden.reshape(-1, hidden.shape[-1]), ref_hidden, t, keep, sh, spec, lead)
 
 
 def fused_head(hidden, weight_local, targets=None, tp_group=None, *, vocab_size=None, ref_hidden=None,
                ref_weight_local=None, temperature=1.0, chunk_size=1024, entropy=True, kl=None,
-               fp32=True) -> FusedHeadOutput:
+               fp32=True, mask=None) -> FusedHeadOutput:
     """Log-probs of `targets`, entropy and exact KL (kl="forward": KL(p||q), "reverse": KL(q||p)) of
     the head logits = hidden @ weight_local.T, sharded on the vocabulary over tp_group, against the
     reference logits = ref_hidden @ ref_weight_local.T. Fields not requested are None; ref_logprobs
-    is filled when both targets and ref_weight_local are given. See the module docstring for the
+    is filled when both targets and ref_weight_local are given. `mask` [...] (optional, like
+    targets): tokens to drop, exactly (see the module docstring). See the module docstring for the
     copy_to_tp contract at tp > 1."""
-    hidden2d, ref_hidden, t, sh, spec, lead = prepare_head(
-        hidden, weight_local, targets, tp_group, vocab_size, ref_hidden, ref_weight_local, temperature, entropy,
-        kl, fp32, "fused_head")
-    outs = _FusedHead.apply(hidden2d, weight_local, ref_hidden, ref_weight_local, t, sh, spec,
-                            chunk_size)
-    got = {name: o.reshape(lead) for name, o in zip(spec.outputs, outs)}
+    ph = prepare_head(hidden, weight_local, targets, tp_group, vocab_size, ref_hidden, ref_weight_local,
+                      temperature, entropy, kl, fp32, "fused_head", mask)
+    outs = _FusedHead.apply(ph.hidden, weight_local, ph.ref_hidden, ref_weight_local, ph.targets, ph.keep, ph.sh,
+                            ph.spec, chunk_size)
+    got = {name: o.reshape(ph.lead) for name, o in zip(ph.spec.outputs, outs)}
     return FusedHeadOutput(*(got.get(k) for k in FusedHeadOutput._fields))

@@ -28,6 +28,11 @@ each still moves O(chunk) floats, never O(V), and O(T) in total.
 Tensor parallelism: as for fused_head, each rank's grad_hidden is its vocabulary shard's partial sum;
 the caller passes `comm.copy_to_tp(hidden, tp_group)`, whose backward all-reduces the partials.
 
+Precision and masks: as for fused_head (fp32 logits from bf16 weights; `mask` drops tokens
+exactly). At a masked token token_loss sees 0 for every value, its output is replaced by 0 and
+the gradient it returns is dropped before any arithmetic, so a NaN, an inf or a huge log-ratio
+that the closure computes at a padded position reaches neither the loss nor a gradient.
+
 The reference is frozen: no gradient reaches ref_hidden or ref_weight_local (they are read
 detached), nor `hidden` through the reference side when ref_hidden is None.
 The gradient is that of the loss at the moment of the call: a second backward through the
@@ -38,8 +43,8 @@ from __future__ import annotations
 
 import torch
 
-from parallel.fused import FusedHeadOutput, _logits, prepare_head
-from parallel.vocab import chunks, grad_logits, local_stats, reduce_stats
+from parallel.fused import FusedHeadOutput, GradAccumulator, HeadMatmul, part, prepare_head
+from parallel.vocab_stats import chunks, grad_logits, local_stats, masked, reduce_stats
 
 _VALUES = ("logprobs", "entropy", "kl")  # what token_loss sees, in its argument order
 
@@ -49,50 +54,36 @@ class _FusedHeadLoss(torch.autograd.Function):
     in forward and saved."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, ref_hidden, ref_weight, targets, sh, spec, chunk_size, token_loss):
+    def forward(ctx, hidden, weight, ref_hidden, ref_weight, targets, keep, sh, spec, chunk_size, token_loss):
         T = hidden.shape[0]
-        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        gh = torch.zeros_like(hidden) if need_h else None
-        gw = torch.zeros_like(weight) if need_w else None
-        stats = {k: torch.empty(T, dtype=sh.dtype) for k in spec.outputs}
+        need = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], False, False)
+        acc = GradAccumulator(hidden, weight, None, None, need, sh.nv)
+        stats = {k: hidden.new_empty(T, dtype=sh.dtype) for k in spec.outputs}
         tl = sh.local_index(targets)
+        mm_p = HeadMatmul(weight, sh)
+        mm_q = HeadMatmul(ref_weight, sh) if spec.has_q else None
         loss = None
         for s, e in chunks(T, chunk_size):
-            zp = _logits(hidden[s:e], weight, sh)  # [c, nv]
-            zq = _logits(ref_hidden[s:e], ref_weight, sh) if spec.has_q else None
+            kc = part(keep, s, e)
+            zp = mm_p(hidden[s:e], kc)  # [c, nv]
+            zq = mm_q(ref_hidden[s:e], kc) if spec.has_q else None
             tsel = None if tl is None else (tl[0][s:e], tl[1][s:e])
-            maxes = torch.empty(e - s, 1 + spec.has_q, dtype=sh.dtype)
-            sums = torch.empty(e - s, len(spec.cols), dtype=sh.dtype)
+            maxes, sums = spec.buffers(e - s, hidden, sh.dtype)
             local_stats(zp, zq, tsel, spec, maxes, sums)
             # this chunk's values must be final before its gradient: the max all-reduce and the
             # partial-sum all-gather run per chunk, each O(chunk) floats (see the module docstring)
             st = reduce_stats(maxes, sums, spec, sh.group)
             for k in spec.outputs:
-                stats[k][s:e] = st[k]
-            with torch.enable_grad():
-                vals = [st[k].detach().requires_grad_(True) if k in st else None for k in _VALUES]
-                out = token_loss(*vals, slice(s, e))
-                if not isinstance(out, torch.Tensor) or tuple(out.shape) != (e - s,):
-                    raise ValueError(f"token_loss must return a [{e - s}] tensor (one value per token of the "
-                                     f"chunk), got {type(out).__name__} {tuple(getattr(out, 'shape', ()))}")
-                chunk_loss = out.sum()
-                live = [v for v in vals if v is not None]
-                grads = (torch.autograd.grad(chunk_loss, live, allow_unused=True)
-                         if chunk_loss.requires_grad and (need_h or need_w) else [None] * len(live))
-            chunk_loss = chunk_loss.detach()
+                stats[k][s:e] = masked(st[k], kc)
+            chunk_loss, g = _token_loss_and_grads(token_loss, st, kc, s, e, need[0] or need[1])
             loss = chunk_loss if loss is None else loss + chunk_loss
-            it = iter(grads)
-            g = {k: next(it) for k, v in zip(_VALUES, vals) if v is not None}
-            g = {k: (None if v is None else v.to(sh.dtype)) for k, v in g.items()}
             if any(v is not None for v in g.values()):
+                g = {k: masked(v.to(sh.dtype), kc) for k, v in g.items() if v is not None}
                 gp, _ = grad_logits(zp, zq, tsel, st, g, spec, False, sh.temperature)
-                gp = gp.to(weight.dtype)
-                if gh is not None:
-                    torch.matmul(gp, weight[: sh.nv], out=gh[s:e])
-                if gw is not None:
-                    gw[: sh.nv].addmm_(gp.T, hidden[s:e])
+                acc.add(s, e, kc, gp, None)
                 del gp
             del zp, zq
+        gh, gw, _, _ = acc.grads()
         ctx.save_for_backward(gh, gw)
         outs = tuple(stats[k] for k in spec.outputs)
         ctx.mark_non_differentiable(*outs)
@@ -102,18 +93,36 @@ class _FusedHeadLoss(torch.autograd.Function):
     def backward(ctx, grad_loss, *_):
         gh, gw = ctx.saved_tensors
         return (None if gh is None else gh * grad_loss, None if gw is None else gw * grad_loss,
-                None, None, None, None, None, None, None)
+                None, None, None, None, None, None, None, None)
+
+
+def _token_loss_and_grads(token_loss, st: dict, keep, s: int, e: int, need: bool):
+    """token_loss on the chunk's values [c] (0 at masked tokens) -> (its detached sum, {name: d sum /
+    d value [c] or None}). A masked token's output is selected away before the sum."""
+    with torch.enable_grad():
+        vals = [masked(st[k], keep).detach().requires_grad_(True) if k in st else None for k in _VALUES]
+        out = token_loss(*vals, slice(s, e))
+        if not isinstance(out, torch.Tensor) or tuple(out.shape) != (e - s,):
+            raise ValueError(f"token_loss must return a [{e - s}] tensor (one value per token of the "
+                             f"chunk), got {type(out).__name__} {tuple(getattr(out, 'shape', ()))}")
+        chunk_loss = masked(out, keep).sum()
+        live = [v for v in vals if v is not None]
+        grads = (torch.autograd.grad(chunk_loss, live, allow_unused=True)
+                 if chunk_loss.requires_grad and need else [None] * len(live))
+    it = iter(grads)
+    return chunk_loss.detach(), {k: next(it) for k, v in zip(_VALUES, vals) if v is not None}
 
 
 def fused_head_loss(hidden, weight_local, targets=None, tp_group=None, *, token_loss, vocab_size=None,
                     ref_hidden=None, ref_weight_local=None, temperature=1.0, chunk_size=1024, kl=None,
-                    entropy=True, fp32=True) -> tuple[torch.Tensor, FusedHeadOutput]:
+                    entropy=True, fp32=True, mask=None) -> tuple[torch.Tensor, FusedHeadOutput]:
     """loss = sum over chunks of token_loss(logprobs, entropy, kl, tokens).sum(), with the gradient
     to hidden and weight_local computed chunk by chunk in this call.
 
     hidden [..., H] replicated (wrap it in copy_to_tp at tp > 1), weight_local [Vp/tp, H] sharded
     on the vocabulary over tp_group, targets [...] global ids (or None), kl None / "forward" /
-    "reverse" against the frozen reference ref_hidden @ ref_weight_local.T.
+    "reverse" against the frozen reference ref_hidden @ ref_weight_local.T, mask [...] (optional):
+    the tokens that exist (a masked token adds exactly nothing to the loss or the gradients).
 
     token_loss(logprobs, entropy, kl, tokens) -> [c]: called once per chunk with that chunk's [c]
     values (None for those not requested) and `tokens`, the chunk's slice of the flattened leading
@@ -125,12 +134,11 @@ def fused_head_loss(hidden, weight_local, targets=None, tp_group=None, *, token_
     detached per-token values, shaped like targets, fields not requested None)."""
     if not callable(token_loss):
         raise TypeError(f"token_loss must be callable, got {type(token_loss).__name__}")
-    hidden2d, ref_hidden, t, sh, spec, lead = prepare_head(
-        hidden, weight_local, targets, tp_group, vocab_size, ref_hidden, ref_weight_local, temperature, entropy,
-        kl, fp32, "fused_head_loss")
-    if spec.has_q:
-        ref_hidden, ref_weight_local = ref_hidden.detach(), ref_weight_local.detach()
-    loss, *outs = _FusedHeadLoss.apply(hidden2d, weight_local, ref_hidden, ref_weight_local, t, sh, spec,
-                                       chunk_size, token_loss)
-    got = {name: o.reshape(lead) for name, o in zip(spec.outputs, outs)}
+    ph = prepare_head(hidden, weight_local, targets, tp_group, vocab_size, ref_hidden, ref_weight_local,
+                      temperature, entropy, kl, fp32, "fused_head_loss", mask)
+    ref_hidden = None if ph.ref_hidden is None else ph.ref_hidden.detach()
+    ref_weight = None if ref_weight_local is None else ref_weight_local.detach()
+    loss, *outs = _FusedHeadLoss.apply(ph.hidden, weight_local, ref_hidden, ref_weight, ph.targets, ph.keep,
+                                       ph.sh, ph.spec, chunk_size, token_loss)
+    got = {name: o.reshape(ph.lead) for name, o in zip(ph.spec.outputs, outs)}
     return loss, FusedHeadOutput(*(got.get(k) for k in FusedHeadOutput._fields))
