@@ -13,10 +13,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from core.checkpoint import read_manifest
+from core.ckpt import load_model_weights, read_manifest
 from core.config import ModelConfig, from_dict
 from core.model import Transformer
-from core.model_io import load_model_weights
 from parallel.comm import all_gather_along
 from parallel.dims import ParallelDims, init_parallel
 from tests.dist import REPO

@@ -10,7 +10,7 @@ import os
 import pytest
 import torch
 
-from core.checkpoint import CheckpointError
+from core.ckpt import CheckpointError
 from tests.dist import run_torchrun
 from tests.test_convert_hf import make_hf
 from tools.convert_hf import import_hf

@@ -29,11 +29,17 @@ import sys
 
 import torch
 
-from core.checkpoint import CheckpointError, read_manifest, resolve_checkpoint, save_checkpoint_at
+from core.ckpt import (
+    CheckpointError,
+    StreamingWriter,
+    dtype_name,
+    open_safetensors_set,
+    read_manifest,
+    resolve_checkpoint,
+    save_checkpoint_at,
+    write_bytes_atomic,
+)
 from core.config import ModelConfig, from_dict, to_dict
-from core.model_io import dtype_name
-from core.safetensors_io import open_safetensors_set, write_bytes_atomic
-from core.safetensors_stream import StreamingWriter
 from core.shards import full_param_shapes
 
 ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "MistralForCausalLM": "mistral"}

@@ -30,11 +30,17 @@ import sys
 
 import torch
 
-from core.checkpoint import CheckpointError, raise_on_all_ranks, read_manifest, resolve_checkpoint
+from core.ckpt import (
+    CheckpointError,
+    load_model_weights,
+    raise_on_all_ranks,
+    read_manifest,
+    resolve_checkpoint,
+    world_group,
+    write_bytes_atomic,
+)
 from core.config import ModelConfig, from_dict
 from core.model import Transformer
-from core.model_io import load_model_weights, world_group
-from core.safetensors_io import write_bytes_atomic
 from parallel.dims import LayoutError, ParallelDims, init_parallel, tp_subgroup
 from parallel.fused import fused_head
 from rl.kl import kl_estimate
