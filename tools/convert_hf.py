@@ -33,14 +33,17 @@ from core.ckpt import (
     CheckpointError,
     StreamingWriter,
     dtype_name,
+    files_with_prefix,
     open_safetensors_set,
     read_manifest,
     resolve_checkpoint,
     save_checkpoint_at,
+    verify_files,
     write_bytes_atomic,
 )
 from core.config import ModelConfig, from_dict, to_dict
 from core.shards import full_param_shapes
+from core.tokenizer import load_tokenizer
 
 ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "MistralForCausalLM": "mistral"}
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "keep": None}
@@ -233,8 +236,6 @@ def import_hf(hf_dir: str, out: str, dtype: str = "keep", max_shard_bytes: int |
         tok_src = os.path.join(hf_dir, TOKENIZER_FILE)
         fingerprint = None
         if os.path.isfile(tok_src):
-            from core.tokenizer import load_tokenizer
-
             fingerprint = load_tokenizer(tok_src).fingerprint
         info = {"kind": "model", "model_config": to_dict(cfg), "tp": 1,
                 "dtype": ",".join(sorted({dtype_name(dt) for dt, _ in specs.values()})),
@@ -253,10 +254,14 @@ def import_hf(hf_dir: str, out: str, dtype: str = "keep", max_shard_bytes: int |
         return save_checkpoint_at(out, 0, write, info=info)
 
 
-def export_hf(ckpt: str, hf_dir: str, max_shard_bytes: int | None = None) -> str:
-    """Write config.json + model.safetensors (+ tokenizer.model) for checkpoint `ckpt` into `hf_dir`."""
+def export_hf(ckpt: str, hf_dir: str, max_shard_bytes: int | None = None, verify: bool = True) -> str:
+    """Write config.json + model.safetensors (+ tokenizer.model) for checkpoint `ckpt` into `hf_dir`.
+    `verify`: first hash the files it reads against the checkpoint's manifest (refused by name)."""
     ckpt = resolve_checkpoint(ckpt)
     m = read_manifest(ckpt)
+    if verify:
+        tok = [TOKENIZER_FILE] if os.path.isfile(os.path.join(ckpt, TOKENIZER_FILE)) else []
+        verify_files(ckpt, m, files_with_prefix(m, "model") + tok)
     cfg = from_dict(ModelConfig, m["model_config"])
     src = m.get("source") or {}
     os.makedirs(hf_dir, exist_ok=True)
@@ -300,12 +305,13 @@ def main(argv=None) -> int:
     ex.add_argument("--ckpt", required=True)
     ex.add_argument("--hf-dir", required=True)
     ex.add_argument("--max-shard-bytes", type=int, default=None)
+    ex.add_argument("--no-verify", action="store_true", help="skip the sha256 check of the files read")
     args = ap.parse_args(argv)
     try:
         if args.cmd == "import":
             path = import_hf(args.hf_dir, args.out, args.dtype, args.max_shard_bytes, args.ignore_sliding_window)
         else:
-            path = export_hf(args.ckpt, args.hf_dir, args.max_shard_bytes)
+            path = export_hf(args.ckpt, args.hf_dir, args.max_shard_bytes, verify=not args.no_verify)
     except CheckpointError as e:
         print(f"kltron.convert_hf: error: {e}", file=sys.stderr)
         return 2
