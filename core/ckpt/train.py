@@ -254,13 +254,13 @@ def load_train_checkpoint(path: str, state, modules: dict, *, verify: bool = Tru
     """Restore every module's parameters and optimizer state, the optimizers' step and skip counts,
     and the RNG states from train checkpoint `path` (or the latest under a root), at this layout.
     `verify` (default on): every file opened is hashed against the manifest before a tensor is
-    read (split over the ranks; train_state.json as it is read). Returns {"step": int, **extra}.
+    read (split over the ranks); train_state.json is hashed again as it is read. Returns {"step": int, **extra}.
     Any failure is one CheckpointError on every rank, naming the file."""
     _check_names(modules)
     group = world_group(state)
     ckpt, m, names = raise_on_all_ranks(lambda: open_train_checkpoint(path, modules), group)
     if verify:
-        verify_files(ckpt, m, [n for n in names if n != TRAIN_STATE], group)
+        verify_files(ckpt, m, names, group)
     return _restore(ckpt, m, state, modules, verify)
 
 
@@ -278,7 +278,7 @@ def resume_train_checkpoint(root: str, state, modules: dict, *, verify: bool = T
         try:
             ckpt, m, files = raise_on_all_ranks(lambda p=path: open_train_checkpoint(p, modules), group)
             if verify:
-                verify_files(ckpt, m, [n for n in files if n != TRAIN_STATE], group)
+                verify_files(ckpt, m, files, group)
         except CheckpointError as e:
             rejected.append(f"{name} rejected: {e}")
             continue
