@@ -187,7 +187,7 @@ class SafeFile:
         inner = math.prod(shape[dim + 1:]) * info.dtype.itemsize  # bytes per index along dim
         out_shape = shape[:dim] + (stop - start,) + shape[dim + 1:]
         if outer * (stop - start) * inner == 0:
-            return torch.empty(out_shape, dtype=info.dtype)
+            return torch.empty(out_shape, dtype=info.dtype, device="cpu")
         rows = self._mm[info.begin:info.end].reshape(outer, shape[dim] * inner)
         return self._bytes_to_tensor(rows[:, start * inner:stop * inner], info.dtype, out_shape)
 
