@@ -33,11 +33,11 @@ from core.ckpt import (
     CheckpointError,
     StreamingWriter,
     dtype_name,
-    files_with_prefix,
     open_safetensors_set,
     read_manifest,
     resolve_checkpoint,
     save_checkpoint_at,
+    tensor_files,
     verify_files,
     write_bytes_atomic,
 )
@@ -261,7 +261,7 @@ def export_hf(ckpt: str, hf_dir: str, max_shard_bytes: int | None = None, verify
     m = read_manifest(ckpt)
     if verify:
         tok = [TOKENIZER_FILE] if os.path.isfile(os.path.join(ckpt, TOKENIZER_FILE)) else []
-        verify_files(ckpt, m, files_with_prefix(m, "model") + tok)
+        verify_files(ckpt, m, tensor_files(ckpt, m, "model") + tok)
     cfg = from_dict(ModelConfig, m["model_config"])
     src = m.get("source") or {}
     os.makedirs(hf_dir, exist_ok=True)

@@ -38,6 +38,7 @@ from core.ckpt.manifest import (
     resolve_checkpoint,
     resume_candidates,
     step_dir_name,
+    tensor_files,
     verify_checkpoint,
     verify_files,
 )
@@ -79,7 +80,7 @@ __all__ = [
     "check_config", "check_tokenizer",
     "apply_retention", "save_checkpoint_at", "save_checkpoint_dir",
     "FORMAT_VERSION", "LATEST", "MANIFEST", "checkpoint_problem", "files_with_prefix", "find_latest",
-    "open_checkpoint", "read_manifest", "resolve_checkpoint", "resume_candidates", "step_dir_name",
+    "open_checkpoint", "read_manifest", "resolve_checkpoint", "resume_candidates", "step_dir_name", "tensor_files",
     "verify_checkpoint", "verify_files",
     "check_model_config", "dtype_name", "load_model_weights", "save_model_weights", "world_group",
     "DTYPE_NAMES", "DTYPES", "SafeFile", "SafeSet", "open_safetensors", "open_safetensors_set",

@@ -173,6 +173,14 @@ def files_with_prefix(m: dict, prefix: str) -> list[str]:
     return sorted(out)
 
 
+def tensor_files(path: str, m: dict, prefix: str) -> list[str]:
+    """`files_with_prefix`, refusing a set the manifest does not list (it could not be verified)."""
+    names = files_with_prefix(m, prefix)
+    if not names:
+        raise CheckpointError(f"{os.path.join(path, MANIFEST)}: lists no {prefix}.safetensors (nor its shards)")
+    return names
+
+
 def check_hash(path: str, m: dict, name: str) -> None:
     """File `name` of checkpoint `path` against its manifest size and sha256; raises naming it."""
     check_sizes(path, m, [name])

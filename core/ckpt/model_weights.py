@@ -32,7 +32,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from core.ckpt.atomic import CheckpointError, raise_on_all_ranks
 from core.ckpt.checks import check_config, check_tokenizer
 from core.ckpt.commit import save_checkpoint_at
-from core.ckpt.manifest import files_with_prefix, open_checkpoint, verify_files
+from core.ckpt.manifest import open_checkpoint, tensor_files, verify_files
 from core.ckpt.safetensors_write import StreamingWriter, stream_order
 from core.ckpt.tensors import assemble_full, iter_tensors
 from core.config import ModelConfig, to_dict
@@ -240,7 +240,8 @@ def load_model_weights(model: nn.Module, path: str, state, *, tokenizer_fingerpr
     group = world_group(state)
     ckpt, m = raise_on_all_ranks(lambda: open_checkpoint(path), group)
     if verify:
-        verify_files(ckpt, m, files_with_prefix(m, "model"), group)
+        names = raise_on_all_ranks(lambda: tensor_files(ckpt, m, "model"), group)
+        verify_files(ckpt, m, names, group)
 
     def load() -> dict:
         where = f"{what} checkpoint {ckpt}"

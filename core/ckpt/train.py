@@ -32,6 +32,7 @@ from core.ckpt.manifest import (
     files_with_prefix,
     open_checkpoint,
     resume_candidates,
+    tensor_files,
     verify_files,
 )
 from core.ckpt.model_weights import (
@@ -191,7 +192,7 @@ def train_files(ckpt: str, m: dict, modules: dict) -> list[str]:
     it has one, and train_state.json. Raises naming what is missing."""
     names = [TRAIN_STATE]
     for name, (_, opt) in modules.items():
-        names += files_with_prefix(m, file_prefix(name))
+        names += tensor_files(ckpt, m, file_prefix(name))
         if opt is not None:
             optim = files_with_prefix(m, file_prefix(name) + "-optim")
             if not optim:
