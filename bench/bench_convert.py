@@ -39,7 +39,7 @@ print(json.dumps({{"rss_before": before, "rss_peak": after, "seconds": dt}}))
 def write_synthetic(path: str, layers: int, hidden: int, inter: int, vocab: int, heads: int = 16, kv: int = 4):
     import torch
 
-    from core.safetensors_stream import StreamingWriter
+    from core.ckpt import StreamingWriter
 
     hd = hidden // heads
     shapes = {"model.embed_tokens.weight": (vocab, hidden), "model.norm.weight": (hidden,),

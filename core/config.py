@@ -114,6 +114,7 @@ class TrainConfig:
     stop_after: int | None = None  # end this run after this step (a job time limit); resume continues
     keep_last: int = 2
     resume: bool = True
+    verify_checkpoints: bool = True  # hash every checkpoint file a load opens; resume falls back to one that verifies
     progress: bool = True
     device: str = "auto"  # "auto", "cpu" or "cuda"
 

@@ -23,16 +23,19 @@ import torch
 import torch.distributed as dist
 import yaml
 
-from core.checkpoint import find_latest
+from core.ckpt import (
+    CheckpointError,
+    load_model_weights,
+    resume_train_checkpoint,
+    save_model_weights,
+    save_train_checkpoint,
+)
 from core.config import ConfigError, SFTConfig, load_config, to_dict
 from core.data import DataError, SequenceLoader, tokenize_text_file
 from core.metrics import MetricsWriter, PhaseTimer, ProgressBar, Throughput, peak_memory, reset_peak_memory
 from core.model import build_model
-from core.model_io import load_model_weights, save_model_weights
 from core.optim import OptimConfigError, build_optimizer, check_optim_config
-from core.safetensors_io import CheckpointError
 from core.tokenizer import TokenizerError, load_tokenizer
-from core.train_checkpoint import load_train_checkpoint, save_train_checkpoint
 from parallel.comm import all_reduce
 from parallel.dims import LayoutError, ParallelDims, init_parallel, seed_everything, tp_subgroup
 from parallel.fsdp import FSDPOptions, is_fsdp, parallelize, set_gradient_sync, sync_replicated_grads
@@ -133,9 +136,9 @@ def train(cfg: SFTConfig) -> dict:
     out_dir = cfg.train.out_dir
     ckpt_root = os.path.join(out_dir, "checkpoints")
     first = 1
-    latest = find_latest(ckpt_root) if cfg.train.resume else None
-    if latest is not None:  # resume: weights, AdamW state, schedule, RNG and data position
-        extra = load_train_checkpoint(latest, state, {"policy": (model, opt)})
+    extra = (resume_train_checkpoint(ckpt_root, state, {"policy": (model, opt)}, verify=cfg.train.verify_checkpoints)
+             if cfg.train.resume else None)
+    if extra is not None:  # resume: weights, AdamW state, schedule, RNG and data position
         loader.load_state_dict(extra["data"])
         first = extra["step"] + 1
     if state.is_main:

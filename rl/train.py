@@ -16,7 +16,7 @@ from dataclasses import replace
 import torch
 import yaml
 
-from core import checkpoint as ckpt
+import core.ckpt as ckpt
 from core.config import ConfigError, ModelConfig, from_dict, load_config, to_dict
 from core.metrics import MetricsWriter, ProgressBar
 from core.model import Transformer
@@ -132,9 +132,8 @@ def run(cfg: RLConfig) -> list[dict]:
     ckpt_root = os.path.join(out, "checkpoints")
     first = 0
     if cfg.train.resume:
-        latest = ckpt.find_latest(ckpt_root)
-        if latest is not None:
-            extra = ckpt.load_train_checkpoint(latest, state, _modules(trainer))
+        extra = ckpt.resume_train_checkpoint(ckpt_root, state, _modules(trainer), verify=cfg.train.verify_checkpoints)
+        if extra is not None:
             trainer.controller.load_state_dict(extra["kl_controller"])
             trainer.ref_sync.load_state_dict(extra["ref_sync"])
             trainer.reward_norm.load_state_dict(extra["reward_norm"])

@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import random
 
-from core import checkpoint as ckpt
+import core.ckpt as ckpt
 from core.config import ConfigError, DataConfig, SFTConfig, TrainConfig
 from core.sft import train as sft_train
 from rl.config import RLConfig

@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 import torch
 
-from core import checkpoint as ck
-from core.checkpoint import CheckpointError
+import core.ckpt as ck
+from core.ckpt import CheckpointError
 from core.config import ModelConfig, to_dict
 from core.shards import full_param_shapes, tp_slice
 from tests.dist import REPO
@@ -125,7 +125,7 @@ def test_find_latest_ignores_incomplete_and_follows_latest(tmp_path):
 
 _KILLED_SAVE = """
 import os, sys, time, torch
-from core import checkpoint as ck
+import core.ckpt as ck
 root, marker = sys.argv[1], sys.argv[2]
 info = {"kind": "model", "model_config": {}, "tp": 1, "dtype": "float32", "tokenizer_fingerprint": None}
 def writer(d):

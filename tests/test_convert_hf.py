@@ -13,10 +13,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from core.checkpoint import read_manifest
+from core.ckpt import CheckpointError, load_model_weights, read_manifest
 from core.config import ModelConfig, from_dict
 from core.model import Transformer
-from core.model_io import load_model_weights
 from parallel.comm import all_gather_along
 from parallel.dims import ParallelDims, init_parallel
 from tests.dist import REPO
@@ -175,3 +174,19 @@ def test_cli(converted, tmp_path):
     bad = subprocess.run(run + ["import", "--hf-dir", str(tmp_path / "none"), "--out", str(tmp_path / "d")],
                          cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "config.json: not found" in bad.stderr
+
+
+def test_export_refuses_a_corrupt_checkpoint(tmp_path):
+    """A flipped data byte in a converted model.safetensors: export refuses it by name (or, with
+    verify=False, writes what is there)."""
+    make_hf("llama", str(tmp_path / "hf"), seed=4)
+    import_hf(str(tmp_path / "hf"), str(tmp_path / "k"))
+    path = tmp_path / "k" / "model.safetensors"
+    raw = bytearray(path.read_bytes())
+    raw[8 + int.from_bytes(raw[:8], "little") + 3] ^= 0x10
+    path.write_bytes(bytes(raw))
+    with pytest.raises(CheckpointError, match=f"{path}: sha256 mismatch"):
+        export_hf(str(tmp_path / "k"), str(tmp_path / "out"))
+    assert not os.path.exists(tmp_path / "out" / "model.safetensors")
+    export_hf(str(tmp_path / "k"), str(tmp_path / "out2"), verify=False)
+    assert os.path.exists(tmp_path / "out2" / "model.safetensors")

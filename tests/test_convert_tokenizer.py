@@ -11,7 +11,7 @@ import shutil
 import pytest
 import torch
 
-from core.checkpoint import read_manifest
+from core.ckpt import read_manifest
 from core.tokenizer import DEFAULT_CORPUS, DEFAULT_TOKENIZER, load_tokenizer
 from tools.convert_hf import ConvertError, export_hf, import_hf, main
 from tools.train_tokenizer import train_hf_tokenizer

@@ -10,7 +10,7 @@ import os
 import pytest
 import torch
 
-from core.checkpoint import CheckpointError
+from core.ckpt import CheckpointError
 from tests.dist import run_torchrun
 from tests.test_convert_hf import make_hf
 from tools.convert_hf import import_hf
@@ -163,3 +163,26 @@ def test_torchrun_cli(setup, tmp_path):
     os.remove(out)
     assert main(["--policy", f"{d}/policy", "--ref", f"{d}/ref", "--tokens", str(bad), "--out", out]) == 2
     assert not os.path.exists(out)
+
+
+def test_flipped_data_byte_in_a_converted_folder_is_refused(setup, tmp_path, capsys):
+    """A converted model.safetensors with one data byte flipped: refused by name (exit 2, no
+    R.json); --no-verify is the escape hatch."""
+    import shutil
+    import struct
+
+    d, tokens, _ = setup
+    bad = tmp_path / "policy"
+    shutil.copytree(f"{d}/policy", bad)
+    with open(bad / "model.safetensors", "r+b") as f:
+        n = struct.unpack("<Q", f.read(8))[0]
+        f.seek(8 + n + 17)
+        byte = f.read(1)[0]
+        f.seek(8 + n + 17)
+        f.write(bytes([byte ^ 0x04]))
+    out = tmp_path / "r.json"
+    argv = ["--policy", str(bad), "--ref", f"{d}/ref", "--tokens", tokens, "--out", str(out), "--device", "cpu"]
+    assert main(argv) == 2
+    assert f"{bad / 'model.safetensors'}: sha256 mismatch" in capsys.readouterr().err
+    assert not out.exists()
+    assert main(argv + ["--no-verify"]) == 0 and out.exists()

@@ -2,7 +2,7 @@
 tp=4 and dp=4; train N + resume N == 2N bitwise; bad checkpoints give one error on every rank.
 
 References: the saving run's own parameters and AdamW state, gathered over FSDP with
-`DTensor.full_tensor` and concatenated over tp by hand (not through core/model_io), and, for
+`DTensor.full_tensor` and concatenated over tp by hand (not through core/ckpt/model_weights), and, for
 resume, the uninterrupted run."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import os
 import pytest
 import torch
 
-from core import checkpoint as ck
-from core.checkpoint import CheckpointError
+import core.ckpt as ck
+from core.ckpt import CheckpointError
 from core.config import ModelConfig, OptimConfig, to_dict
 from core.data import SequenceLoader
 from core.model import Transformer, build_model, local_shard

@@ -52,10 +52,9 @@ def test_resume_equals_uninterrupted(sft_dir):
 
 
 def test_reference_with_other_tokenizer_is_refused(sft_dir, capsys):
-    from core.checkpoint import read_manifest
+    from core.ckpt import read_manifest, save_model_weights
     from core.config import ModelConfig, from_dict
     from core.model import build_model
-    from core.model_io import save_model_weights
     from rl.train import main
 
     base, sft = sft_dir

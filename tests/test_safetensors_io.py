@@ -9,8 +9,9 @@ import pytest
 import safetensors.torch as st
 import torch
 
-from core.safetensors_io import (
+from core.ckpt import (
     CheckpointError,
+    StreamingWriter,
     open_safetensors,
     open_safetensors_set,
     save_safetensors,
@@ -217,8 +218,6 @@ def test_single_file_set(tmp_path):
 
 @pytest.mark.parametrize("cap", [None, 64])
 def test_streaming_writer_reads_back_with_the_library(tmp_path, cap):
-    from core.safetensors_stream import StreamingWriter
-
     g = torch.Generator().manual_seed(0)
     ts = {"w": torch.randn(3, 5, generator=g), "h": torch.randn(7, generator=g).half(),
           "d": torch.randn(2, 2, generator=g, dtype=torch.float64), "s": torch.tensor(4.0), "e": torch.zeros(0, 3)}

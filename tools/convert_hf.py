@@ -32,12 +32,21 @@ import sys
 
 import torch
 
-from core.checkpoint import CheckpointError, read_manifest, resolve_checkpoint, save_checkpoint_at
+from core.ckpt import (
+    CheckpointError,
+    StreamingWriter,
+    dtype_name,
+    open_safetensors_set,
+    read_manifest,
+    resolve_checkpoint,
+    save_checkpoint_at,
+    tensor_files,
+    verify_files,
+    write_bytes_atomic,
+)
 from core.config import ModelConfig, from_dict, to_dict
-from core.model_io import dtype_name
-from core.safetensors_io import open_safetensors_set, write_bytes_atomic
-from core.safetensors_stream import StreamingWriter
 from core.shards import full_param_shapes
+from core.tokenizer import TOKENIZER_FILES, TokenizerError, load_tokenizer
 
 ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "MistralForCausalLM": "mistral"}
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "keep": None}
@@ -196,8 +205,6 @@ def _read_json(path: str) -> dict:
 def copy_tokenizer_files(src: str, dst: str) -> list[str]:
     """Copy the files of core.tokenizer.TOKENIZER_FILES that `src` holds into the folder `dst`; returns
     their names. A model checkpoint's writer calls it on its temporary folder, so the manifest hashes them."""
-    from core.tokenizer import TOKENIZER_FILES
-
     names = [n for n in TOKENIZER_FILES if os.path.isfile(os.path.join(src, n))]
     for n in names:
         shutil.copyfile(os.path.join(src, n), os.path.join(dst, n))
@@ -206,8 +213,6 @@ def copy_tokenizer_files(src: str, dst: str) -> list[str]:
 
 def tokenizer_fingerprint(folder: str) -> str | None:
     """The fingerprint of the tokenizer in `folder` (None when it holds no tokenizer.json / .model)."""
-    from core.tokenizer import TokenizerError, load_tokenizer
-
     if not any(os.path.isfile(os.path.join(folder, n)) for n in ("tokenizer.json", "tokenizer.model")):
         return None
     try:
@@ -270,11 +275,16 @@ def import_hf(hf_dir: str, out: str, dtype: str = "keep", max_shard_bytes: int |
         return save_checkpoint_at(out, 0, write, info=info)
 
 
-def export_hf(ckpt: str, hf_dir: str, max_shard_bytes: int | None = None, tokenizer_dir: str | None = None) -> str:
+def export_hf(ckpt: str, hf_dir: str, max_shard_bytes: int | None = None, tokenizer_dir: str | None = None,
+              verify: bool = True) -> str:
     """Write config.json + model.safetensors + the tokenizer files (from `tokenizer_dir`, default the
-    checkpoint itself) for checkpoint `ckpt` into `hf_dir`."""
+    checkpoint itself) for checkpoint `ckpt` into `hf_dir`. `verify`: first hash the files it reads
+    against the checkpoint's manifest (a mismatch is refused by name)."""
     ckpt = resolve_checkpoint(ckpt)
     m = read_manifest(ckpt)
+    if verify:
+        tok = [n for n in TOKENIZER_FILES if tokenizer_dir is None and n in m.get("files", {})]
+        verify_files(ckpt, m, tensor_files(ckpt, m, "model") + tok)
     cfg = from_dict(ModelConfig, m["model_config"])
     src = m.get("source") or {}
     os.makedirs(hf_dir, exist_ok=True)
@@ -318,12 +328,14 @@ def main(argv=None) -> int:
     ex.add_argument("--hf-dir", required=True)
     ex.add_argument("--max-shard-bytes", type=int, default=None)
     ex.add_argument("--tokenizer-dir", default=None, help="copy the tokenizer files from here (default: --ckpt)")
+    ex.add_argument("--no-verify", action="store_true", help="skip the sha256 check of the files read")
     args = ap.parse_args(argv)
     try:
         if args.cmd == "import":
             path = import_hf(args.hf_dir, args.out, args.dtype, args.max_shard_bytes, args.ignore_sliding_window)
         else:
-            path = export_hf(args.ckpt, args.hf_dir, args.max_shard_bytes, args.tokenizer_dir)
+            path = export_hf(args.ckpt, args.hf_dir, args.max_shard_bytes, args.tokenizer_dir,
+                             verify=not args.no_verify)
     except CheckpointError as e:
         print(f"kltron.convert_hf: error: {e}", file=sys.stderr)
         return 2

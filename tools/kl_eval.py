@@ -30,11 +30,17 @@ import sys
 
 import torch
 
-from core.checkpoint import CheckpointError, raise_on_all_ranks, read_manifest, resolve_checkpoint
+from core.ckpt import (
+    CheckpointError,
+    load_model_weights,
+    raise_on_all_ranks,
+    read_manifest,
+    resolve_checkpoint,
+    world_group,
+    write_bytes_atomic,
+)
 from core.config import ModelConfig, from_dict
 from core.model import Transformer
-from core.model_io import load_model_weights, world_group
-from core.safetensors_io import write_bytes_atomic
 from parallel.dims import LayoutError, ParallelDims, init_parallel, tp_subgroup
 from parallel.fused import fused_head
 from rl.kl import kl_estimate
@@ -97,11 +103,11 @@ def _prepare(policy: str, ref: str, tokens: str):
     return pcfg, rcfg, read_sequences(tokens, pcfg.vocab_size, min(pcfg.max_seq_len, rcfg.max_seq_len))
 
 
-def _load(cfg: ModelConfig, path: str, state, what: str) -> Transformer:
+def _load(cfg: ModelConfig, path: str, state, what: str, verify: bool = True) -> Transformer:
     tp = state.dims.tp
     kv = tp_subgroup(state, tp // cfg.n_kv_heads) if tp > cfg.n_kv_heads else None
     model = Transformer(cfg, state.tp_group, kv, device="meta").to_empty(device=state.device)
-    load_model_weights(model, path, state, what=what)
+    load_model_weights(model, path, state, what=what, verify=verify)  # hashes the files first
     return model.eval()
 
 
@@ -132,9 +138,10 @@ def summarise(seqs: list[dict]) -> dict:
     return out
 
 
-def evaluate(policy: str, ref: str, tokens: str, tp: int, out: str, device: str | None = None) -> dict | None:
+def evaluate(policy: str, ref: str, tokens: str, tp: int, out: str, device: str | None = None,
+             verify: bool = True) -> dict | None:
     """Run the evaluation on this rank (every rank calls it); rank 0 writes `out` and returns the
-    summary, other ranks return None."""
+    summary, other ranks return None. `verify`: hash both checkpoints' model files before loading."""
     import torch.distributed as dist
 
     world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
@@ -144,7 +151,7 @@ def evaluate(policy: str, ref: str, tokens: str, tp: int, out: str, device: str 
         "cuda", int(os.environ.get("LOCAL_RANK", "0"))) if torch.cuda.is_available() else torch.device("cpu")
     state = init_parallel(ParallelDims(world // tp, tp), dev)
     pcfg, rcfg, seqs = raise_on_all_ranks(lambda: _prepare(policy, ref, tokens), world_group(state))
-    pmodel, rmodel = _load(pcfg, policy, state, "policy"), _load(rcfg, ref, state, "reference")
+    pmodel, rmodel = _load(pcfg, policy, state, "policy", verify), _load(rcfg, ref, state, "reference", verify)
     mine = []
     for idx in range(state.dp_rank, len(seqs), state.dims.dp):  # sequences split over dp
         line, toks, k = seqs[idx]
@@ -180,12 +187,13 @@ def main(argv=None) -> int:
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--out", required=True, help="R.json")
     ap.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
+    ap.add_argument("--no-verify", action="store_true", help="skip the sha256 check of the checkpoint files")
     args = ap.parse_args(argv)
     import torch.distributed as dist
 
     owns = not dist.is_initialized()
     try:
-        summary = evaluate(args.policy, args.ref, args.tokens, args.tp, args.out, args.device)
+        summary = evaluate(args.policy, args.ref, args.tokens, args.tp, args.out, args.device, not args.no_verify)
     except (CheckpointError, LayoutError, ValueError) as e:
         print(f"kltron.kl_eval: error (rank {os.environ.get('RANK', '0')}): {e}", file=sys.stderr)
         return 2

@@ -25,21 +25,18 @@ from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.tensor import DTensor, distribute_tensor
 
-from core.checkpoint import (
-    CheckpointError,
-    assemble_full,
-    check_config,
-    check_tokenizer,
-    iter_tensors,
-    raise_on_all_ranks,
-    read_manifest,
-    resolve_checkpoint,
-    save_checkpoint_at,
-)
+from core.ckpt.atomic import CheckpointError, raise_on_all_ranks
+from core.ckpt.checks import check_config, check_tokenizer
+from core.ckpt.commit import save_checkpoint_at
+from core.ckpt.manifest import open_checkpoint, tensor_files, verify_files
+from core.ckpt.safetensors_write import StreamingWriter, stream_order
+from core.ckpt.tensors import assemble_full, iter_tensors
 from core.config import ModelConfig, to_dict
-from core.safetensors_stream import StreamingWriter, stream_order
+from core.model import Transformer, rope_inv_freq
 from core.shards import TPSlice, full_param_shapes, tp_slice
 from parallel.comm import all_gather_along, group_rank, group_size
 from parallel.fsdp import full_tensor
@@ -59,8 +56,6 @@ def world_group(state):
     """Every rank taking part: None for a single process (state None or without a mesh)."""
     if state is None or getattr(state, "mesh", None) is None:
         return None
-    import torch.distributed as dist
-
     return dist.group.WORLD
 
 
@@ -109,7 +104,8 @@ def param_specs(module: nn.Module, cfg: ModelConfig, tp: int) -> list[ParamSpec]
     return out
 
 
-def _tp_info(state) -> tuple[object, int, int]:
+def tp_info(state) -> tuple[object, int, int]:
+    """(tp group, tp size, tp rank) of `state`; (None, 1, 0) for a single process."""
     g = None if state is None else state.tp_group
     return g, group_size(g), group_rank(g)
 
@@ -122,19 +118,11 @@ def _dp_rank(state) -> int:
 # into and out of a (possibly FSDP-sharded) parameter
 
 
-def _is_dtensor(t) -> bool:
-    from torch.distributed.tensor import DTensor
-
-    return isinstance(t, DTensor)
-
-
 @torch.no_grad()
 def copy_into(dst: torch.Tensor, tp_local: torch.Tensor) -> None:
     """Copy the TP-local tensor `tp_local` into `dst`: a plain tensor of the same shape, or an
     FSDP DTensor whose local piece is this rank's chunk of it (no communication)."""
-    if _is_dtensor(dst):
-        from torch.distributed.tensor import distribute_tensor
-
+    if isinstance(dst, DTensor):
         src = tp_local.to(device=dst.device, dtype=dst.dtype)
         # src_data_rank=None: every rank already has the whole TP-local tensor; keep my chunk, no scatter
         piece = distribute_tensor(src, dst.device_mesh, dst.placements, src_data_rank=None).to_local()
@@ -156,7 +144,7 @@ def gather_full(t: torch.Tensor, spec: ParamSpec, cfg: ModelConfig, state) -> to
     local = full_tensor(t).detach()  # DTensor: all-gathers the FSDP dim-0 shards over dp
     if _dp_rank(state) != 0:
         return None
-    tp_group, tp, _ = _tp_info(state)
+    tp_group, tp, _ = tp_info(state)
     sl = [spec.slice(cfg, r, tp) for r in range(tp)]
     if sl[0].dim is None:
         return local
@@ -211,8 +199,6 @@ def stream_to_file(folder: str, prefix: str, items: dict, is_writer: bool,
 
 def recompute_rope(module: nn.Module) -> None:
     """`inv_freq` is a non-persistent buffer: garbage after `to_empty`; recompute it from the config."""
-    from core.model import Transformer, rope_inv_freq
-
     for m in module.modules():
         if isinstance(m, Transformer):
             m.inv_freq = rope_inv_freq(m.cfg).to(m.embed.weight.device)
@@ -233,14 +219,16 @@ def check_model_config(saved: dict, cfg: ModelConfig, where: str, strict: bool =
 
 
 def load_model_weights(model: nn.Module, path: str, state, *, tokenizer_fingerprint: str | None = None,
-                       what: str = "policy", strict_config: bool = True) -> dict:
+                       what: str = "policy", strict_config: bool = True, verify: bool = True) -> dict:
     """Fill `model` (a Transformer or a Critic's `.body`, built for this rank's tp, on a real device
     -- e.g. built on "meta" then `.to_empty(device=...)` -- plain or FSDP-wrapped) from the model
     weights of checkpoint `path`: a model checkpoint, a train checkpoint (its model.safetensors), or
     a root whose latest complete checkpoint is used. Each rank reads only its slices.
 
-    Checks, each failing with one CheckpointError on every rank (state.mesh None: one process): the
-    manifest's model config against `model.cfg` (the field is named; strict_config=False compares
+    Checks, each failing with one CheckpointError on every rank (state.mesh None: one process):
+    `verify` (default on) hashes every model*.safetensors file (and index) against the manifest
+    before any tensor is read, the hashing split over the ranks (core/ckpt/manifest.verify_files);
+    the manifest's model config against `model.cfg` (the field is named; strict_config=False compares
     only the architecture fields), the tokenizer fingerprint when both are known (`what` names the
     model: policy/reference/critic), missing/extra keys, shapes. A stored dtype other than the
     model's is cast (a bf16 checkpoint loads into an fp32 model and vice versa; rank 0 says so on
@@ -248,11 +236,14 @@ def load_model_weights(model: nn.Module, path: str, state, *, tokenizer_fingerpr
     the RoPE buffers. Returns the manifest.
     """
     cfg: ModelConfig = model.cfg
-    tp_group, tp, tp_rank = _tp_info(state)
+    tp_group, tp, tp_rank = tp_info(state)
+    group = world_group(state)
+    ckpt, m = raise_on_all_ranks(lambda: open_checkpoint(path), group)
+    if verify:
+        names = raise_on_all_ranks(lambda: tensor_files(ckpt, m, "model"), group)
+        verify_files(ckpt, m, names, group)
 
     def load() -> dict:
-        ckpt = resolve_checkpoint(path)
-        m = read_manifest(ckpt)
         where = f"{what} checkpoint {ckpt}"
         check_model_config(m["model_config"], cfg, where, strict_config)
         if tokenizer_fingerprint is not None and m["tokenizer_fingerprint"] is not None:
@@ -274,7 +265,7 @@ def load_model_weights(model: nn.Module, path: str, state, *, tokenizer_fingerpr
         recompute_rope(model)
         return m
 
-    m = raise_on_all_ranks(load, world_group(state))
+    m = raise_on_all_ranks(load, group)
     mine = {dtype_name(p.dtype) for p in model.parameters()}
     if (state is None or state.rank == 0) and mine != {m["dtype"]}:
         print(f"kltron.checkpoint: {what} weights stored as {m['dtype']}, cast to the model's "
@@ -284,7 +275,7 @@ def load_model_weights(model: nn.Module, path: str, state, *, tokenizer_fingerpr
 
 def model_items(module: nn.Module, cfg: ModelConfig, state, dtype: torch.dtype | None = None) -> dict:
     """`stream_to_file` items for every parameter of `module`."""
-    _, tp, _ = _tp_info(state)
+    _, tp, _ = tp_info(state)
     return {s.name: (dtype or s.param.dtype, s.full_shape, lambda s=s: gather_full(s.param, s, cfg, state))
             for s in param_specs(module, cfg, tp)}
 
@@ -300,7 +291,7 @@ def save_model_weights(model: nn.Module, path: str, state, *, tokenizer_fingerpr
     `max_shard_bytes` plus an index). Returns `path` on every rank once the folder is complete.
     """
     cfg: ModelConfig = model.cfg
-    _, tp, _ = _tp_info(state)
+    _, tp, _ = tp_info(state)
     items = model_items(model, cfg, state, dtype)
     dtypes = sorted({dtype_name(dt) for dt, _, _ in items.values()})
     info = {"kind": "model", "model_config": to_dict(cfg), "tp": tp, "dtype": ",".join(dtypes),

@@ -2,7 +2,7 @@
 
 A rank's piece of a full tensor is `full.narrow(dim, start, stop - start)` followed by
 `local_size - (stop - start)` zero rows along dim (vocabulary padding), as core/shards says;
-`assemble_full` is the inverse. Re-exported by core/checkpoint.
+`assemble_full` is the inverse.
 """
 
 from __future__ import annotations
@@ -11,7 +11,9 @@ from collections.abc import Callable, Mapping
 
 import torch
 
-from core.safetensors_io import CheckpointError, open_safetensors_set, save_safetensors_set
+from core.ckpt.atomic import CheckpointError, raise_on_all_ranks
+from core.ckpt.safetensors_read import open_safetensors_set
+from core.ckpt.safetensors_write import save_safetensors_set
 
 
 def write_tensors(folder: str, tensors: Mapping[str, torch.Tensor], *, prefix: str = "model",
@@ -59,7 +61,7 @@ def iter_tensors(folder: str, expected: Mapping[str, tuple], slice_fn: SliceFn |
                 if local > stop - start:  # zero rows reach the padded local size
                     pad_shape = list(t.shape)
                     pad_shape[dim] = local - (stop - start)
-                    t = torch.cat([t, torch.zeros(pad_shape, dtype=t.dtype)], dim=dim)
+                    t = torch.cat([t, t.new_zeros(pad_shape)], dim=dim)
             want = dtype.get(name) if isinstance(dtype, Mapping) else dtype
             yield name, (t.to(want) if want is not None else t)
 
@@ -81,6 +83,13 @@ def read_tensors(folder: str, expected: Mapping[str, tuple], slice_fn: SliceFn |
                              ignore_extra=ignore_extra))
 
 
+def load_tensors(folder: str, expected: Mapping[str, tuple], slice_fn: SliceFn | None = None, *,
+                 group=None, **kwargs) -> dict[str, torch.Tensor]:
+    """`read_tensors` on every rank of `group`; a failure on any rank raises on all of them.
+    No hashing: a checkpoint folder's files are verified by core/ckpt/manifest (verify_files)."""
+    return raise_on_all_ranks(lambda: read_tensors(folder, expected, slice_fn, **kwargs), group)
+
+
 def assemble_full(parts: list[torch.Tensor], slices: list[tuple], full_shape: tuple) -> torch.Tensor:
     """The FULL tensor from every TP rank's local tensor, the inverse of the sliced read.
 
@@ -93,7 +102,7 @@ def assemble_full(parts: list[torch.Tensor], slices: list[tuple], full_shape: tu
     if dim is None:
         return parts[0]
     out = torch.empty(full_shape, dtype=parts[0].dtype, device=parts[0].device)
-    covered = torch.zeros(full_shape[dim], dtype=torch.bool)
+    covered = torch.zeros(full_shape[dim], dtype=torch.bool, device="cpu")
     for part, (d, start, stop, _) in zip(parts, slices, strict=True):
         if d != dim:
             raise ValueError(f"slices disagree on the sharded dim: {d} vs {dim}")

@@ -1,11 +1,10 @@
-"""Agreement checks between a checkpoint and the run loading it: model config and tokenizer.
-Re-exported by core/checkpoint."""
+"""Agreement checks between a checkpoint and the run loading it: model config and tokenizer."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 
-from core.safetensors_io import CheckpointError
+from core.ckpt.atomic import CheckpointError
 
 
 def _norm(v):

@@ -1,4 +1,5 @@
-"""A strict reader and an atomic writer of the safetensors format: one file, or a sharded set.
+"""A strict reader of the safetensors format: one file, or a sharded set (the writers are in
+core/ckpt/safetensors_write.py).
 
 File layout: an 8-byte little-endian unsigned header length N; N bytes of UTF-8 JSON
 `{name: {"dtype": "F32", "shape": [..], "data_offsets": [begin, end]}, "__metadata__": {str: str}}`;
@@ -22,11 +23,12 @@ import mmap
 import os
 import struct
 import sys
-from collections.abc import Mapping
 from typing import NamedTuple
 
 import numpy as np
 import torch
+
+from core.ckpt.atomic import CheckpointError
 
 MAX_HEADER_BYTES = 100 * 1024 * 1024
 
@@ -39,11 +41,7 @@ DTYPES: dict[str, torch.dtype] = {
 DTYPE_NAMES: dict[torch.dtype, str] = {v: k for k, v in DTYPES.items()}
 
 if sys.byteorder != "little":  # the format is little endian and we view the bytes directly
-    raise ImportError("core.safetensors_io supports little-endian hosts only")
-
-
-class CheckpointError(ValueError):
-    """A checkpoint or tensor file that cannot be used; the message names the file and the key."""
+    raise ImportError("core.ckpt.safetensors_read supports little-endian hosts only")
 
 
 class TensorInfo(NamedTuple):
@@ -53,7 +51,7 @@ class TensorInfo(NamedTuple):
     end: int
 
 
-def _no_duplicates(path: str):
+def no_duplicate_keys(path: str):
     def hook(pairs):
         out = {}
         for k, v in pairs:
@@ -75,7 +73,7 @@ def _parse_header(path: str, raw: bytes, header_len: int, file_size: int):
     except UnicodeDecodeError as e:
         raise CheckpointError(f"{path}: header is not valid UTF-8 ({e})") from e
     try:
-        header = json.loads(text, object_pairs_hook=_no_duplicates(path))
+        header = json.loads(text, object_pairs_hook=no_duplicate_keys(path))
     except json.JSONDecodeError as e:
         raise CheckpointError(f"{path}: header is not valid JSON ({e})") from e
     if not isinstance(header, dict):
@@ -189,7 +187,7 @@ class SafeFile:
         inner = math.prod(shape[dim + 1:]) * info.dtype.itemsize  # bytes per index along dim
         out_shape = shape[:dim] + (stop - start,) + shape[dim + 1:]
         if outer * (stop - start) * inner == 0:
-            return torch.empty(out_shape, dtype=info.dtype)
+            return torch.empty(out_shape, dtype=info.dtype, device="cpu")
         rows = self._mm[info.begin:info.end].reshape(outer, shape[dim] * inner)
         return self._bytes_to_tensor(rows[:, start * inner:stop * inner], info.dtype, out_shape)
 
@@ -228,121 +226,6 @@ class SafeFile:
 
 def open_safetensors(path: str) -> SafeFile:
     return SafeFile(path)
-
-
-def fsync_dir(path: str) -> None:
-    """Make a rename or file creation inside directory `path` durable."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def write_file_atomic(path: str, write) -> None:
-    """Call write(f) on `path.tmp`, fsync, os.replace: readers see the old file or the new one,
-    and a failure leaves no temporary file behind."""
-    tmp = path + ".tmp"
-    try:
-        with open(tmp, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-    fsync_dir(os.path.dirname(os.path.abspath(path)))
-
-
-def write_bytes_atomic(path: str, data: bytes) -> None:
-    """Write `data` to `path` atomically (see write_file_atomic)."""
-    write_file_atomic(path, lambda f: f.write(data))
-
-
-def _check_tensors(tensors: Mapping[str, torch.Tensor]) -> None:
-    from torch.distributed.tensor import DTensor
-
-    for name, t in tensors.items():
-        if not isinstance(name, str) or not name or name == "__metadata__":
-            raise ValueError(f"invalid tensor name {name!r}")
-        if isinstance(t, DTensor):
-            raise TypeError(f"'{name}' is a DTensor: pass the full tensor (DTensor.full_tensor()) instead")
-        if not isinstance(t, torch.Tensor) or t.layout != torch.strided:
-            raise TypeError(f"'{name}' must be a dense torch.Tensor, got {type(t).__name__}")
-        if t.dtype not in DTYPE_NAMES:
-            raise TypeError(f"'{name}' has dtype {t.dtype}, which safetensors cannot store")
-
-
-def save_safetensors(tensors: Mapping[str, torch.Tensor], path: str,
-                     metadata: Mapping[str, str] | None = None) -> None:
-    """Write `tensors` to `path` atomically (tmp file, fsync, os.replace)."""
-    _check_tensors(tensors)
-    if metadata is not None and not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
-        raise TypeError("metadata must map str to str")
-    # larger dtypes first so that every tensor is aligned to its item size
-    names = sorted(tensors, key=lambda n: (-tensors[n].dtype.itemsize, n))
-    header: dict = {"__metadata__": dict(metadata)} if metadata else {}
-    pos = 0
-    for n in names:
-        t = tensors[n]
-        nbytes = t.numel() * t.dtype.itemsize
-        header[n] = {"dtype": DTYPE_NAMES[t.dtype], "shape": list(t.shape), "data_offsets": [pos, pos + nbytes]}
-        pos += nbytes
-    hjson = json.dumps(header, separators=(",", ":")).encode("utf-8")
-    hjson += b" " * (-(8 + len(hjson)) % 8)
-
-    def write(f):
-        f.write(struct.pack("<Q", len(hjson)))
-        f.write(hjson)
-        for n in names:
-            t = tensors[n].detach().to("cpu").contiguous()
-            if t.numel():
-                f.write(t.reshape(-1).view(torch.uint8).numpy().data)
-
-    write_file_atomic(path, write)
-
-
-# ---------------------------------------------------------------------------------------------
-# sharded sets (Hugging Face layout)
-
-
-def shard_name(prefix: str, i: int, n: int) -> str:
-    return f"{prefix}-{i:05d}-of-{n:05d}.safetensors"
-
-
-def save_safetensors_set(tensors: Mapping[str, torch.Tensor], folder: str, prefix: str = "model",
-                         max_shard_bytes: int | None = None,
-                         metadata: Mapping[str, str] | None = None) -> list[str]:
-    """Write one file `PREFIX.safetensors`, or shards of at most `max_shard_bytes` (a larger tensor
-    gets a shard of its own) plus `PREFIX.safetensors.index.json`, written last. Tensors keep the
-    mapping's order across shards. Returns the written file names, relative to `folder`."""
-    _check_tensors(tensors)
-    sizes = {n: t.numel() * t.dtype.itemsize for n, t in tensors.items()}
-    total = sum(sizes.values())
-    if max_shard_bytes is None or total <= max_shard_bytes:
-        save_safetensors(tensors, os.path.join(folder, f"{prefix}.safetensors"), metadata)
-        return [f"{prefix}.safetensors"]
-    if max_shard_bytes <= 0:
-        raise ValueError(f"max_shard_bytes must be positive, got {max_shard_bytes}")
-    groups: list[list[str]] = [[]]
-    used = 0
-    for n in tensors:
-        if groups[-1] and used + sizes[n] > max_shard_bytes:
-            groups.append([])
-            used = 0
-        groups[-1].append(n)
-        used += sizes[n]
-    files, weight_map = [], {}
-    for i, group in enumerate(groups, start=1):
-        fname = shard_name(prefix, i, len(groups))
-        save_safetensors({n: tensors[n] for n in group}, os.path.join(folder, fname), metadata)
-        files.append(fname)
-        weight_map.update({n: fname for n in group})
-    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-    write_bytes_atomic(os.path.join(folder, f"{prefix}.safetensors.index.json"),
-                       json.dumps(index, indent=1).encode("utf-8"))
-    return [*files, f"{prefix}.safetensors.index.json"]
 
 
 class SafeSet:
@@ -407,7 +290,7 @@ def open_safetensors_set(folder: str, prefix: str = "model") -> SafeSet:
         raise CheckpointError(f"{folder}: neither {prefix}.safetensors nor {prefix}.safetensors.index.json found")
     try:
         with open(index_path, encoding="utf-8") as fh:
-            index = json.load(fh, object_pairs_hook=_no_duplicates(index_path))
+            index = json.load(fh, object_pairs_hook=no_duplicate_keys(index_path))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise CheckpointError(f"{index_path}: cannot read the index ({e})") from e
     wm = index.get("weight_map") if isinstance(index, dict) else None

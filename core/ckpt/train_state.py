@@ -5,6 +5,7 @@ pickle) and the RNG states of torch (CPU and CUDA), Python `random` and numpy, a
 from __future__ import annotations
 
 import base64
+import hashlib
 import json
 import os
 import random
@@ -13,7 +14,7 @@ from collections.abc import Mapping
 import numpy as np
 import torch
 
-from core.safetensors_io import CheckpointError, write_bytes_atomic
+from core.ckpt.atomic import CheckpointError, write_bytes_atomic
 
 TRAIN_STATE = "train_state.json"
 
@@ -33,12 +34,22 @@ def write_train_state(folder: str, state: Mapping) -> None:
     write_bytes_atomic(os.path.join(folder, TRAIN_STATE), data)
 
 
-def read_train_state(folder: str) -> dict:
+def read_train_state(folder: str, sha256: str | None = None) -> dict:
+    """The train state of checkpoint `folder`. With `sha256` (the manifest's digest) the bytes are
+    hashed as they are read and a mismatch is refused, naming the file: no second read."""
     path = os.path.join(folder, TRAIN_STATE)
     try:
-        with open(path, encoding="utf-8") as f:
-            state = json.load(f)
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        with open(path, "rb") as f:
+            raw = f.read()
+    except OSError as e:
+        raise CheckpointError(f"{path}: cannot read the train state ({e})") from e
+    if sha256 is not None:
+        found = hashlib.sha256(raw).hexdigest()
+        if found != sha256:
+            raise CheckpointError(f"{path}: sha256 mismatch (manifest {sha256}, file {found}): corrupt file")
+    try:
+        state = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise CheckpointError(f"{path}: cannot read the train state ({e})") from e
     if not isinstance(state, dict) or not isinstance(state.get("step"), int):
         raise CheckpointError(f"{path}: expected a JSON object with an integer 'step'")

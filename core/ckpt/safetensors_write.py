@@ -1,5 +1,7 @@
-"""A safetensors writer that takes one tensor at a time (see `StreamingWriter`): peak memory is
-one tensor, not the set. Same file layout and sharded-set layout as core/safetensors_io.
+"""Writers of the safetensors format (the layout is described in core/ckpt/safetensors_read.py):
+`save_safetensors` / `save_safetensors_set` for tensors in memory, and `StreamingWriter`, which
+takes one tensor at a time so that peak memory is one tensor, not the set. Every file is written
+to a temporary name, fsynced and renamed into place.
 """
 
 from __future__ import annotations
@@ -11,8 +13,93 @@ import struct
 from collections.abc import Mapping
 
 import torch
+from torch.distributed.tensor import DTensor
 
-from core.safetensors_io import DTYPE_NAMES, fsync_dir, shard_name, write_bytes_atomic
+from core.ckpt.atomic import fsync_dir, write_bytes_atomic, write_file_atomic
+from core.ckpt.safetensors_read import DTYPE_NAMES
+
+
+def _check_tensors(tensors: Mapping[str, torch.Tensor]) -> None:
+    for name, t in tensors.items():
+        if not isinstance(name, str) or not name or name == "__metadata__":
+            raise ValueError(f"invalid tensor name {name!r}")
+        if isinstance(t, DTensor):
+            raise TypeError(f"'{name}' is a DTensor: pass the full tensor (DTensor.full_tensor()) instead")
+        if not isinstance(t, torch.Tensor) or t.layout != torch.strided:
+            raise TypeError(f"'{name}' must be a dense torch.Tensor, got {type(t).__name__}")
+        if t.dtype not in DTYPE_NAMES:
+            raise TypeError(f"'{name}' has dtype {t.dtype}, which safetensors cannot store")
+
+
+def save_safetensors(tensors: Mapping[str, torch.Tensor], path: str,
+                     metadata: Mapping[str, str] | None = None) -> None:
+    """Write `tensors` to `path` atomically (tmp file, fsync, os.replace)."""
+    _check_tensors(tensors)
+    if metadata is not None and not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
+        raise TypeError("metadata must map str to str")
+    # larger dtypes first so that every tensor is aligned to its item size
+    names = sorted(tensors, key=lambda n: (-tensors[n].dtype.itemsize, n))
+    header: dict = {"__metadata__": dict(metadata)} if metadata else {}
+    pos = 0
+    for n in names:
+        t = tensors[n]
+        nbytes = t.numel() * t.dtype.itemsize
+        header[n] = {"dtype": DTYPE_NAMES[t.dtype], "shape": list(t.shape), "data_offsets": [pos, pos + nbytes]}
+        pos += nbytes
+    hjson = json.dumps(header, separators=(",", ":")).encode("utf-8")
+    hjson += b" " * (-(8 + len(hjson)) % 8)
+
+    def write(f):
+        f.write(struct.pack("<Q", len(hjson)))
+        f.write(hjson)
+        for n in names:
+            t = tensors[n].detach().to("cpu").contiguous()
+            if t.numel():
+                f.write(t.reshape(-1).view(torch.uint8).numpy().data)
+
+    write_file_atomic(path, write)
+
+
+# ---------------------------------------------------------------------------------------------
+# sharded sets (Hugging Face layout)
+
+
+def shard_name(prefix: str, i: int, n: int) -> str:
+    return f"{prefix}-{i:05d}-of-{n:05d}.safetensors"
+
+
+def save_safetensors_set(tensors: Mapping[str, torch.Tensor], folder: str, prefix: str = "model",
+                         max_shard_bytes: int | None = None,
+                         metadata: Mapping[str, str] | None = None) -> list[str]:
+    """Write one file `PREFIX.safetensors`, or shards of at most `max_shard_bytes` (a larger tensor
+    gets a shard of its own) plus `PREFIX.safetensors.index.json`, written last. Tensors keep the
+    mapping's order across shards. Returns the written file names, relative to `folder`."""
+    _check_tensors(tensors)
+    sizes = {n: t.numel() * t.dtype.itemsize for n, t in tensors.items()}
+    total = sum(sizes.values())
+    if max_shard_bytes is None or total <= max_shard_bytes:
+        save_safetensors(tensors, os.path.join(folder, f"{prefix}.safetensors"), metadata)
+        return [f"{prefix}.safetensors"]
+    if max_shard_bytes <= 0:
+        raise ValueError(f"max_shard_bytes must be positive, got {max_shard_bytes}")
+    groups: list[list[str]] = [[]]
+    used = 0
+    for n in tensors:
+        if groups[-1] and used + sizes[n] > max_shard_bytes:
+            groups.append([])
+            used = 0
+        groups[-1].append(n)
+        used += sizes[n]
+    files, weight_map = [], {}
+    for i, group in enumerate(groups, start=1):
+        fname = shard_name(prefix, i, len(groups))
+        save_safetensors({n: tensors[n] for n in group}, os.path.join(folder, fname), metadata)
+        files.append(fname)
+        weight_map.update({n: fname for n in group})
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    write_bytes_atomic(os.path.join(folder, f"{prefix}.safetensors.index.json"),
+                       json.dumps(index, indent=1).encode("utf-8"))
+    return [*files, f"{prefix}.safetensors.index.json"]
 
 
 def stream_order(specs: Mapping[str, tuple]) -> list[str]:

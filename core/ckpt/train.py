@@ -11,7 +11,7 @@ layout and loaded at any other tp x dp.
 
 `modules` maps a name to (module, TrainOptimizer or None); modules may be FSDP-wrapped (or not,
 dp = 1) and must have a `.cfg` (Transformer, Critic). Parameters and optimizer state are gathered
-one tensor at a time (core/model_io) and resharded on load: each rank reads its TP slice and keeps
+one tensor at a time (core/ckpt/model_weights) and resharded on load: each rank reads its TP slice and keeps
 its FSDP chunk. AdamW state is created directly in torch's layout ({"step": fp32 scalar,
 "exp_avg", "exp_avg_sq"} shaped like the parameter), never by taking a step.
 """
@@ -19,21 +19,23 @@ its FSDP chunk. AdamW state is created directly in torch's layout ({"step": fp32
 from __future__ import annotations
 
 import os
+import sys
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
-from core.checkpoint import (
-    CheckpointError,
-    iter_tensors,
-    raise_on_all_ranks,
-    read_manifest,
-    resolve_checkpoint,
-    save_checkpoint_dir,
+from core.ckpt.atomic import CheckpointError, raise_on_all_ranks
+from core.ckpt.commit import save_checkpoint_dir
+from core.ckpt.manifest import (
+    check_sizes,
+    files_with_prefix,
+    open_checkpoint,
+    resume_candidates,
+    tensor_files,
+    verify_files,
 )
-from core.config import to_dict
-from core.model_io import (
-    _tp_info,
+from core.ckpt.model_weights import (
     check_model_config,
     clean_name,
     copy_into,
@@ -43,10 +45,19 @@ from core.model_io import (
     param_specs,
     recompute_rope,
     stream_to_file,
+    tp_info,
     world_group,
 )
-from core.safetensors_io import open_safetensors_set
-from core.train_state import capture_rng_states, read_train_state, restore_rng_states, write_train_state
+from core.ckpt.safetensors_read import open_safetensors_set
+from core.ckpt.tensors import iter_tensors
+from core.ckpt.train_state import (
+    TRAIN_STATE,
+    capture_rng_states,
+    read_train_state,
+    restore_rng_states,
+    write_train_state,
+)
+from core.config import to_dict
 
 
 def file_prefix(name: str) -> str:
@@ -74,7 +85,7 @@ def _opt_params(module: nn.Module, opt) -> dict[str, torch.Tensor]:
 def _optim_items(module: nn.Module, opt, state) -> dict:
     """stream_to_file items for an optimizer's state: "<key>/<param>" full tensors and scalars."""
     cfg = module.cfg
-    _, tp, _ = _tp_info(state)
+    _, tp, _ = tp_info(state)
     specs = {s.name: s for s in param_specs(module, cfg, tp)}
     items = {}
     for name, p in _opt_params(module, opt).items():
@@ -96,8 +107,6 @@ def _rng_state(state) -> dict:
     group = world_group(state)
     if group is None:
         return {"world_size": 1, "shared": mine}
-    import torch.distributed as dist
-
     every: list = [None] * dist.get_world_size()
     dist.all_gather_object(every, mine)  # control plane: every rank's RNG state, to be written by rank 0
     if all(s == every[0] for s in every):
@@ -115,7 +124,7 @@ def save_train_checkpoint(root: str, step: int, state, modules: dict, *, extra: 
     if not modules:
         raise CheckpointError("save_train_checkpoint: no modules")
     main = modules["policy"][0] if "policy" in modules else next(iter(modules.values()))[0]
-    _, tp, _ = _tp_info(state)
+    _, tp, _ = tp_info(state)
     info = {"kind": "train", "model_config": to_dict(main.cfg), "tp": tp,
             "dtype": dtype_name(next(main.parameters()).dtype), "tokenizer_fingerprint": tokenizer_fingerprint,
             "modules": {n: {"optimizer": o is not None} for n, (_, o) in modules.items()}}
@@ -140,7 +149,7 @@ def save_train_checkpoint(root: str, step: int, state, modules: dict, *, extra: 
 
 def _load_optimizer(ckpt: str, prefix: str, module: nn.Module, opt, state) -> None:
     cfg = module.cfg
-    _, tp, tp_rank = _tp_info(state)
+    _, tp, tp_rank = tp_info(state)
     specs = {s.name: s for s in param_specs(module, cfg, tp)}
     params = _opt_params(module, opt)
     with open_safetensors_set(ckpt, prefix) as s:
@@ -178,26 +187,44 @@ def _load_optimizer(ckpt: str, prefix: str, module: nn.Module, opt, state) -> No
             copy_into(st[skey], t)
 
 
-def load_train_checkpoint(path: str, state, modules: dict) -> dict:
-    """Restore every module's parameters and optimizer state, the optimizers' step and skip counts,
-    and the RNG states from train checkpoint `path` (or the latest under a root), at this layout.
-    Returns {"step": int, **extra}. Any failure is one CheckpointError on every rank."""
-    _check_names(modules)
-    _, tp, tp_rank = _tp_info(state)
+def train_files(ckpt: str, m: dict, modules: dict) -> list[str]:
+    """The manifest's files a load of `modules` opens: each module's tensors, its optimizer's when
+    it has one, and train_state.json. Raises naming what is missing."""
+    names = [TRAIN_STATE]
+    for name, (_, opt) in modules.items():
+        names += tensor_files(ckpt, m, file_prefix(name))
+        if opt is not None:
+            optim = files_with_prefix(m, file_prefix(name) + "-optim")
+            if not optim:
+                raise CheckpointError(f"{ckpt}: no optimizer state for '{name}' "
+                                      f"({file_prefix(name)}-optim.safetensors missing)")
+            names += optim
+    return names
+
+
+def open_train_checkpoint(path: str, modules: dict) -> tuple[str, dict, list[str]]:
+    """(folder, manifest, files to open) of train checkpoint `path` (or the latest under a root),
+    checked cheaply: kind, modules, every file present with its recorded size."""
+    ckpt, m = open_checkpoint(path)
+    if m["kind"] != "train":
+        raise CheckpointError(f"{ckpt}: a {m['kind']} checkpoint, not a train checkpoint")
+    saved_mods = m.get("modules", {})
+    for name in modules:
+        if name not in saved_mods and name != "policy":
+            raise CheckpointError(f"{ckpt}: holds no module '{name}' (it has {sorted(saved_mods)})")
+    names = train_files(ckpt, m, modules)
+    check_sizes(ckpt, m, names)
+    return ckpt, m, names
+
+
+def _restore(ckpt: str, m: dict, state, modules: dict, verify: bool) -> dict:
+    """Load every module, optimizer and the RNG states from the (verified) folder `ckpt`."""
+    _, tp, tp_rank = tp_info(state)
 
     def load() -> dict:
-        ckpt = resolve_checkpoint(path)
-        m = read_manifest(ckpt)
-        if m["kind"] != "train":
-            raise CheckpointError(f"{ckpt}: a {m['kind']} checkpoint, not a train checkpoint")
-        saved_mods = m.get("modules", {})
-        for name in modules:
-            if name not in saved_mods and name != "policy":
-                raise CheckpointError(f"{ckpt}: holds no module '{name}' (it has {sorted(saved_mods)})")
-        ts = read_train_state(ckpt)
+        ts = read_train_state(ckpt, m["files"][TRAIN_STATE] if verify else None)  # hashed as it is read
         for name, (module, opt) in modules.items():
-            where = f"{name} in {ckpt}"
-            check_model_config(m["model_config"], module.cfg, where)
+            check_model_config(m["model_config"], module.cfg, f"{name} in {ckpt}")
             specs = param_specs(module, module.cfg, tp)
             by_name = {s.name: s for s in specs}
             for key, t in iter_tensors(ckpt, {s.name: s.full_shape for s in specs},
@@ -207,10 +234,6 @@ def load_train_checkpoint(path: str, state, modules: dict) -> dict:
                 copy_into(by_name[key].param, t)
             recompute_rope(module)
             if opt is not None:
-                if not os.path.isfile(os.path.join(ckpt, file_prefix(name) + "-optim.safetensors")) and \
-                        not os.path.isfile(os.path.join(ckpt, file_prefix(name) + "-optim.safetensors.index.json")):
-                    raise CheckpointError(f"{ckpt}: no optimizer state for '{name}' "
-                                          f"({file_prefix(name)}-optim.safetensors missing)")
                 _load_optimizer(ckpt, file_prefix(name) + "-optim", module, opt, state)
                 counts = ts.get("schedule", {}).get(name)
                 if not isinstance(counts, dict) or not {"step_count", "skipped_total"} <= set(counts):
@@ -226,3 +249,46 @@ def load_train_checkpoint(path: str, state, modules: dict) -> dict:
         r = state.rank if state is not None and rng["world_size"] == state.world_size else 0
         restore_rng_states(rng["per_rank"][r])
     return {**ts.get("extra", {}), "step": ts["step"]}
+
+
+def load_train_checkpoint(path: str, state, modules: dict, *, verify: bool = True) -> dict:
+    """Restore every module's parameters and optimizer state, the optimizers' step and skip counts,
+    and the RNG states from train checkpoint `path` (or the latest under a root), at this layout.
+    `verify` (default on): every file opened is hashed against the manifest before a tensor is
+    read (split over the ranks); train_state.json is hashed again as it is read. Returns {"step": int, **extra}.
+    Any failure is one CheckpointError on every rank, naming the file."""
+    _check_names(modules)
+    group = world_group(state)
+    ckpt, m, names = raise_on_all_ranks(lambda: open_train_checkpoint(path, modules), group)
+    if verify:
+        verify_files(ckpt, m, names, group)
+    return _restore(ckpt, m, state, modules, verify)
+
+
+def resume_train_checkpoint(root: str, state, modules: dict, *, verify: bool = True) -> dict | None:
+    """Resume from the newest train checkpoint under `root` that verifies (see load_train_checkpoint);
+    None when `root` holds no step folder. Rank 0 says on stderr which one was chosen and why every
+    newer one was rejected (missing manifest, truncated or missing file, sha256 mismatch, a dangling
+    `latest`). Raises CheckpointError listing every rejection when none verifies."""
+    _check_names(modules)
+    group = world_group(state)
+    names, note = raise_on_all_ranks(lambda: resume_candidates(root), group, src=0)
+    rejected = [note] if note else []
+    for name in names:
+        path = os.path.join(root, name)
+        try:
+            ckpt, m, files = raise_on_all_ranks(lambda p=path: open_train_checkpoint(p, modules), group)
+            if verify:
+                verify_files(ckpt, m, files, group)
+        except CheckpointError as e:
+            rejected.append(f"{name} rejected: {e}")
+            continue
+        if state is None or state.rank == 0:
+            why = "".join(f"\n  {r}" for r in rejected)
+            print(f"kltron.checkpoint: resuming from {ckpt} (step {m['step']}"
+                  f"{', hashes verified' if verify else ', NOT verified: verify off'}){why}", file=sys.stderr)
+        return _restore(ckpt, m, state, modules, verify)
+    if rejected:
+        raise CheckpointError(f"{root}: no checkpoint to resume from verifies; move the folders away or set "
+                              f"train.resume=false to start over:\n  " + "\n  ".join(rejected))
+    return None
