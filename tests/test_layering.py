@@ -120,7 +120,6 @@ KNOWN = {
     "rl.rewards": ["imports importlib"],
     "core.sft": ["imports parallel.vocab inside a function"],
     "rl.logprobs": ["imports parallel.fused_loss inside a function"],
-    "parallel.fused_loss": ["imports private name _logits from parallel.fused"],
 }
 
 
