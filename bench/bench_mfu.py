@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import os
 import sys
 import time
 
@@ -31,7 +30,7 @@ from core.model import build_model
 from core.optim import build_optimizer
 from core.sft import cross_entropy_head
 from parallel.comm import all_reduce
-from parallel.dims import ParallelDims, init_parallel, tp_subgroup
+from parallel.dims import ParallelDims, init_parallel, kv_replica_group, launch_world_size, resolve_device
 from parallel.fsdp import FSDPOptions, is_fsdp, parallelize
 
 LLAMA_1B = ModelConfig(vocab_size=128256, hidden_size=2048, n_layers=16, n_heads=32, n_kv_heads=8,
@@ -74,11 +73,10 @@ def main(argv=None) -> dict:
     if not cuda:
         args.seq, args.mb, args.steps, args.warmup = 64, 2, 3, 1
         torch.set_num_threads(1)  # tiny matmuls: threads only contend
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if cuda else torch.device("cpu")
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    dims = ParallelDims(world // args.tp, args.tp)
+    device = resolve_device("cuda" if cuda else "cpu")
+    dims = ParallelDims(launch_world_size() // args.tp, args.tp)
     state = init_parallel(dims, device, cfg.n_heads, cfg.n_kv_heads)
-    kv_group = tp_subgroup(state, dims.tp // cfg.n_kv_heads) if dims.tp > cfg.n_kv_heads else None
+    kv_group = kv_replica_group(state, cfg.n_kv_heads)
     model = build_model(cfg, state.tp_group, kv_group, seed=0, device=device)
     model = parallelize(model, state.dp_mesh, FSDPOptions(mixed_precision="bf16" if cuda else "fp32",
                                                           activation_checkpointing=args.ac))

@@ -27,7 +27,7 @@ from core.model import build_model, local_shard
 from core.optim import build_optimizer
 from core.shards import tp_slice
 from parallel.comm import all_reduce
-from parallel.dims import ParallelDims, init_parallel, tp_subgroup
+from parallel.dims import ParallelDims, init_parallel, kv_replica_group
 from parallel.fsdp import FSDPOptions, full_tensor, is_fsdp, parallelize, sync_replicated_grads
 from parallel.layers import vocab_parallel_logits
 
@@ -107,7 +107,7 @@ def layout_run(dp: int, tp: int, variant: str, ref: dict | None = None, device=N
     if ref is None:
         ref = reference_run(cfg, device)
     ref = {k: _to(v, device) for k, v in ref.items()}
-    kv_group = tp_subgroup(state, tp // cfg.n_kv_heads) if tp > cfg.n_kv_heads else None
+    kv_group = kv_replica_group(state, cfg.n_kv_heads)
     model = build_model(cfg, state.tp_group, kv_group, seed=SEED, device=device)
     model = parallelize(model, state.dp_mesh, FSDPOptions(fsdp=fsdp, activation_checkpointing=VARIANTS[variant]["ac"]))
     assert is_fsdp(model) == (dp > 1 and fsdp)

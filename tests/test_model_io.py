@@ -15,12 +15,12 @@ import torch
 from core import checkpoint as ck
 from core.checkpoint import CheckpointError
 from core.config import ModelConfig, OptimConfig, to_dict
-from core.data import SequenceLoader
 from core.model import Transformer, build_model, local_shard
 from core.optim import build_optimizer
+from core.sft_data import SequenceLoader
 from core.shards import full_param_shapes
 from parallel.comm import all_reduce
-from parallel.dims import ParallelDims, init_parallel, tp_subgroup
+from parallel.dims import ParallelDims, init_parallel, kv_replica_group
 from parallel.fsdp import FSDPOptions, full_tensor, parallelize
 from parallel.vocab import vocab_parallel_cross_entropy
 from rl.critic import Critic
@@ -36,7 +36,7 @@ def cfg(**kw) -> ModelConfig:
 
 def _setup(dp, tp, c):
     state = init_parallel(ParallelDims(dp, tp), "cpu", c.n_heads, c.n_kv_heads)
-    kv = tp_subgroup(state, tp // c.n_kv_heads) if tp > c.n_kv_heads else None
+    kv = kv_replica_group(state, c.n_kv_heads)
     return state, kv
 
 

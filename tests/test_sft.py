@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from core.config import SFTConfig, load_config
-from core.data import DataError, SequenceLoader, tokenize_text_file
 from core.metrics import read_metrics
+from core.sft_data import DataError, SequenceLoader, tokenize_text_file
 from core.tokenizer import load_tokenizer
 from tests.dist import REPO, run_torchrun
 

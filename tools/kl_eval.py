@@ -29,13 +29,14 @@ import os
 import sys
 
 import torch
+import torch.distributed as dist
 
 from core.checkpoint import CheckpointError, raise_on_all_ranks, read_manifest, resolve_checkpoint
 from core.config import ModelConfig, from_dict
 from core.model import Transformer
 from core.model_io import load_model_weights, world_group
 from core.safetensors_io import write_bytes_atomic
-from parallel.dims import LayoutError, ParallelDims, init_parallel, tp_subgroup
+from parallel.dims import LayoutError, ParallelDims, init_parallel, kv_replica_group, launch_world_size, resolve_device
 from parallel.fused import fused_head
 from rl.kl import kl_estimate
 
@@ -98,9 +99,8 @@ def _prepare(policy: str, ref: str, tokens: str):
 
 
 def _load(cfg: ModelConfig, path: str, state, what: str) -> Transformer:
-    tp = state.dims.tp
-    kv = tp_subgroup(state, tp // cfg.n_kv_heads) if tp > cfg.n_kv_heads else None
-    model = Transformer(cfg, state.tp_group, kv, device="meta").to_empty(device=state.device)
+    model = Transformer(cfg, state.tp_group, kv_replica_group(state, cfg.n_kv_heads), device="meta")
+    model = model.to_empty(device=state.device)
     load_model_weights(model, path, state, what=what)
     return model.eval()
 
@@ -135,14 +135,10 @@ def summarise(seqs: list[dict]) -> dict:
 def evaluate(policy: str, ref: str, tokens: str, tp: int, out: str, device: str | None = None) -> dict | None:
     """Run the evaluation on this rank (every rank calls it); rank 0 writes `out` and returns the
     summary, other ranks return None."""
-    import torch.distributed as dist
-
-    world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
+    world = launch_world_size()
     if tp < 1 or world % tp:
         raise LayoutError(f"--tp={tp} must divide the number of processes ({world})")
-    dev = torch.device(device) if device else torch.device(
-        "cuda", int(os.environ.get("LOCAL_RANK", "0"))) if torch.cuda.is_available() else torch.device("cpu")
-    state = init_parallel(ParallelDims(world // tp, tp), dev)
+    state = init_parallel(ParallelDims(world // tp, tp), resolve_device(device or "auto"))
     pcfg, rcfg, seqs = raise_on_all_ranks(lambda: _prepare(policy, ref, tokens), world_group(state))
     pmodel, rmodel = _load(pcfg, policy, state, "policy"), _load(rcfg, ref, state, "reference")
     mine = []
@@ -181,8 +177,6 @@ def main(argv=None) -> int:
     ap.add_argument("--out", required=True, help="R.json")
     ap.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     args = ap.parse_args(argv)
-    import torch.distributed as dist
-
     owns = not dist.is_initialized()
     try:
         summary = evaluate(args.policy, args.ref, args.tokens, args.tp, args.out, args.device)
