@@ -1,7 +1,7 @@
 """Training throughput and MFU of a ~1B Llama (the Llama-3.2-1B shape) in bf16 with FSDP2.
 
-    torchrun --nproc_per_node N bench/bench_mfu.py [--tp 1] [--seq 2048] [--mb 4] [--steps 10] [--ac]
-    python bench/bench_mfu.py --cpu        # CPU fallback: a tiny model, 3 steps (checks the path only)
+    torchrun --nproc_per_node N -m bench.bench_mfu [--tp 1] [--seq 2048] [--mb 4] [--steps 10] [--ac]
+    python -m bench.bench_mfu --cpu        # CPU fallback: a tiny model, 3 steps (checks the path only)
 
 One step = forward + backward (loss from kltron's vocab-parallel cross entropy inside forward) +
 clip + AdamW, on random tokens; the first `--warmup` steps are not timed. With dp > 1 the model is

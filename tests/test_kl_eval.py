@@ -12,7 +12,7 @@ import torch
 
 from core.checkpoint import CheckpointError
 from tests.dist import run_torchrun
-from tests.test_convert_hf import make_hf
+from tests.helpers import make_hf
 from tools.convert_hf import import_hf
 from tools.kl_eval import KLEvalError, evaluate, main
 
