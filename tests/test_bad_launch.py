@@ -69,6 +69,7 @@ def test_error_comes_before_any_collective(dist_pools, case, tmp_path):
     assert message in errors[0] and errors[1] is None
 
 
+@pytest.mark.slow
 def test_torchrun_exits_nonzero_with_the_message(tmp_path):
     res = run_torchrun(["core.sft", "--config", TINY, "parallel.tp=3", f"train.out_dir={tmp_path}"],
                        nproc=2, timeout=120)

@@ -119,6 +119,7 @@ def _tp_head_vs_full_autograd(tp, kl, seed):
     return True
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tp", [2, 4])
 def test_fused_tp_matches_full_head(dist_pools, tp):
     for kl in ("forward", "reverse"):

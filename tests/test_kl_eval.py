@@ -151,6 +151,7 @@ def test_bad_input_fails_on_every_rank(dist_pools, setup, tmp_path):
     assert not os.path.exists(tmp_path / "r.json")
 
 
+@pytest.mark.slow
 def test_torchrun_cli(setup, tmp_path):
     d, tokens, ref = setup
     out = str(tmp_path / "r.json")

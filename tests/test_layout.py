@@ -144,7 +144,8 @@ def _reference(variant: str) -> dict:
     return _REFERENCES[variant]
 
 
-@pytest.mark.parametrize("dp,tp", LAYOUTS, ids=[f"dp{d}_tp{t}" for d, t in LAYOUTS])
+@pytest.mark.parametrize("dp,tp", [pytest.param(d, t, id=f"dp{d}_tp{t}", marks=[pytest.mark.slow] if d * t > 2 else [])
+                                   for d, t in LAYOUTS])
 def test_layout_matches_single_process(dist_pools, dp, tp):
     for variant in VARIANTS:
         if dp * tp == 1:

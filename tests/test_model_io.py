@@ -170,12 +170,14 @@ def _compare(results, full, c, tp):
                                                   r["tp_rank"], tp)), name
 
 
+@pytest.mark.slow
 def test_reshard_tp2dp2_to_tp1(saved):
     root, model_dir, full = saved
     assert ck.read_manifest(ck.find_latest(root))["tp"] == 2
     _compare([_load_run(root, model_dir, 1, 1)], full, cfg(), 1)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dp,tp", [(1, 4), (4, 1)])
 def test_reshard_tp2dp2_to_other_layouts(dist_pools, saved, dp, tp):
     root, model_dir, full = saved

@@ -71,6 +71,7 @@ def test_reference_with_other_tokenizer_is_refused(sft_dir, capsys):
     assert not os.path.exists(out / "metrics.jsonl")  # refused before the first step
 
 
+@pytest.mark.slow
 def test_two_nodes_on_loopback(sft_dir):
     """Two torchrun launchers (--nnodes 2, one process each) run two steps together."""
     base, sft = sft_dir

@@ -105,6 +105,7 @@ def test_layouts_match_single_process_dp2(dist_pools, singles):
         _compare(singles[name], res[1])
 
 
+@pytest.mark.slow
 def test_layout_tp2_dp2(dist_pools, singles):
     res = dist_pools.run(4, _steps_and_logits, 2, 2, GRPO)
     for r in res:

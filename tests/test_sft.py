@@ -121,6 +121,7 @@ def test_entry_point_resume_is_bitwise_equal(tmp_path):
     assert resumed["losses"] == straight["losses"][3:]
 
 
+@pytest.mark.slow
 def test_torchrun_dp2_matches_single_process_and_learns(tmp_path):
     from core.sft import train
 
