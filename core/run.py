@@ -2,11 +2,11 @@
 
 `start_run(cfg, dims, model_cfg)` does, in this order and identically on every rank: pick this
 rank's device (`train.device`), build the ("dp", "tp") mesh and its groups, seed Python / NumPy /
-torch with `train.seed`, build the KV-replica group (tp > n_kv_heads), find the checkpoint to
-resume from (`train.resume`: the latest under `{train.out_dir}/checkpoints`), write
-`{out_dir}/config.yaml` and open `{out_dir}/metrics.jsonl` (appended to when resuming) on rank 0.
-The returned `Run` is what the training loop needs of it; `Run.resume` / `Run.save` load and
-write the training checkpoints there.
+torch with `train.seed`, build the KV-replica group (tp > n_kv_heads) and find the checkpoint to
+resume from (`train.resume`: the latest under `{train.out_dir}/checkpoints`). The entry point then
+builds its models, calls `Run.resume` (loads that checkpoint), and, once nothing can refuse the run
+any more, `Run.open_outputs`: `{out_dir}/config.yaml` and `{out_dir}/metrics.jsonl` (appended to
+when resuming) on rank 0. `Run.save` writes the training checkpoints.
 """
 
 from __future__ import annotations
@@ -30,14 +30,14 @@ class Run:
 
     state: dims, device, mesh, TP / DP groups and this rank's coordinates; kv_group: the TP ranks
     sharing a KV head (None unless tp > n_kv_heads); resume_from: the checkpoint directory to resume
-    from, or None for a fresh start; writer: metrics.jsonl (a no-op off rank 0)."""
+    from, or None for a fresh start; writer: metrics.jsonl (a no-op off rank 0), once `open_outputs`."""
 
     state: ParallelState
     kv_group: object | None
     out_dir: str
     resume_from: str | None
-    writer: MetricsWriter
     keep_last: int | None = None
+    writer: MetricsWriter | None = None
 
     @property
     def dims(self) -> ParallelDims:
@@ -63,8 +63,20 @@ class Run:
         return save_train_checkpoint(self.ckpt_root, step, self.state, modules, extra=extra,
                                      keep_last=self.keep_last, tokenizer_fingerprint=tokenizer_fingerprint)
 
+    def open_outputs(self, cfg) -> MetricsWriter:
+        """Write `config.yaml` (the resolved `cfg`) and open `metrics.jsonl` on rank 0: fresh, or
+        appended to when resuming. Called after loading, so a refused run leaves no metrics file."""
+        if self.state.is_main:
+            os.makedirs(self.out_dir, exist_ok=True)
+            with open(os.path.join(self.out_dir, "config.yaml"), "w") as f:
+                yaml.safe_dump(to_dict(cfg), f, sort_keys=False)
+        self.writer = MetricsWriter(os.path.join(self.out_dir, "metrics.jsonl"), enabled=self.state.is_main,
+                                    mode="a" if self.resume_from is not None else "w")
+        return self.writer
+
     def close(self) -> None:
-        self.writer.close()
+        if self.writer is not None:
+            self.writer.close()
 
 
 def start_run(cfg, dims: ParallelDims, model_cfg: ModelConfig) -> Run:
@@ -75,10 +87,4 @@ def start_run(cfg, dims: ParallelDims, model_cfg: ModelConfig) -> Run:
     seed_everything(t.seed)
     kv_group = kv_replica_group(state, model_cfg.n_kv_heads)
     latest = find_latest(os.path.join(t.out_dir, "checkpoints")) if t.resume else None
-    if state.is_main:
-        os.makedirs(t.out_dir, exist_ok=True)
-        with open(os.path.join(t.out_dir, "config.yaml"), "w") as f:
-            yaml.safe_dump(to_dict(cfg), f, sort_keys=False)
-    writer = MetricsWriter(os.path.join(t.out_dir, "metrics.jsonl"), enabled=state.is_main,
-                           mode="a" if latest is not None else "w")
-    return Run(state, kv_group, t.out_dir, latest, writer, keep_last=t.keep_last)
+    return Run(state, kv_group, t.out_dir, latest, keep_last=t.keep_last)

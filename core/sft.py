@@ -178,6 +178,7 @@ def train(cfg: SFTConfig) -> dict:
     if extra is not None:
         job.loader.load_state_dict(extra["data"])
     first = 1 if extra is None else extra["step"] + 1
+    writer = run.open_outputs(cfg)
     bar = ProgressBar(t.steps, enabled=run.state.is_main and t.progress, every=max(t.log_every, t.steps // 20))
     timer, meter = PhaseTimer(run.device), Throughput()
     reset_peak_memory(run.device)
@@ -189,9 +190,9 @@ def train(cfg: SFTConfig) -> dict:
         norms.append(stats.grad_norm)
         tps = meter.update(n_tokens)
         if step % t.log_every == 0 or step == t.steps:
-            run.writer.write({"step": step, "loss": loss, "grad_norm": stats.grad_norm, "lr": stats.lr,
-                              "skipped": stats.skipped, "skipped_total": stats.skipped_total, "tokens": n_tokens,
-                              "tokens_per_s": tps, **peak_memory(run.device), **timer.pop()})
+            writer.write({"step": step, "loss": loss, "grad_norm": stats.grad_norm, "lr": stats.lr,
+                          "skipped": stats.skipped, "skipped_total": stats.skipped_total, "tokens": n_tokens,
+                          "tokens_per_s": tps, **peak_memory(run.device), **timer.pop()})
         bar.update(step, loss=loss, lr=stats.lr, gnorm=stats.grad_norm, tok_s=tps)
         stop = t.stop_after is not None and step >= t.stop_after
         if (t.save_every and step % t.save_every == 0) or stop:

@@ -134,13 +134,14 @@ def _report(rec: dict, step: int, cfg: RLConfig, is_main: bool) -> str | None:
 def run(cfg: RLConfig) -> list[dict]:
     trainer, run, tokenizer = build(cfg)
     first = _resume(trainer, run)
+    writer = run.open_outputs(cfg)
     t = cfg.train
     bar = ProgressBar(t.steps, enabled=run.state.is_main and t.progress, every=t.log_every)
     records, stop = [], None
     for step in range(first, t.steps):
         rec = trainer.step(step)
         records.append(rec)
-        run.writer.write(rec)
+        writer.write(rec)
         bar.update(step + 1, reward=rec["reward_mean"], kl=rec["kl_mean"], beta=rec["beta"],
                    ent=rec["entropy"], tok_s=rec["tokens_per_s"])
         stop = _report(rec, step, cfg, run.state.is_main)

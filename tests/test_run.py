@@ -72,9 +72,11 @@ def test_start_run_single_process(tmp_path):
     run = start_run(cfg, ParallelDims(1, 1), mc)
     assert (run.state.mesh, run.state.tp_group, run.kv_group, run.resume_from) == (None, None, None, None)
     assert run.device == torch.device("cpu") and run.ckpt_root == str(out / "checkpoints")
-    assert yaml.safe_load((out / "config.yaml").read_text()) == json.loads(json.dumps(to_dict(cfg)))
     assert torch.initial_seed() == 5
-    run.writer.write({"step": 1})
+    assert run.writer is None and not (out / "config.yaml").exists()  # nothing written before open_outputs
+    writer = run.open_outputs(cfg)
+    assert yaml.safe_load((out / "config.yaml").read_text()) == json.loads(json.dumps(to_dict(cfg)))
+    writer.write({"step": 1})
     run.close()
     # a fresh start (nothing to resume) truncates the old metrics
     assert [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()] == [{"step": 1}]
