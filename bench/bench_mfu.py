@@ -56,7 +56,7 @@ def peak_flops(device: torch.device, override_tflops: float | None) -> float | N
     return next((v for k, v in PEAK_BF16.items() if k in name), None)
 
 
-def main(argv=None) -> dict:
+def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--cpu", action="store_true", help="tiny model on CPU (checks the code path)")
     ap.add_argument("--tp", type=int, default=1)
@@ -67,7 +67,26 @@ def main(argv=None) -> dict:
     ap.add_argument("--ac", action="store_true", help="activation checkpointing per block")
     ap.add_argument("--peak-tflops", type=float, default=None)
     ap.add_argument("--json", default=None)
-    args = ap.parse_args(argv)
+    return ap.parse_args(argv)
+
+
+def time_steps(step, args, device, cuda: bool) -> tuple[float, float]:
+    """`args.warmup` untimed steps, then the mean seconds of `args.steps` -> (seconds, last loss)."""
+    for _ in range(args.warmup):
+        step()
+    if cuda:
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+    t0 = time.perf_counter()
+    for _ in range(args.steps):
+        loss = step()
+    if cuda:
+        torch.cuda.synchronize(device)
+    return (time.perf_counter() - t0) / args.steps, loss
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
     cuda = torch.cuda.is_available() and not args.cpu
     cfg = LLAMA_1B if cuda else TINY
     if not cuda:
@@ -98,17 +117,7 @@ def main(argv=None) -> dict:
         all_reduce(total, "sum", state.dp_group)  # each DP rank holds its share of the global mean
         return float(total)
 
-    for _ in range(args.warmup):
-        step()
-    if cuda:
-        torch.cuda.synchronize(device)
-        torch.cuda.reset_peak_memory_stats(device)
-    t0 = time.perf_counter()
-    for _ in range(args.steps):
-        loss = step()
-    if cuda:
-        torch.cuda.synchronize(device)
-    dt = (time.perf_counter() - t0) / args.steps
+    dt, loss = time_steps(step, args, device, cuda)
     tokens_per_s = n_global_tokens / dt
     per_gpu = tokens_per_s / dims.world_size
     peak = peak_flops(device, args.peak_tflops)
