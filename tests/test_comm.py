@@ -1,9 +1,12 @@
 """The conjugate collectives against single-process autograd, on real gloo ranks."""
 
+import time
+
 import pytest
 import torch
 
 from parallel import comm
+from tests.dist import DistError
 
 
 def _collectives(seed):
@@ -66,12 +69,6 @@ def _fails_on_rank_one():
 
 
 def test_pool_reports_failure_without_hanging(dist_pools):
-    import time
-
-    import pytest
-
-    from tests.dist import DistError
-
     dist_pools.run(2, _collectives, 2)  # started: the time below is the failure's alone
     t0 = time.monotonic()
     with pytest.raises(DistError, match="boom on rank 1"):
