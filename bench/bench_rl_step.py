@@ -47,6 +47,7 @@ from rl.critic import Critic
 from rl.logprobs import critic_values, policy_token_stats, reference_hidden
 from rl.losses import aggregate, clipped_value_loss, loss_scale, policy_loss
 from rl.tasks import CHARSET
+from rl.train import assemble
 
 REWARD = "bench.bench_rl_step:digit_share"
 
@@ -111,8 +112,6 @@ class WideVocabTokenizer:
 
 def build_trainer(spec: BenchConfig, algo: str, seed: int = 11, extra: list | None = None):
     """RLTrainer over seeded policy / reference (same seed) / critic, one process."""
-    from rl.train import assemble
-
     cfg = load_config(RLConfig, None, COMMON + spec.overrides + ALGOS[algo] + list(extra or []))
     mc = spec.model
     state = init_parallel(ParallelDims(1, 1), "cpu", mc.n_heads, mc.n_kv_heads)
