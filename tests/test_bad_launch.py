@@ -82,6 +82,7 @@ def test_torchrun_exits_nonzero_with_the_message(tmp_path):
     assert not os.path.exists(tmp_path / "metrics.jsonl")
 
 
+@pytest.mark.slow
 def test_cli_unknown_key_single_process(tmp_path):
     env = dict(os.environ, PYTHONPATH=REPO)
     res = subprocess.run([sys.executable, "-m", "core.sft", "--config", TINY, "optim.learning_rate=1",

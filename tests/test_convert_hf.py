@@ -134,6 +134,7 @@ def test_bad_input_names_file_and_key(converted, tmp_path):
         import_hf(converted["mistral"][0], str(tmp_path / "never"))
 
 
+@pytest.mark.slow
 def test_cli(converted, tmp_path):
     env = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1")
     run = [sys.executable, "-m", "tools.convert_hf"]
