@@ -7,6 +7,7 @@ setup(
     packages=["core", "parallel", "rl", "tools"],
     package_data={"core": ["data/*.txt", "data/*.model"]},
     include_package_data=True,
+    license="Apache-2.0",
     python_requires=">=3.10",
     install_requires=[
         "torch>=2.6",

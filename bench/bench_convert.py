@@ -1,7 +1,7 @@
 """Peak memory of tools/convert_hf on a synthetic Llama checkpoint: streaming means the peak RSS
 grows by about the largest tensor (twice when casting), not by the checkpoint size.
 
-    python bench/bench_convert.py [--layers 4 --hidden 1024 --inter 2816 --vocab 16000] [--dir D]
+    python -m bench.bench_convert [--layers 4 --hidden 1024 --inter 2816 --vocab 16000] [--dir D]
 
 Writes a random HF-layout checkpoint (fp32, untied, ~340 MB by default) tensor by tensor, then, each
 in a fresh subprocess: import (--dtype keep), import (--dtype bf16), export. Each child reports
@@ -22,8 +22,7 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 CHILD = """
-import resource, sys, time, json
-sys.path.insert(0, {repo!r})
+import resource, time, json
 import torch
 from tools.convert_hf import import_hf, export_hf
 torch.set_num_threads(1)
@@ -69,8 +68,9 @@ def write_synthetic(path: str, layers: int, hidden: int, inter: int, vocab: int,
 
 
 def run_child(call: str) -> dict:
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    out = subprocess.run([sys.executable, "-c", CHILD.format(repo=REPO, call=call)], env=env, capture_output=True,
+    # the child imports tools.convert_hf from this checkout
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")]))
+    out = subprocess.run([sys.executable, "-c", CHILD.format(call=call)], env=env, capture_output=True,
                          text=True, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -83,7 +83,6 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=16000)
     ap.add_argument("--dir", default=None)
     args = ap.parse_args()
-    sys.path.insert(0, REPO)
     base = args.dir or tempfile.mkdtemp(prefix="bench_convert_")
     hf, ck, ck16, out = (os.path.join(base, n) for n in ("hf", "ckpt", "ckpt_bf16", "export"))
     t0 = time.perf_counter()

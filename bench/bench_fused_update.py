@@ -1,9 +1,9 @@
 """The RL update with the policy loss inside the fused head (`algo.fused_loss=true`, the default)
 against autograd through the recomputing fused head (`false`), side by side in one run.
 
-    python bench/bench_fused_update.py [--config mid] [--steps 2] [--repeats 2]
+    python -m bench.bench_fused_update [--config mid] [--steps 2] [--repeats 2]
 
-One process, 1 thread, GRPO on bench/bench_rl_step.py's configs, with the sampled KL estimator
+One process, 1 thread, GRPO on bench.bench_rl_step's configs, with the sampled KL estimator
 and with the exact full-vocabulary KL. Runs alternate (on, off, on, off, ...) so machine load hits
 both alike; each reports the median phase times of `--steps` steps after a warm-up step.
 """
@@ -11,15 +11,11 @@ both alike; each reports the median phase times of `--steps` steps after a warm-
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
-import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from bench.bench_rl_step import CONFIGS, build_trainer, time_steps  # noqa: E402
+from bench.bench_rl_step import CONFIGS, build_trainer, time_steps
 
 
 def main(argv=None) -> list[dict]:
@@ -42,7 +38,7 @@ def main(argv=None) -> list[dict]:
             rows.append({"kl": "exact" if exact else "k3 (sampled)", "fused_loss": fused,
                          "update_s": statistics.median(r["update"] for r in rs),
                          "step_s": statistics.median(r["step"] for r in rs), "grad_norm": rs[0]["grad_norm"]})
-    print(f"`python bench/bench_fused_update.py --config {args.config} --steps {args.steps} "
+    print(f"`python -m bench.bench_fused_update --config {args.config} --steps {args.steps} "
           f"--repeats {args.repeats}`\n")
     print("| KL | algo.fused_loss | update s | step s | update vs off | grad norm |")
     print("|---|---|---:|---:|---:|---:|")

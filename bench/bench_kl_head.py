@@ -2,7 +2,7 @@
 materialised logits, (c) the same chunked, (d) fused head exact KL, (d') the same with the loss inside and the gradient
 formed in forward, (e) fused head sampled-token k3.
 
-    timeout 900 python bench/bench_kl_head.py [--tokens 8192 --hidden 1024 --vocab 32000 --tp 1]
+    timeout 900 python -m bench.bench_kl_head [--tokens 8192 --hidden 1024 --vocab 32000 --tp 1]
         [--dtype fp32] [--chunk-size 512] [--pass forward+backward|forward|both] [--json OUT.json]
         [--methods gather,fused_exact,fused_exact_loss]
 
@@ -13,12 +13,8 @@ peak memory and time relative to (a).
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from tools import kl_memory  # noqa: E402
+from tools import kl_memory
 
 LABELS = {"gather": "(a) gather full logits, then KL", "vp_materialized": "(b) vocab-parallel, materialised",
           "vp_chunked": "(c) vocab-parallel, chunked", "fused_exact": "(d) fused head, exact KL",

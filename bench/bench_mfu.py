@@ -1,7 +1,7 @@
 """Training throughput and MFU of a ~1B Llama (the Llama-3.2-1B shape) in bf16 with FSDP2.
 
-    torchrun --nproc_per_node N bench/bench_mfu.py [--tp 1] [--seq 2048] [--mb 4] [--steps 10] [--ac]
-    python bench/bench_mfu.py --cpu        # CPU fallback: a tiny model, 3 steps (checks the path only)
+    torchrun --nproc_per_node N -m bench.bench_mfu [--tp 1] [--seq 2048] [--mb 4] [--steps 10] [--ac]
+    python -m bench.bench_mfu --cpu        # CPU fallback: a tiny model, 3 steps (checks the path only)
 
 One step = forward + backward (loss from kltron's vocab-parallel cross entropy inside forward) +
 clip + AdamW, on random tokens; the first `--warmup` steps are not timed. With dp > 1 the model is
@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import os
 import sys
 import time
 
@@ -31,7 +30,7 @@ from core.model import build_model
 from core.optim import build_optimizer
 from core.sft import cross_entropy_head
 from parallel.comm import all_reduce
-from parallel.dims import ParallelDims, init_parallel, tp_subgroup
+from parallel.dims import ParallelDims, init_parallel, kv_replica_group, launch_world_size, resolve_device
 from parallel.fsdp import FSDPOptions, is_fsdp, parallelize
 
 LLAMA_1B = ModelConfig(vocab_size=128256, hidden_size=2048, n_layers=16, n_heads=32, n_kv_heads=8,
@@ -57,7 +56,7 @@ def peak_flops(device: torch.device, override_tflops: float | None) -> float | N
     return next((v for k, v in PEAK_BF16.items() if k in name), None)
 
 
-def main(argv=None) -> dict:
+def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--cpu", action="store_true", help="tiny model on CPU (checks the code path)")
     ap.add_argument("--tp", type=int, default=1)
@@ -68,17 +67,35 @@ def main(argv=None) -> dict:
     ap.add_argument("--ac", action="store_true", help="activation checkpointing per block")
     ap.add_argument("--peak-tflops", type=float, default=None)
     ap.add_argument("--json", default=None)
-    args = ap.parse_args(argv)
+    return ap.parse_args(argv)
+
+
+def time_steps(step, args, device, cuda: bool) -> tuple[float, float]:
+    """`args.warmup` untimed steps, then the mean seconds of `args.steps` -> (seconds, last loss)."""
+    for _ in range(args.warmup):
+        step()
+    if cuda:
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+    t0 = time.perf_counter()
+    for _ in range(args.steps):
+        loss = step()
+    if cuda:
+        torch.cuda.synchronize(device)
+    return (time.perf_counter() - t0) / args.steps, loss
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
     cuda = torch.cuda.is_available() and not args.cpu
     cfg = LLAMA_1B if cuda else TINY
     if not cuda:
         args.seq, args.mb, args.steps, args.warmup = 64, 2, 3, 1
         torch.set_num_threads(1)  # tiny matmuls: threads only contend
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if cuda else torch.device("cpu")
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    dims = ParallelDims(world // args.tp, args.tp)
+    device = resolve_device("cuda" if cuda else "cpu")
+    dims = ParallelDims(launch_world_size() // args.tp, args.tp)
     state = init_parallel(dims, device, cfg.n_heads, cfg.n_kv_heads)
-    kv_group = tp_subgroup(state, dims.tp // cfg.n_kv_heads) if dims.tp > cfg.n_kv_heads else None
+    kv_group = kv_replica_group(state, cfg.n_kv_heads)
     model = build_model(cfg, state.tp_group, kv_group, seed=0, device=device)
     model = parallelize(model, state.dp_mesh, FSDPOptions(mixed_precision="bf16" if cuda else "fp32",
                                                           activation_checkpointing=args.ac))
@@ -100,17 +117,7 @@ def main(argv=None) -> dict:
         all_reduce(total, "sum", state.dp_group)  # each DP rank holds its share of the global mean
         return float(total)
 
-    for _ in range(args.warmup):
-        step()
-    if cuda:
-        torch.cuda.synchronize(device)
-        torch.cuda.reset_peak_memory_stats(device)
-    t0 = time.perf_counter()
-    for _ in range(args.steps):
-        loss = step()
-    if cuda:
-        torch.cuda.synchronize(device)
-    dt = (time.perf_counter() - t0) / args.steps
+    dt, loss = time_steps(step, args, device, cuda)
     tokens_per_s = n_global_tokens / dt
     per_gpu = tokens_per_s / dims.world_size
     peak = peak_flops(device, args.peak_tflops)

@@ -1,7 +1,7 @@
 """Forward + backward of kltron's Transformer against transformers' LlamaForCausalLM of the same
 shape, on the same machine, in one run.
 
-    python bench/bench_model.py [--configs tiny,mid] [--repeats 5] [--threads N] [--json OUT]
+    python -m bench.bench_model [--configs tiny,mid] [--repeats 5] [--threads N] [--json OUT]
 
 Both models run in fp32 with SDPA attention and the same loss (`F.cross_entropy` over the logits
 of the true vocabulary). Repeats are interleaved (ours, theirs, ours, ...) after warm-up so drift

@@ -1,7 +1,7 @@
 """What one RL step costs: its time split, each model's peak memory, and the memory the fused exact KL
 saves against gathering logits. One process (tp = dp = 1), fp32, CPU.
 
-    python bench/bench_rl_step.py [--configs tiny,mid] [--steps 3] [--json OUT]
+    python -m bench.bench_rl_step [--configs tiny,mid] [--steps 3] [--json OUT]
 
 1. time: median over `--steps` steps after one warm-up step of RLTrainer.step()'s phases -- rollout,
    reference log-probs, old log-probs, update (other = the rest: advantages, the critic's values for
@@ -38,17 +38,16 @@ from dataclasses import dataclass, field
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from core.config import ModelConfig, load_config  # noqa: E402
-from core.model import build_model  # noqa: E402
-from core.tokenizer import load_tokenizer  # noqa: E402
-from parallel.dims import ParallelDims, init_parallel  # noqa: E402
-from rl.config import RLConfig  # noqa: E402
-from rl.critic import Critic  # noqa: E402
-from rl.logprobs import critic_values, policy_token_stats, reference_hidden  # noqa: E402
-from rl.losses import aggregate, clipped_value_loss, loss_scale, policy_loss  # noqa: E402
-from rl.tasks import CHARSET  # noqa: E402
+from core.config import ModelConfig, load_config
+from core.model import build_model
+from core.tokenizer import load_tokenizer
+from parallel.dims import ParallelDims, init_parallel
+from rl.config import RLConfig
+from rl.critic import Critic
+from rl.logprobs import critic_values, policy_token_stats, reference_hidden
+from rl.losses import aggregate, clipped_value_loss, loss_scale, policy_loss
+from rl.tasks import CHARSET
+from rl.train import assemble
 
 REWARD = "bench.bench_rl_step:digit_share"
 
@@ -113,8 +112,6 @@ class WideVocabTokenizer:
 
 def build_trainer(spec: BenchConfig, algo: str, seed: int = 11, extra: list | None = None):
     """RLTrainer over seeded policy / reference (same seed) / critic, one process."""
-    from rl.train import assemble
-
     cfg = load_config(RLConfig, None, COMMON + spec.overrides + ALGOS[algo] + list(extra or []))
     mc = spec.model
     state = init_parallel(ParallelDims(1, 1), "cpu", mc.n_heads, mc.n_kv_heads)
@@ -383,7 +380,7 @@ def main(argv=None, configs: dict | None = None) -> list[dict]:
     load0 = os.getloadavg()[0]
     results = [bench_config(n, configs[n], a.steps, log) for n in names]
     load = (load0, os.getloadavg()[0])
-    command = "python bench/bench_rl_step.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    command = "python -m bench.bench_rl_step " + " ".join(argv if argv is not None else sys.argv[1:])
     print(tables(results, command.strip(), a.steps, load))
     if a.json:
         tmp = a.json + ".tmp"

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from core.config import ModelConfig
 from core.shards import full_param_shapes, kv_heads_per_rank, tp_slice
 from parallel.comm import copy_to_tp, group_rank, group_size
+from parallel.dims import derive_seed
 from parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, vocab_parallel_logits
 
 # ---------------------------------------------------------------------------------------------
@@ -254,7 +255,7 @@ class Transformer(nn.Module):
             if name.endswith(".bias"):
                 p.zero_()
                 continue
-            g = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63))
+            g = torch.Generator().manual_seed(derive_seed(seed, zlib.crc32(name.encode())))
             std = resid_std if leaf in ("wo", "w_down") else cfg.init_std
             full = torch.randn(shape, generator=g, dtype=torch.float32) * std
             p.copy_(local_shard(full, name, cfg, self.tp_rank, self.tp).to(p.dtype))

@@ -18,40 +18,30 @@ import argparse
 import contextlib
 import os
 import sys
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-import yaml
 
-from core.ckpt import (
-    CheckpointError,
-    load_model_weights,
-    resume_train_checkpoint,
-    save_model_weights,
-    save_train_checkpoint,
-)
-from core.config import ConfigError, SFTConfig, load_config, to_dict
-from core.data import DataError, SequenceLoader, tokenize_text_file
-from core.metrics import MetricsWriter, PhaseTimer, ProgressBar, Throughput, peak_memory, reset_peak_memory
+from core.ckpt import CheckpointError, load_model_weights, save_model_weights
+from core.config import ConfigError, SFTConfig, load_config
+from core.metrics import PhaseTimer, ProgressBar, Throughput, peak_memory, reset_peak_memory
 from core.model import build_model
 from core.optim import OptimConfigError, build_optimizer, check_optim_config
+from core.run import Run, start_run
+from core.sft_data import DataError, SequenceLoader, tokenize_text_file
 from core.tokenizer import TokenizerError, load_tokenizer
 from parallel.comm import all_reduce
-from parallel.dims import LayoutError, ParallelDims, init_parallel, seed_everything, tp_subgroup
+from parallel.dims import LayoutError, ParallelDims, launch_world_size
 from parallel.fsdp import FSDPOptions, is_fsdp, parallelize, set_gradient_sync, sync_replicated_grads
 from parallel.layers import vocab_parallel_logits
+from parallel.vocab import vocab_parallel_cross_entropy
 
 # errors that mean "this config or launch cannot work": reported as one line, exit status 2
 USER_ERRORS = (ConfigError, LayoutError, DataError, TokenizerError, OptimConfigError, CheckpointError)
 
 # ---------------------------------------------------------------------------------------------
 # checks (pure: no collective)
-
-
-def _world_size() -> int:
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_world_size()
-    return int(os.environ.get("WORLD_SIZE", "1"))
 
 
 def check_sft_config(cfg: SFTConfig, world_size: int) -> ParallelDims:
@@ -81,19 +71,12 @@ def check_sft_config(cfg: SFTConfig, world_size: int) -> ParallelDims:
     return dims
 
 
-def _device(cfg: SFTConfig) -> torch.device:
-    if cfg.train.device == "cpu" or (cfg.train.device == "auto" and not torch.cuda.is_available()):
-        return torch.device("cpu")
-    return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-
-
 # ---------------------------------------------------------------------------------------------
-# the loop
+# build
 
 
 def cross_entropy_head(targets: torch.Tensor, tp_group, vocab_size: int):
     """A `head=` callback: (hidden [B,S,H] replicated, weight_local [Vp/tp,H]) -> loss per token [B,S]."""
-    from parallel.vocab import vocab_parallel_cross_entropy
 
     def head(hidden, weight_local):
         logits_local = vocab_parallel_logits(hidden, weight_local, tp_group)  # [B, S, Vp/tp]
@@ -101,104 +84,127 @@ def cross_entropy_head(targets: torch.Tensor, tp_group, vocab_size: int):
     return head
 
 
-def train(cfg: SFTConfig) -> dict:
-    """Run SFT as `cfg` says; usable in-process (e.g. tests) or from `main`. Returns
-    {"losses": [...], "grad_norms": [...], "skipped_total": int, "out_dir": str, "saved": path | None}."""
-    dims = check_sft_config(cfg, _world_size())
+@dataclass
+class SFTJob:
+    """What the loop needs: the run (groups, device, out_dir, metrics), the FSDP-wrapped model, its
+    optimizer, this DP rank's loader, the bf16 autocast (or a null context) and the tokenizer."""
+
+    run: Run
+    model: torch.nn.Module
+    opt: object
+    loader: SequenceLoader
+    autocast: object
+    tokenizer: object
+
+    def modules(self) -> dict:
+        return {"policy": (self.model, self.opt)}
+
+
+def _load_tokens(cfg: SFTConfig, dp: int):
+    """The tokenizer and the token stream, checked against the model and the layout (no collective)."""
     tokenizer = load_tokenizer(cfg.data.tokenizer)
     if tokenizer.vocab_size > cfg.model.vocab_size:
         raise ConfigError(f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's "
                           f"{tokenizer.vocab_size} pieces ({tokenizer.path})")
     tokens = tokenize_text_file(cfg.data.text_file, tokenizer)
-    SequenceLoader(tokens, cfg.data.seq_len, cfg.data.micro_batch_size, cfg.train.seed, 0, dims.dp)  # checks size
+    SequenceLoader(tokens, cfg.data.seq_len, cfg.data.micro_batch_size, cfg.train.seed, 0, dp)  # checks size
+    return tokenizer, tokens
 
-    device = _device(cfg)
-    state = init_parallel(dims, device, cfg.model.n_heads, cfg.model.n_kv_heads)
-    seed_everything(cfg.train.seed)
-    m = cfg.model
-    kv_group = tp_subgroup(state, dims.tp // m.n_kv_heads) if dims.tp > m.n_kv_heads else None
-    model = build_model(m, state.tp_group, kv_group, seed=None if cfg.init_checkpoint else cfg.train.seed,
-                        device=device)
+
+def build(cfg: SFTConfig) -> SFTJob:
+    """Check everything that can fail, then set up the run, the model (seeded, or from
+    `init_checkpoint`), FSDP, the optimizer and the loader."""
+    dims = check_sft_config(cfg, launch_world_size())
+    tokenizer, tokens = _load_tokens(cfg, dims.dp)
+    m, p = cfg.model, cfg.parallel
+    run = start_run(cfg, dims, m)
+    state = run.state
+    model = build_model(m, state.tp_group, run.kv_group, seed=None if cfg.init_checkpoint else cfg.train.seed,
+                        device=run.device)
     if cfg.init_checkpoint:
-        load_model_weights(model, cfg.init_checkpoint, state, tokenizer_fingerprint=tokenizer.fingerprint)
-    p = cfg.parallel
+        load_model_weights(model, cfg.init_checkpoint, state, tokenizer_fingerprint=tokenizer.fingerprint,
+                           verify=cfg.train.verify_checkpoints)
     opts = FSDPOptions(fsdp=p.fsdp, mixed_precision=p.mixed_precision,
                        activation_checkpointing=p.activation_checkpointing, cpu_offload=p.cpu_offload)
     model = parallelize(model, state.dp_mesh, opts)
     model.train()
     # without FSDP, bf16 means autocast over fp32 weights
-    autocast = (torch.autocast(device.type, dtype=torch.bfloat16)
+    autocast = (torch.autocast(run.device.type, dtype=torch.bfloat16)
                 if p.mixed_precision == "bf16" and not is_fsdp(model) else contextlib.nullcontext())
     opt = build_optimizer(model, cfg.optim, m, cfg.train.steps, state.tp_group, state.dp_group)
     loader = SequenceLoader(tokens, cfg.data.seq_len, cfg.data.micro_batch_size, cfg.train.seed,
                             state.dp_rank, dims.dp)
+    return SFTJob(run, model, opt, loader, autocast, tokenizer)
 
-    out_dir = cfg.train.out_dir
-    ckpt_root = os.path.join(out_dir, "checkpoints")
-    first = 1
-    extra = (resume_train_checkpoint(ckpt_root, state, {"policy": (model, opt)}, verify=cfg.train.verify_checkpoints)
-             if cfg.train.resume else None)
-    if extra is not None:  # resume: weights, AdamW state, schedule, RNG and data position
-        loader.load_state_dict(extra["data"])
-        first = extra["step"] + 1
-    if state.is_main:
-        os.makedirs(out_dir, exist_ok=True)
-        with open(os.path.join(out_dir, "config.yaml"), "w") as f:
-            yaml.safe_dump(to_dict(cfg), f, sort_keys=False)
-    writer = MetricsWriter(os.path.join(out_dir, "metrics.jsonl"), enabled=state.is_main,
-                           mode="a" if first > 1 else "w")
-    bar = ProgressBar(cfg.train.steps, enabled=state.is_main and cfg.train.progress,
-                      every=max(cfg.train.log_every, cfg.train.steps // 20))
-    timer, meter = PhaseTimer(device), Throughput()
-    reset_peak_memory(device)
+
+# ---------------------------------------------------------------------------------------------
+# the loop
+
+
+def train_step(job: SFTJob, cfg: SFTConfig, timer: PhaseTimer) -> tuple[float, int, object]:
+    """One optimizer step over `grad_accum` micro-batches -> (global mean loss, global target
+    tokens, the optimizer's StepStats)."""
+    state, device, model = job.run.state, job.run.device, job.model
+    with timer("data"):
+        batches = [next(job.loader) for _ in range(cfg.data.grad_accum)]
+        n_tokens = torch.tensor([float(sum(b.targets.numel() for b in batches))], device=device)
+        # every dp rank's target count: the loss is normalised by the global total
+        all_reduce(n_tokens, "sum", state.dp_group)
+    loss_sum = torch.zeros(1, device=device)
+    with timer("forward_backward"):
+        for i, b in enumerate(batches):
+            set_gradient_sync(model, i == len(batches) - 1)
+            targets = b.targets.to(device)
+            with job.autocast:
+                loss_tok = model(b.input_ids.to(device), head=cross_entropy_head(targets, state.tp_group,
+                                                                                 cfg.model.vocab_size))
+            loss = loss_tok.float().sum() / n_tokens
+            loss.backward()
+            loss_sum += loss.detach()
+        sync_replicated_grads(model, state.dp_group)
+    with timer("optim"):
+        stats = job.opt.step()
+    # each dp rank holds its share of the global mean; the sum is the global mean loss
+    all_reduce(loss_sum, "sum", state.dp_group)
+    return float(loss_sum), int(n_tokens.item()), stats
+
+
+def train(cfg: SFTConfig) -> dict:
+    """Run SFT as `cfg` says; usable in-process (e.g. tests) or from `main`. Returns
+    {"losses": [...], "grad_norms": [...], "skipped_total": int, "out_dir": str, "saved": path | None}."""
+    job = build(cfg)
+    run, t = job.run, cfg.train
+    extra = run.resume(job.modules())  # weights, AdamW state, schedule, RNG and data position
+    if extra is not None:
+        job.loader.load_state_dict(extra["data"])
+    first = 1 if extra is None else extra["step"] + 1
+    writer = run.open_outputs(cfg)
+    bar = ProgressBar(t.steps, enabled=run.state.is_main and t.progress, every=max(t.log_every, t.steps // 20))
+    timer, meter = PhaseTimer(run.device), Throughput()
+    reset_peak_memory(run.device)
     losses, norms = [], []
     step = first - 1
-    for step in range(first, cfg.train.steps + 1):
-        with timer("data"):
-            batches = [next(loader) for _ in range(cfg.data.grad_accum)]
-            n_tokens = torch.tensor([float(sum(b.targets.numel() for b in batches))], device=device)
-            # every dp rank's target count: the loss is normalised by the global total
-            all_reduce(n_tokens, "sum", state.dp_group)
-        loss_sum = torch.zeros(1, device=device)
-        with timer("forward_backward"):
-            for i, b in enumerate(batches):
-                set_gradient_sync(model, i == len(batches) - 1)
-                targets = b.targets.to(device)
-                with autocast:
-                    loss_tok = model(b.input_ids.to(device), head=cross_entropy_head(targets, state.tp_group,
-                                                                                     m.vocab_size))
-                loss = loss_tok.float().sum() / n_tokens
-                loss.backward()
-                loss_sum += loss.detach()
-            sync_replicated_grads(model, state.dp_group)
-        with timer("optim"):
-            stats = opt.step()
-        # each dp rank holds its share of the global mean; the sum is the global mean loss
-        all_reduce(loss_sum, "sum", state.dp_group)
-        loss_v = float(loss_sum)
-        losses.append(loss_v)
+    for step in range(first, t.steps + 1):
+        loss, n_tokens, stats = train_step(job, cfg, timer)
+        losses.append(loss)
         norms.append(stats.grad_norm)
-        tps = meter.update(int(n_tokens.item()))
-        if step % cfg.train.log_every == 0 or step == cfg.train.steps:
-            writer.write({"step": step, "loss": loss_v, "grad_norm": stats.grad_norm, "lr": stats.lr,
-                          "skipped": stats.skipped, "skipped_total": stats.skipped_total,
-                          "tokens": int(n_tokens.item()), "tokens_per_s": tps, **peak_memory(device),
-                          **timer.pop()})
-        bar.update(step, loss=loss_v, lr=stats.lr, gnorm=stats.grad_norm, tok_s=tps)
-        stop = cfg.train.stop_after is not None and step >= cfg.train.stop_after
-        if (cfg.train.save_every and step % cfg.train.save_every == 0) or stop:
-            save_train_checkpoint(ckpt_root, step, state, {"policy": (model, opt)},
-                                  extra={"data": loader.state_dict()}, keep_last=cfg.train.keep_last,
-                                  tokenizer_fingerprint=tokenizer.fingerprint)
+        tps = meter.update(n_tokens)
+        if step % t.log_every == 0 or step == t.steps:
+            writer.write({"step": step, "loss": loss, "grad_norm": stats.grad_norm, "lr": stats.lr,
+                          "skipped": stats.skipped, "skipped_total": stats.skipped_total, "tokens": n_tokens,
+                          "tokens_per_s": tps, **peak_memory(run.device), **timer.pop()})
+        bar.update(step, loss=loss, lr=stats.lr, gnorm=stats.grad_norm, tok_s=tps)
+        stop = t.stop_after is not None and step >= t.stop_after
+        if (t.save_every and step % t.save_every == 0) or stop:
+            run.save(step, job.modules(), {"data": job.loader.state_dict()}, job.tokenizer.fingerprint)
         if stop:
             break
-    writer.close()
-    if step < cfg.train.steps:  # stopped early: the train checkpoint is the state to resume from
-        return {"losses": losses, "grad_norms": norms, "skipped_total": opt.skipped_total, "out_dir": out_dir,
-                "saved": None}
-    saved = save_model_weights(model, os.path.join(out_dir, "model"), state,
-                               tokenizer_fingerprint=tokenizer.fingerprint, step=cfg.train.steps)
-    return {"losses": losses, "grad_norms": norms, "skipped_total": opt.skipped_total, "out_dir": out_dir,
+    run.close()
+    saved = None  # stopped early (train.stop_after): the train checkpoint is the state to resume from
+    if step >= t.steps:
+        saved = save_model_weights(job.model, os.path.join(run.out_dir, "model"), run.state,
+                                   tokenizer_fingerprint=job.tokenizer.fingerprint, step=t.steps)
+    return {"losses": losses, "grad_norms": norms, "skipped_total": job.opt.skipped_total, "out_dir": run.out_dir,
             "saved": saved}
 
 

@@ -1,4 +1,5 @@
-"""Parallel layout: `ParallelDims(dp, tp)` validated by arithmetic, the ("dp", "tp") mesh, seeding.
+"""Parallel layout: `ParallelDims(dp, tp)` validated by arithmetic, the ("dp", "tp") mesh and its
+sub-groups, this rank's device, seeding (`seed_everything`, `derive_seed`).
 
 Rank layout: tp is the fastest-varying dimension, so the ranks of one TP group are adjacent (on
 one node, over NVLink) and DP spans nodes. Global rank = dp_rank * tp + tp_rank.
@@ -16,6 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
 
 
 class LayoutError(ValueError):
@@ -57,10 +59,21 @@ def backend_for(device: torch.device | str) -> str:
     return "nccl" if torch.device(device).type == "cuda" else "gloo"
 
 
-def default_device() -> torch.device:
-    if torch.cuda.is_available():
+def launch_world_size() -> int:
+    """The number of ranks of this launch: the process group's size, else torchrun's WORLD_SIZE, else 1."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size()
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def resolve_device(name: str = "auto") -> torch.device:
+    """`train.device` -> this rank's device: "auto" is CUDA when available, else CPU; "cuda" is
+    the GPU of this rank's LOCAL_RANK; anything else is passed to `torch.device`."""
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda":
         return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-    return torch.device("cpu")
+    return torch.device(name)
 
 
 @dataclass
@@ -88,10 +101,6 @@ class ParallelState:
     def dp_mesh(self):
         return None if self.mesh is None else self.mesh["dp"]
 
-    @property
-    def tp_mesh(self):
-        return None if self.mesh is None else self.mesh["tp"]
-
 
 def init_parallel(dims: ParallelDims, device: torch.device | str | None = None, n_heads: int | None = None,
                   n_kv_heads: int | None = None) -> ParallelState:
@@ -102,11 +111,8 @@ def init_parallel(dims: ParallelDims, device: torch.device | str | None = None, 
     process with dp = tp = 1 nothing distributed is created: groups are None and every
     collective is an identity.
     """
-    device = torch.device(device) if device is not None else default_device()
-    if dist.is_available() and dist.is_initialized():
-        world = dist.get_world_size()
-    else:
-        world = int(os.environ.get("WORLD_SIZE", "1"))
+    device = torch.device(device) if device is not None else resolve_device("auto")
+    world = launch_world_size()
     dims.validate(world, n_heads, n_kv_heads)  # before any collective, identical on every rank
     if world == 1 and not dist.is_initialized():
         return ParallelState(dims, device, None, None, None)
@@ -114,12 +120,29 @@ def init_parallel(dims: ParallelDims, device: torch.device | str | None = None, 
         if device.type == "cuda":
             torch.cuda.set_device(device)
         dist.init_process_group(backend=backend_for(device))
-    from torch.distributed.device_mesh import init_device_mesh
-
     mesh = init_device_mesh(device.type, (dims.dp, dims.tp), mesh_dim_names=("dp", "tp"))
     rank = dist.get_rank()
     return ParallelState(dims, device, mesh, mesh.get_group("tp"), mesh.get_group("dp"),
                          tp_rank=rank % dims.tp, dp_rank=rank // dims.tp, rank=rank)
+
+
+SEED_MIX = 1_000_003  # a prime above any step, epoch or row count a key takes, so small keys do not collide
+
+
+def derive_seed(*keys: int) -> int:
+    """One seed from integer keys, e.g. `derive_seed(train.seed, epoch)`: the fold
+    h = keys[0]; h = h * SEED_MIX + k for each further key, returned modulo 2**63, a non-negative
+    int that `torch.Generator.manual_seed` and `random.Random` both take. For non-negative keys
+    whose fold stays below 2**63 the modulo is the identity, so `derive_seed(s, e)` is exactly the
+    `s * 1_000_003 + e` the data order, rollout prompts and model init used before."""
+    if not keys:
+        raise ValueError("derive_seed needs at least one key")
+    h = 0
+    for i, k in enumerate(keys):
+        if not isinstance(k, int) or isinstance(k, bool):
+            raise TypeError(f"derive_seed key {i} must be an int, got {type(k).__name__} {k!r}")
+        h = k if i == 0 else h * SEED_MIX + k
+    return h % 2**63
 
 
 def seed_everything(seed: int) -> None:
@@ -147,3 +170,11 @@ def tp_subgroup(state: ParallelState, size: int):
             if state.rank in ranks:
                 mine = g
     return mine
+
+
+def kv_replica_group(state: ParallelState, n_kv_heads: int):
+    """The group of TP ranks that hold the same KV head (tp > n_kv_heads: tp // n_kv_heads ranks
+    each), which sums the replicated K/V projections' gradients; None when every rank holds its own
+    KV heads. Collective over the world (`new_group`): every rank calls it, with the same model."""
+    tp = state.dims.tp
+    return tp_subgroup(state, tp // n_kv_heads) if tp > n_kv_heads else None

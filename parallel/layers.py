@@ -4,12 +4,15 @@ Each layer holds plain local tensors (its TP shard); FSDP2 may shard them furthe
 Weights are created empty here; the model fills them (layout-independent initialisation or a
 checkpoint), so these classes carry no init policy.
 
-| layer                   | weight (local)        | input            | output              | collectives     |
-|-------------------------|-----------------------|------------------|---------------------|-----------------|
-| ColumnParallelLinear    | [out/tp, in]          | [*, in] replic.  | [*, out/tp] sharded | f (bwd all-red) |
-| RowParallelLinear       | [out, in/tp]          | [*, in/tp] shard | [*, out] replicated | g (fwd all-red) |
-| VocabParallelEmbedding  | [Vp/tp, H]            | [*] global ids   | [*, H] replicated   | g (fwd all-red) |
-| VocabParallelHead       | [Vp/tp, H] (or tied)  | [*, H] replic.   | [*, Vp/tp] sharded  | f (bwd all-red) |
+| layer / function        | weight (local)        | input            | output              | collectives          |
+|-------------------------|-----------------------|------------------|---------------------|----------------------|
+| ColumnParallelLinear    | [out/tp, in]          | [*, in] replic.  | [*, out/tp] sharded | f on x (bwd all-red)*|
+| RowParallelLinear       | [out, in/tp]          | [*, in/tp] shard | [*, out] replicated | g (fwd all-red)      |
+| VocabParallelEmbedding  | [Vp/tp, H]            | [*] global ids   | [*, H] replicated   | g (fwd all-red)      |
+| vocab_parallel_logits() | [Vp/tp, H] (or tied)  | [*, H] replic.   | [*, Vp/tp] sharded  | f (bwd all-red)      |
+
+* by the caller, once for all the column-parallel layers reading the same x (q, k, v; gate, up),
+  or by the layer itself when built with `copy_input=True`.
 """
 
 from __future__ import annotations
@@ -33,12 +36,14 @@ class ColumnParallelLinear(nn.Module):
 
     `local_out_features` is the shard height (out_features / tp, or a replicated KV head's rows);
     `replica_group` names the ranks holding the same shard (their gradients are summed).
-    `copy_input=False` when the caller already passed x through `copy_to_tp` once for several
-    column-parallel layers that read it (q, k, v; gate, up), so backward all-reduces dL/dx once.
+    The input x must already be the output of `copy_to_tp` (the "f" collective, whose backward
+    all-reduces dL/dx): the caller applies it once for all the column-parallel layers reading x
+    (q, k, v; gate, up), so backward all-reduces dL/dx once. `copy_input=True` makes the layer apply
+    it itself, for a layer that alone reads its input.
     """
 
     def __init__(self, in_features: int, local_out_features: int, tp_group=None, bias: bool = False,
-                 replica_group=None, copy_input: bool = True, device=None, dtype=None):
+                 replica_group=None, copy_input: bool = False, device=None, dtype=None):
         super().__init__()
         self.tp_group, self.replica_group, self.copy_input = tp_group, replica_group, copy_input
         self.weight = nn.Parameter(torch.empty(local_out_features, in_features, device=device, dtype=dtype))

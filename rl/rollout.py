@@ -15,6 +15,7 @@ import torch
 
 from core.generate import generate
 from parallel import comm
+from parallel.dims import derive_seed
 from rl.config import RolloutConfig
 from rl.rewards import score_responses
 
@@ -48,7 +49,7 @@ def step_prompts(task, n_global: int, seed: int, step: int, dp_rank: int, dp_siz
     """(global index of the first local prompt, [(prompt_text, meta)]) for this rank."""
     if n_global % dp_size:
         raise ValueError(f"rollout.prompts_per_step={n_global} must be a multiple of dp={dp_size}")
-    rng = random.Random(seed * 1_000_003 + step)
+    rng = random.Random(derive_seed(seed, step))
     prompts = task.sample_prompts(n_global, rng)
     per = n_global // dp_size
     return dp_rank * per, prompts[dp_rank * per:(dp_rank + 1) * per]

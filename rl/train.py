@@ -9,32 +9,26 @@ the critic for PPO, then runs `train.steps` RL steps, writing `metrics.jsonl` an
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from dataclasses import replace
 
 import torch
-import yaml
+import torch.distributed as dist
 
 import core.ckpt as ckpt
-from core.config import ConfigError, ModelConfig, from_dict, load_config, to_dict
-from core.metrics import MetricsWriter, ProgressBar
+from core.config import ConfigError, ModelConfig, from_dict, load_config
+from core.metrics import ProgressBar
 from core.model import Transformer
 from core.optim import build_optimizer
+from core.run import Run, start_run
 from core.tokenizer import load_tokenizer
-from parallel.dims import ParallelDims, init_parallel, seed_everything, tp_subgroup
+from parallel.dims import ParallelDims, launch_world_size, resolve_device
 from parallel.fsdp import FSDPOptions, freeze, parallelize
 from rl.config import RLConfig
 from rl.critic import Critic
 from rl.rewards import build_reward
 from rl.trainer import RLTrainer
 from rl.warmstart import ensure_start_checkpoint
-
-
-def _world_size() -> int:
-    import torch.distributed as dist
-
-    return dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
 
 
 def check_rl_config(cfg: RLConfig, world: int) -> ParallelDims:
@@ -51,21 +45,13 @@ def check_rl_config(cfg: RLConfig, world: int) -> ParallelDims:
     return dims
 
 
-def _device(cfg: RLConfig) -> torch.device:
-    d = cfg.train.device
-    if d == "auto":
-        d = "cuda" if torch.cuda.is_available() else "cpu"
-    if d == "cuda":
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-    return torch.device(d)
-
-
-def _load(module_cls, model_cfg, path, state, kv_group, device, tokenizer_fp, what, **kw):
-    """Build on the meta device, then fill this rank's shards straight from the checkpoint."""
+def _load(module_cls, model_cfg, path, state, kv_group, device, tokenizer_fp, what, verify=True, **kw):
+    """Build on the meta device, then fill this rank's shards straight from the checkpoint (its files'
+    hashes checked first unless `verify` is off)."""
     m = module_cls(model_cfg, state.tp_group, kv_group, device="meta", **kw)
     m = m.to_empty(device=device)
     target = m.body if isinstance(m, Critic) else m
-    ckpt.load_model_weights(target, path, state, tokenizer_fingerprint=tokenizer_fp, what=what)
+    ckpt.load_model_weights(target, path, state, tokenizer_fingerprint=tokenizer_fp, what=what, verify=verify)
     if isinstance(m, Critic):
         with torch.no_grad():
             m.value_head.weight.zero_()
@@ -93,23 +79,22 @@ def assemble(cfg: RLConfig, state, model_cfg, tokenizer, policy, ref, critic=Non
     return RLTrainer(cfg, state, policy, ref, opt, tokenizer, task, reward_fn, reward_norm, critic, critic_opt)
 
 
-def build(cfg: RLConfig):
-    world = _world_size()
-    dims = check_rl_config(cfg, world)
-    device = _device(cfg)
+def build(cfg: RLConfig) -> tuple[RLTrainer, Run, object]:
+    """Check the config, make sure the starting checkpoint exists (SFT builds it when asked), set up
+    the run and load policy, reference (and critic) into the trainer -> (trainer, run, tokenizer)."""
+    dims = check_rl_config(cfg, launch_world_size())
     tokenizer = load_tokenizer(cfg.tokenizer)
-    start = ensure_start_checkpoint(cfg, tokenizer, device)
+    start = ensure_start_checkpoint(cfg, tokenizer, resolve_device(cfg.train.device))
     model_cfg = from_dict(ModelConfig, ckpt.read_manifest(start)["model_config"])
-    state = init_parallel(dims, device, model_cfg.n_heads, model_cfg.n_kv_heads)
-    seed_everything(cfg.train.seed)
-    kv_group = tp_subgroup(state, dims.tp // model_cfg.n_kv_heads) if dims.tp > model_cfg.n_kv_heads else None
-    fp = tokenizer.fingerprint
-    policy = _load(Transformer, model_cfg, start, state, kv_group, device, fp, "policy")
-    ref = _load(Transformer, model_cfg, cfg.reference.checkpoint or start, state, kv_group, device, fp, "reference")
+    run = start_run(cfg, dims, model_cfg)
+    state, kv_group, device, fp = run.state, run.kv_group, run.device, tokenizer.fingerprint
+    load = dict(state=state, kv_group=kv_group, device=device, tokenizer_fp=fp, verify=cfg.train.verify_checkpoints)
+    policy = _load(Transformer, model_cfg, start, what="policy", **load)
+    ref = _load(Transformer, model_cfg, cfg.reference.checkpoint or start, what="reference", **load)
     critic = None
     if cfg.algo.name == "ppo":
-        critic = _load(Critic, model_cfg, start, state, kv_group, device, fp, "critic")
-    return assemble(cfg, state, model_cfg, tokenizer, policy, ref, critic), state, tokenizer, model_cfg
+        critic = _load(Critic, model_cfg, start, what="critic", **load)
+    return assemble(cfg, state, model_cfg, tokenizer, policy, ref, critic), run, tokenizer
 
 
 def _modules(trainer: RLTrainer) -> dict:
@@ -126,49 +111,48 @@ def _extra_state(trainer: RLTrainer) -> dict:
             "reward_norm": trainer.reward_norm.state_dict()}
 
 
+def _resume(trainer: RLTrainer, run: Run) -> int:
+    """Load the latest checkpoint when resuming -> the first step to run."""
+    extra = run.resume(_modules(trainer))
+    if extra is None:
+        return 0
+    trainer.controller.load_state_dict(extra["kl_controller"])
+    trainer.ref_sync.load_state_dict(extra["ref_sync"])
+    trainer.reward_norm.load_state_dict(extra["reward_norm"])
+    return int(extra["step"]) + 1
+
+
+def _report(rec: dict, step: int, cfg: RLConfig, is_main: bool) -> str | None:
+    """Warn on stderr above guard.kl_warn; the stop message when guard.kl_stop was passed."""
+    if rec["kl_warning"] and is_main:
+        print(f"kltron: step {step}: mean KL {rec['kl_mean']:.3f} is above guard.kl_warn="
+              f"{cfg.guard.kl_warn}", file=sys.stderr)
+    if rec.get("kl_stop"):
+        return (f"kltron: step {step}: mean KL {rec['kl_mean']:.3f} passed guard.kl_stop={cfg.guard.kl_stop}; "
+                "stopping after this checkpoint (see python -m tools.diagnose)")
+    return None
+
+
 def run(cfg: RLConfig) -> list[dict]:
-    trainer, state, tokenizer, model_cfg = build(cfg)
-    out = cfg.train.out_dir
-    ckpt_root = os.path.join(out, "checkpoints")
-    first = 0
-    if cfg.train.resume:
-        extra = ckpt.resume_train_checkpoint(ckpt_root, state, _modules(trainer), verify=cfg.train.verify_checkpoints)
-        if extra is not None:
-            trainer.controller.load_state_dict(extra["kl_controller"])
-            trainer.ref_sync.load_state_dict(extra["ref_sync"])
-            trainer.reward_norm.load_state_dict(extra["reward_norm"])
-            first = int(extra["step"]) + 1
-    if state.is_main:
-        os.makedirs(out, exist_ok=True)
-        with open(os.path.join(out, "config.yaml"), "w") as f:
-            yaml.safe_dump(to_dict(cfg), f, sort_keys=False)
-    writer = MetricsWriter(os.path.join(out, "metrics.jsonl"), enabled=state.is_main, mode="a" if first else "w")
-    bar = ProgressBar(cfg.train.steps, enabled=state.is_main and cfg.train.progress, every=cfg.train.log_every)
+    trainer, run, tokenizer = build(cfg)
+    first = _resume(trainer, run)
+    writer = run.open_outputs(cfg)
+    t = cfg.train
+    bar = ProgressBar(t.steps, enabled=run.state.is_main and t.progress, every=t.log_every)
     records, stop = [], None
-
-    def save(step):
-        ckpt.save_train_checkpoint(ckpt_root, step, state, _modules(trainer), extra=_extra_state(trainer),
-                                   keep_last=cfg.train.keep_last, tokenizer_fingerprint=tokenizer.fingerprint)
-
-    for step in range(first, cfg.train.steps):
+    for step in range(first, t.steps):
         rec = trainer.step(step)
         records.append(rec)
         writer.write(rec)
         bar.update(step + 1, reward=rec["reward_mean"], kl=rec["kl_mean"], beta=rec["beta"],
                    ent=rec["entropy"], tok_s=rec["tokens_per_s"])
-        if rec["kl_warning"] and state.is_main:
-            print(f"kltron: step {step}: mean KL {rec['kl_mean']:.3f} is above guard.kl_warn="
-                  f"{cfg.guard.kl_warn}", file=sys.stderr)
-        last = step == cfg.train.steps - 1
-        if rec.get("kl_stop"):
-            stop = (f"kltron: step {step}: mean KL {rec['kl_mean']:.3f} passed guard.kl_stop={cfg.guard.kl_stop}; "
-                    "stopping after this checkpoint (see python -m tools.diagnose)")
-        pause = cfg.train.stop_after is not None and step + 1 >= cfg.train.stop_after
-        if last or stop or pause or (cfg.train.save_every and (step + 1) % cfg.train.save_every == 0):
-            save(step)
+        stop = _report(rec, step, cfg, run.state.is_main)
+        pause = t.stop_after is not None and step + 1 >= t.stop_after
+        if step == t.steps - 1 or stop or pause or (t.save_every and (step + 1) % t.save_every == 0):
+            run.save(step, _modules(trainer), _extra_state(trainer), tokenizer.fingerprint)
         if stop or pause:
             break
-    writer.close()
+    run.close()
     if stop:
         raise SystemExit(stop)
     return records
@@ -190,8 +174,6 @@ def main(argv=None) -> int:
         print(f"kltron.rl.train: error: {e}", file=sys.stderr)
         return 2
     finally:
-        import torch.distributed as dist
-
         if dist.is_initialized():
             dist.destroy_process_group()
     return 0

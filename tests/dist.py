@@ -4,7 +4,13 @@
 process group, and runs module-level functions on all of them: `pool.run(fn, *args)` calls
 `fn(*args)` on every rank and returns the list of per-rank results. A failure on any rank fails
 the call with that rank's traceback; a call that does not finish within `timeout` seconds (a
-hang in a collective, say) fails too, and the pool is torn down and restarted on next use.
+hang in a collective, say) fails too, and the pool is torn down and restarted on next use. A rank
+whose call raised exits at once, so a peer waiting for it in a collective fails within moments
+instead of at the process-group timeout. A call that leaves a rank without its process group
+(e.g. it destroyed it) also restarts the pool, so the next call starts from a fresh group.
+
+`DistPools` keeps one pool per world size for the whole test session (the `dist_pools` fixture
+of tests/conftest.py); at most one pool of more than 2 ranks is alive at a time.
 
 `run_torchrun(...)` launches a real `torchrun` command line in a subprocess with a timeout.
 """
@@ -51,10 +57,16 @@ def _worker(rank: int, world_size: int, port: int, tasks, results, pg_timeout_s:
         fn, args, kwargs = task
         try:
             out = fn(*args, **kwargs)
-            results.put((rank, True, out))
+            results.put((rank, True, out, dist.is_initialized()))
         except BaseException:  # noqa: BLE001 - reported to the parent
-            results.put((rank, False, traceback.format_exc()))
-    dist.destroy_process_group()
+            results.put((rank, False, traceback.format_exc(), False))
+            # the pool is torn down after any failure: leave now, so that a peer blocked in a
+            # collective with this rank sees the connection close instead of waiting for the timeout
+            results.close()
+            results.join_thread()
+            os._exit(1)
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 class DistError(AssertionError):
@@ -90,24 +102,27 @@ class DistPool:
         deadline = time.monotonic() + (timeout or self.timeout)
         out: dict[int, object] = {}
         errors: dict[int, str] = {}
-        grace_until = None
+        grace_until, group_lost = None, False
         while len(out) + len(errors) < self.world_size:
             now = time.monotonic()
             limit = deadline if grace_until is None else min(deadline, grace_until)
             if now >= limit:
                 break
             try:
-                rank, ok, val = self.results.get(timeout=min(1.0, limit - now))
+                rank, ok, val, alive = self.results.get(timeout=min(0.5, limit - now))
             except queue.Empty:
                 if any(not p.is_alive() for p in self.procs) and grace_until is None:
                     grace_until = time.monotonic() + 5.0
                 continue
+            group_lost |= not alive
             if ok:
                 out[rank] = val
             else:
                 errors[rank] = val
-                if grace_until is None:  # others may be stuck in a collective with the failed rank
+                if grace_until is None:  # the others' tracebacks, if they fail too (the failed rank exits)
                     grace_until = time.monotonic() + 10.0
+        if group_lost and not errors and len(out) == self.world_size:
+            self.close()  # a rank lost its process group: the next call starts a fresh pool
         if errors or len(out) < self.world_size:
             self.close(force=True)
             missing = sorted(set(range(self.world_size)) - set(out) - set(errors))
@@ -137,7 +152,9 @@ class DistPool:
 
 
 class DistPools:
-    """One pool per world size, created lazily; use as a module-scoped fixture."""
+    """One pool per world size, created lazily and kept for the session (a failed or hung pool
+    restarts on its next call). Starting a pool of more than 2 ranks closes any other such pool,
+    so that idle ranks do not pile up in memory."""
 
     def __init__(self, timeout: float = 180.0):
         self.timeout = timeout
@@ -145,8 +162,16 @@ class DistPools:
 
     def run(self, world_size: int, fn, *args, **kwargs) -> list:
         if world_size not in self.pools:
+            if world_size > 2:
+                for n in [n for n in self.pools if n > 2]:
+                    self.pools.pop(n).close()
             self.pools[world_size] = DistPool(world_size, self.timeout)
         return self.pools[world_size].run(fn, *args, **kwargs)
+
+    def restart(self, world_size: int | None = None) -> None:
+        """Close the pool of `world_size` (None: all); the next call starts fresh process groups."""
+        for n in [n for n in self.pools if world_size is None or n == world_size]:
+            self.pools.pop(n).close()
 
     def close(self) -> None:
         for p in self.pools.values():

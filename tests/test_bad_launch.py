@@ -69,6 +69,7 @@ def test_error_comes_before_any_collective(dist_pools, case, tmp_path):
     assert message in errors[0] and errors[1] is None
 
 
+@pytest.mark.slow
 def test_torchrun_exits_nonzero_with_the_message(tmp_path):
     res = run_torchrun(["core.sft", "--config", TINY, "parallel.tp=3", f"train.out_dir={tmp_path}"],
                        nproc=2, timeout=120)
@@ -81,6 +82,7 @@ def test_torchrun_exits_nonzero_with_the_message(tmp_path):
     assert not os.path.exists(tmp_path / "metrics.jsonl")
 
 
+@pytest.mark.slow
 def test_cli_unknown_key_single_process(tmp_path):
     env = dict(os.environ, PYTHONPATH=REPO)
     res = subprocess.run([sys.executable, "-m", "core.sft", "--config", TINY, "optim.learning_rate=1",

@@ -9,6 +9,8 @@ import torch
 from bench import bench_rl_step as bench
 from core.config import ModelConfig
 
+pytestmark = pytest.mark.slow  # the fixture runs the benchmark
+
 V, H, I, L, NH, NKV = 2048, 16, 32, 1, 2, 1
 MICRO = bench.BenchConfig(
     ModelConfig(vocab_size=V, hidden_size=H, n_layers=L, n_heads=NH, n_kv_heads=NKV, intermediate_size=I,

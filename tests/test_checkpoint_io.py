@@ -137,6 +137,7 @@ ck.save_checkpoint_dir(root, 2, writer, info=info, keep_last=1)
 """
 
 
+@pytest.mark.slow
 def test_save_killed_halfway_leaves_previous_loadable(tmp_path):
     root = tmp_path / "ckpt"
     p1 = _save(root, 1, keep_last=1)

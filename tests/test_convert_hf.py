@@ -19,41 +19,10 @@ from core.model import Transformer
 from parallel.comm import all_gather_along
 from parallel.dims import ParallelDims, init_parallel
 from tests.dist import REPO
+from tests.helpers import make_hf
 from tools.convert_hf import ConvertError, export_hf, import_hf
 
 transformers = pytest.importorskip("transformers")
-
-SMALL = dict(vocab_size=131, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-             num_key_value_heads=2)
-LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-               "original_max_position_embeddings": 16}
-
-
-def _randomise(model, seed):
-    """Weights of order 1 (not HF's 0.02 init), so logits are O(1) and a 1e-4 match means something."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            base = 1.0 if "norm" in name else 0.0
-            p.copy_(base + 0.3 * torch.randn(p.shape, generator=g))
-    return model
-
-
-def make_hf(kind: str, path: str, seed: int = 0, **kw):
-    T = transformers
-    if kind == "llama":
-        cfg = T.LlamaConfig(**SMALL, max_position_embeddings=64, rope_theta=500000.0, rope_scaling=LLAMA3_ROPE, **kw)
-        model = T.LlamaForCausalLM(cfg)
-    elif kind == "qwen2":
-        cfg = T.Qwen2Config(**SMALL, max_position_embeddings=64, tie_word_embeddings=True, **kw)
-        model = T.Qwen2ForCausalLM(cfg)
-    else:
-        cfg = T.MistralConfig(**SMALL, max_position_embeddings=64, sliding_window=8, **kw)
-        model = T.MistralForCausalLM(cfg)
-    model = _randomise(model.float().eval(), seed)
-    model.save_pretrained(path, max_shard_size="20KB" if kind == "qwen2" else "10GB")
-    return model
-
 
 IDS = torch.randint(0, 131, (2, 24), generator=torch.Generator().manual_seed(3))
 
@@ -164,6 +133,7 @@ def test_bad_input_names_file_and_key(converted, tmp_path):
         import_hf(converted["mistral"][0], str(tmp_path / "never"))
 
 
+@pytest.mark.slow
 def test_cli(converted, tmp_path):
     env = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1")
     run = [sys.executable, "-m", "tools.convert_hf"]

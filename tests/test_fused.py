@@ -119,6 +119,7 @@ def _tp_head_vs_full_autograd(tp, kl, seed):
     return True
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tp", [2, 4])
 def test_fused_tp_matches_full_head(dist_pools, tp):
     for kl in ("forward", "reverse"):
@@ -126,6 +127,7 @@ def test_fused_tp_matches_full_head(dist_pools, tp):
         assert res[:tp] == [True] * tp
 
 
+@pytest.mark.slow
 def test_fused_peak_memory_does_not_grow_with_tokens():
     H, V, chunk = 16, 2048, 32
 

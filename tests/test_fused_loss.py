@@ -131,6 +131,7 @@ def test_tp2_matches_single_process(dist_pools):
         assert dist_pools.run(2, _tp2_vs_single, kl, 5) == [True, True]
 
 
+@pytest.mark.slow
 def test_peak_memory_does_not_grow_with_tokens():
     H, V, chunk = 16, 2048, 32
 

@@ -12,7 +12,7 @@ import torch
 
 from core.ckpt import CheckpointError
 from tests.dist import run_torchrun
-from tests.test_convert_hf import make_hf
+from tests.helpers import make_hf
 from tools.convert_hf import import_hf
 from tools.kl_eval import KLEvalError, evaluate, main
 
@@ -151,6 +151,7 @@ def test_bad_input_fails_on_every_rank(dist_pools, setup, tmp_path):
     assert not os.path.exists(tmp_path / "r.json")
 
 
+@pytest.mark.slow
 def test_torchrun_cli(setup, tmp_path):
     d, tokens, ref = setup
     out = str(tmp_path / "r.json")

@@ -14,6 +14,7 @@ FIELDS = {"method", "pass", "mode", "tokens", "hidden", "vocab", "tp", "dtype", 
           "comm_bytes"}
 
 
+@pytest.mark.slow
 def test_cli_tp2_rows_and_comm(tmp_path):
     T, H, V, tp = 24, 8, 131, 2
     out = tmp_path / "kl.json"

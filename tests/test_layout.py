@@ -27,37 +27,14 @@ from core.model import build_model, local_shard
 from core.optim import build_optimizer
 from core.shards import tp_slice
 from parallel.comm import all_reduce
-from parallel.dims import ParallelDims, init_parallel, tp_subgroup
+from parallel.dims import ParallelDims, init_parallel, kv_replica_group
 from parallel.fsdp import FSDPOptions, full_tensor, is_fsdp, parallelize, sync_replicated_grads
 from parallel.layers import vocab_parallel_logits
+from tests.helpers import SEED, STEPS, VARIANTS, B, global_batch, model_config
 
-VARIANTS = {
-    "v131_untied": dict(vocab_size=131, tie_embeddings=False, qkv_bias=False, ac=False),
-    "v128_tied_bias_ac": dict(vocab_size=128, tie_embeddings=True, qkv_bias=True, ac=True),
-}
-B, S, SEED, STEPS = 4, 8, 7, 3
 OPTIM = OptimConfig(lr=1e-3, min_lr=1e-3, weight_decay=0.1, betas=(0.9, 0.95), eps=1e-6, warmup_steps=0,
                     schedule="constant", grad_clip=0.05, skip_nonfinite=True)
 TOL = dict(atol=1e-5, rtol=1e-5)
-
-
-def model_config(variant: str) -> ModelConfig:
-    v = VARIANTS[variant]
-    return ModelConfig(vocab_size=v["vocab_size"], hidden_size=32, n_layers=2, n_heads=4, n_kv_heads=2,
-                       intermediate_size=64, max_seq_len=S, tie_embeddings=v["tie_embeddings"],
-                       qkv_bias=v["qkv_bias"])
-
-
-def global_batch(cfg: ModelConfig, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """input_ids, targets [B, S]; some targets ignored (-100), more in the first rows."""
-    g = torch.Generator().manual_seed(11)
-    ids = torch.randint(0, cfg.vocab_size, (B, S), generator=g)
-    tgt = torch.randint(0, cfg.vocab_size, (B, S), generator=g)
-    ignore = torch.zeros(B, S, dtype=torch.bool)
-    ignore[0, :5] = True
-    ignore[1, 3] = True
-    ignore[3, -1] = True
-    return ids.to(device), tgt.masked_fill(ignore, -100).to(device)
 
 
 def _full(name: str, t: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
@@ -107,7 +84,7 @@ def layout_run(dp: int, tp: int, variant: str, ref: dict | None = None, device=N
     if ref is None:
         ref = reference_run(cfg, device)
     ref = {k: _to(v, device) for k, v in ref.items()}
-    kv_group = tp_subgroup(state, tp // cfg.n_kv_heads) if tp > cfg.n_kv_heads else None
+    kv_group = kv_replica_group(state, cfg.n_kv_heads)
     model = build_model(cfg, state.tp_group, kv_group, seed=SEED, device=device)
     model = parallelize(model, state.dp_mesh, FSDPOptions(fsdp=fsdp, activation_checkpointing=VARIANTS[variant]["ac"]))
     assert is_fsdp(model) == (dp > 1 and fsdp)
@@ -167,7 +144,8 @@ def _reference(variant: str) -> dict:
     return _REFERENCES[variant]
 
 
-@pytest.mark.parametrize("dp,tp", LAYOUTS, ids=[f"dp{d}_tp{t}" for d, t in LAYOUTS])
+@pytest.mark.parametrize("dp,tp", [pytest.param(d, t, id=f"dp{d}_tp{t}", marks=[pytest.mark.slow] if d * t > 2 else [])
+                                   for d, t in LAYOUTS])
 def test_layout_matches_single_process(dist_pools, dp, tp):
     for variant in VARIANTS:
         if dp * tp == 1:

@@ -15,12 +15,12 @@ import torch
 import core.ckpt as ck
 from core.ckpt import CheckpointError
 from core.config import ModelConfig, OptimConfig, to_dict
-from core.data import SequenceLoader
 from core.model import Transformer, build_model, local_shard
 from core.optim import build_optimizer
+from core.sft_data import SequenceLoader
 from core.shards import full_param_shapes
 from parallel.comm import all_reduce
-from parallel.dims import ParallelDims, init_parallel, tp_subgroup
+from parallel.dims import ParallelDims, init_parallel, kv_replica_group
 from parallel.fsdp import FSDPOptions, full_tensor, parallelize
 from parallel.vocab import vocab_parallel_cross_entropy
 from rl.critic import Critic
@@ -36,7 +36,7 @@ def cfg(**kw) -> ModelConfig:
 
 def _setup(dp, tp, c):
     state = init_parallel(ParallelDims(dp, tp), "cpu", c.n_heads, c.n_kv_heads)
-    kv = tp_subgroup(state, tp // c.n_kv_heads) if tp > c.n_kv_heads else None
+    kv = kv_replica_group(state, c.n_kv_heads)
     return state, kv
 
 
@@ -170,12 +170,14 @@ def _compare(results, full, c, tp):
                                                   r["tp_rank"], tp)), name
 
 
+@pytest.mark.slow
 def test_reshard_tp2dp2_to_tp1(saved):
     root, model_dir, full = saved
     assert ck.read_manifest(ck.find_latest(root))["tp"] == 2
     _compare([_load_run(root, model_dir, 1, 1)], full, cfg(), 1)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dp,tp", [(1, 4), (4, 1)])
 def test_reshard_tp2dp2_to_other_layouts(dist_pools, saved, dp, tp):
     root, model_dir, full = saved

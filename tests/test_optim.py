@@ -16,7 +16,7 @@ from core.model import build_model
 from core.optim import OptimConfigError, TrainOptimizer, check_optim_config, lr_at
 from parallel.dims import ParallelDims, init_parallel
 from parallel.fsdp import FSDPOptions, full_tensor, local_tensor, parallelize
-from tests.test_layout import global_batch, model_config
+from tests.helpers import global_batch, model_config
 
 
 def test_warmup_cosine_schedule():

@@ -10,6 +10,8 @@ import pytest
 
 from tests.dist import REPO, free_port
 
+pytestmark = pytest.mark.slow  # every test here runs the RL entry point on a warm-start checkpoint it first trains
+
 CONFIG = os.path.join(REPO, "configs", "grpo_tiny.yaml")
 SMALL = ["model.hidden_size=32", "model.intermediate_size=64", "init.sft_steps=5", "init.sft_examples=200",
          "rollout.prompts_per_step=4", "rollout.group_size=4", "rollout.max_new_tokens=4", "train.steps=4",
@@ -70,6 +72,7 @@ def test_reference_with_other_tokenizer_is_refused(sft_dir, capsys):
     assert not os.path.exists(out / "metrics.jsonl")  # refused before the first step
 
 
+@pytest.mark.slow
 def test_two_nodes_on_loopback(sft_dir):
     """Two torchrun launchers (--nnodes 2, one process each) run two steps together."""
     base, sft = sft_dir

@@ -9,7 +9,7 @@ import torch
 from core.config import ModelConfig, load_config
 from core.model import build_model
 from core.tokenizer import load_tokenizer
-from parallel.dims import ParallelDims, init_parallel, tp_subgroup
+from parallel.dims import ParallelDims, init_parallel, kv_replica_group
 from rl.config import RLConfig
 from rl.critic import Critic
 
@@ -35,7 +35,7 @@ def _trainer(tp, dp, overrides):
     cfg = load_config(RLConfig, None, BASE + list(overrides))
     mc = ModelConfig(**MODEL)
     state = init_parallel(ParallelDims(dp, tp), "cpu", mc.n_heads, mc.n_kv_heads)
-    kv = tp_subgroup(state, tp // mc.n_kv_heads) if tp > mc.n_kv_heads else None
+    kv = kv_replica_group(state, mc.n_kv_heads)
     policy = build_model(mc, state.tp_group, kv, seed=11)
     ref = build_model(mc, state.tp_group, kv, seed=11)
     critic = None
@@ -105,6 +105,7 @@ def test_layouts_match_single_process_dp2(dist_pools, singles):
         _compare(singles[name], res[1])
 
 
+@pytest.mark.slow
 def test_layout_tp2_dp2(dist_pools, singles):
     res = dist_pools.run(4, _steps_and_logits, 2, 2, GRPO)
     for r in res:

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from core.config import SFTConfig, load_config
-from core.data import DataError, SequenceLoader, tokenize_text_file
 from core.metrics import read_metrics
+from core.sft_data import DataError, SequenceLoader, tokenize_text_file
 from core.tokenizer import load_tokenizer
 from tests.dist import REPO, run_torchrun
 
@@ -121,6 +121,7 @@ def test_entry_point_resume_is_bitwise_equal(tmp_path):
     assert resumed["losses"] == straight["losses"][3:]
 
 
+@pytest.mark.slow
 def test_torchrun_dp2_matches_single_process_and_learns(tmp_path):
     from core.sft import train
 

@@ -182,6 +182,7 @@ def test_single_process_matches_float64_reference(V):
     _check_identical_and_masked(V, 1)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tp", [2, 4])
 def test_vocab_parallel_matches_float64_reference(dist_pools, tp):
     per_vocab = {}

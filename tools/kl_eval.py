@@ -29,6 +29,7 @@ import os
 import sys
 
 import torch
+import torch.distributed as dist
 
 from core.ckpt import (
     CheckpointError,
@@ -41,7 +42,7 @@ from core.ckpt import (
 )
 from core.config import ModelConfig, from_dict
 from core.model import Transformer
-from parallel.dims import LayoutError, ParallelDims, init_parallel, tp_subgroup
+from parallel.dims import LayoutError, ParallelDims, init_parallel, kv_replica_group, launch_world_size, resolve_device
 from parallel.fused import fused_head
 from rl.kl import kl_estimate
 
@@ -104,9 +105,8 @@ def _prepare(policy: str, ref: str, tokens: str):
 
 
 def _load(cfg: ModelConfig, path: str, state, what: str, verify: bool = True) -> Transformer:
-    tp = state.dims.tp
-    kv = tp_subgroup(state, tp // cfg.n_kv_heads) if tp > cfg.n_kv_heads else None
-    model = Transformer(cfg, state.tp_group, kv, device="meta").to_empty(device=state.device)
+    model = Transformer(cfg, state.tp_group, kv_replica_group(state, cfg.n_kv_heads), device="meta")
+    model = model.to_empty(device=state.device)
     load_model_weights(model, path, state, what=what, verify=verify)  # hashes the files first
     return model.eval()
 
@@ -142,14 +142,10 @@ def evaluate(policy: str, ref: str, tokens: str, tp: int, out: str, device: str 
              verify: bool = True) -> dict | None:
     """Run the evaluation on this rank (every rank calls it); rank 0 writes `out` and returns the
     summary, other ranks return None. `verify`: hash both checkpoints' model files before loading."""
-    import torch.distributed as dist
-
-    world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
+    world = launch_world_size()
     if tp < 1 or world % tp:
         raise LayoutError(f"--tp={tp} must divide the number of processes ({world})")
-    dev = torch.device(device) if device else torch.device(
-        "cuda", int(os.environ.get("LOCAL_RANK", "0"))) if torch.cuda.is_available() else torch.device("cpu")
-    state = init_parallel(ParallelDims(world // tp, tp), dev)
+    state = init_parallel(ParallelDims(world // tp, tp), resolve_device(device or "auto"))
     pcfg, rcfg, seqs = raise_on_all_ranks(lambda: _prepare(policy, ref, tokens), world_group(state))
     pmodel, rmodel = _load(pcfg, policy, state, "policy", verify), _load(rcfg, ref, state, "reference", verify)
     mine = []
@@ -189,8 +185,6 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     ap.add_argument("--no-verify", action="store_true", help="skip the sha256 check of the checkpoint files")
     args = ap.parse_args(argv)
-    import torch.distributed as dist
-
     owns = not dist.is_initialized()
     try:
         summary = evaluate(args.policy, args.ref, args.tokens, args.tp, args.out, args.device, not args.no_verify)

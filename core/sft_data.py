@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from core.tokenizer import DEFAULT_CORPUS, Tokenizer
+from parallel.dims import derive_seed
 
 
 class DataError(ValueError):
@@ -81,7 +82,7 @@ class SequenceLoader:
         return self.dp * self.micro_batch_size
 
     def _epoch_order(self, epoch: int) -> torch.Tensor:
-        g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+        g = torch.Generator().manual_seed(derive_seed(self.seed, epoch))
         return torch.randperm(self.n_seq, generator=g)
 
     def __iter__(self):
@@ -114,8 +115,3 @@ class SequenceLoader:
         self.epoch, self.offset = int(sd["epoch"]), int(sd["offset"])
         self._order = self._epoch_order(self.epoch)
 
-
-def build_sft_loader(text_file: str | None, tokenizer: Tokenizer, seq_len: int, micro_batch_size: int,
-                     seed: int, dp_rank: int = 0, dp: int = 1) -> SequenceLoader:
-    """Tokenize `text_file` (None: the shipped corpus) and return this DP rank's loader."""
-    return SequenceLoader(tokenize_text_file(text_file, tokenizer), seq_len, micro_batch_size, seed, dp_rank, dp)
