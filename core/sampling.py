@@ -19,6 +19,8 @@ per row and rank, picks the winner. Filters, each exact over the shards (applied
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from parallel.comm import all_gather_along, all_reduce, group_rank, group_size
@@ -112,7 +114,8 @@ def race_argmin(z: torch.Tensor, rk: torch.Tensor, ck: torch.Tensor, inv_t: floa
         if excluded is not None:
             excluded(s, 0, B)
         return s.min(dim=-1)
-    rows = max(1, min(B, _CHUNK_ELEMS // max(Vl, 1)))
+    # row chunks that stay in cache on CPU; one chunk on an accelerator (fewer kernel launches)
+    rows = max(1, min(B, _CHUNK_ELEMS // max(Vl, 1))) if z.device.type == "cpu" else B
     x = _buffer("x", (rows, Vl), torch.int32, z.device)
     tmp = _buffer("tmp", (rows, Vl), torch.int32, z.device)
     f = _buffer("f", (rows, Vl), torch.float32, z.device)
@@ -219,6 +222,7 @@ def sample_from_sharded_logits(logits_local: torch.Tensor, *, vocab_size: int, t
         m = z.max(dim=-1, keepdim=True).values
         all_reduce(m, "max", tp_group)  # p_v >= min_p p_max  <=>  (z_v - z_max) / T >= log(min_p)
         thresholds.append(("minp", m))
+        log_min_p = math.log(min_p)
     if greedy:
         best, idx = z.max(dim=-1)
         best = -best  # smaller wins, as in the race
@@ -231,7 +235,7 @@ def sample_from_sharded_logits(logits_local: torch.Tensor, *, vocab_size: int, t
                 elif kind == "tempered":
                     drop = zc * inv_t < thr[r0:r1]
                 else:
-                    drop = (zc - thr[r0:r1]) * inv_t < torch.log(torch.tensor(min_p, device=z.device))
+                    drop = (zc - thr[r0:r1]) * inv_t < log_min_p
                 s.masked_fill_(drop, float("inf"))
         rk = row_keys(seed, step, row_ids.to(z.device), position)
         ck = col_keys(torch.arange(start, start + Vl, device=z.device))
