@@ -143,3 +143,13 @@ def test_same_tokens_tp2(dist_pools):
 def test_same_tokens_tp4(dist_pools):
     res = dist_pools.run(4, _same_tokens_under_tp)
     assert all(r == res[0] for r in res)
+
+
+@pytest.mark.slow
+def test_compiled_sampler_draws_the_same_tokens():
+    g = torch.Generator().manual_seed(3)
+    z = torch.randn(64, 300, generator=g) * 2
+    kw = dict(vocab_size=290, temperature=0.8, seed=5, step=1, row_ids=torch.arange(64), position=2)
+    for extra in (dict(), dict(top_k=20, min_p=0.01)):
+        eager = sample_from_sharded_logits(z, **kw, **extra)
+        assert torch.equal(sample_from_sharded_logits(z, compile=True, **kw, **extra), eager)
