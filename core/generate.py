@@ -1,90 +1,54 @@
 """Sampling with a KV cache under tensor parallelism, without gathering logits.
 
-Gumbel-max: token = argmax_v (z_v / T + g_v). The noise g_v is a pure function of
-(seed, step, row id, position, global vocabulary index) -- a counter-based hash, not a stateful
-generator -- so every TP layout, DP layout and batch order draws the same token for the same row.
-Each rank takes the argmax over its vocabulary shard; one all-gather of (value, index) pairs, B*2
-numbers per rank, picks the winner. Top-k: each rank's local top-k values are gathered (k*tp
-numbers per row) to find the global k-th value, below which logits are excluded.
+The sampler (core/sampling.py) draws from vocabulary-sharded logits with noise keyed by (seed,
+step, row id, position, global vocabulary index), so every TP layout, DP layout and batch order
+draws the same token for the same row, with O(B) communication per position.
 
-DP ranks run the same number of decode steps (an all-reduce of "anyone still generating" per
-step), because under FSDP each forward is a collective over the DP group.
+The decode loop:
+  - prefill runs the left-padded prompts once and projects only the last position through the LM
+    head ([B, 1, Vp/tp], not [B, P, Vp/tp]);
+  - the KV cache is preallocated for the batch and P + max_new_tokens positions;
+  - a row stops on any EOS id, on a stop token sequence, on `stop_check(response_ids)` (e.g. a
+    decoded-text check for stop strings), or at max_new_tokens; the stop token is part of the
+    response, nothing after it is;
+  - finished rows leave the batch: when the live rows fall to 3/4 of the batch, the batch and its
+    cache are compacted to the live rows, so they stop costing compute;
+  - DP ranks run the same number of decode steps (an all-reduce of "anyone still generating" per
+    step), because under FSDP each forward is a collective over the DP group; a rank with no live
+    rows keeps one finished row as a placeholder.
 """
 
 from __future__ import annotations
 
 import contextlib
+import time
 from dataclasses import dataclass
+from typing import Callable, Sequence
 
 import torch
 
 from core.model import KVCache, Transformer
-from parallel.comm import all_gather_along, all_reduce, group_rank, group_size
+from core.sampling import sample_from_sharded_logits
+from parallel.comm import all_reduce
+from parallel.layers import vocab_parallel_logits
 
-_M32 = 0xFFFFFFFF
+__all__ = ["GenerationOutput", "generate", "sample_from_sharded_logits"]
 
-
-def _mix32(x: torch.Tensor) -> torch.Tensor:
-    """A 32-bit integer finaliser (xor-shift-multiply) on int64 tensors holding values < 2**32.
-    Products may wrap in int64; only their low 32 bits are kept, which wrapping preserves."""
-    x = x & _M32
-    x = x ^ (x >> 16)
-    x = (x * 0x7FEB352D) & _M32
-    x = x ^ (x >> 15)
-    x = (x * 0x846CA68B) & _M32
-    return x ^ (x >> 16)
-
-
-def gumbel_noise(seed: int, step: int, row_ids: torch.Tensor, position: int, vocab_ids: torch.Tensor) -> torch.Tensor:
-    """Gumbel(0, 1) noise [B, Vl] for rows `row_ids` [B] at one `position`, for global vocabulary
-    ids `vocab_ids` [Vl]; identical whichever rank or layout evaluates it."""
-    h = _mix32(torch.tensor(seed, dtype=torch.int64) ^ 0x9E3779B9)
-    h = _mix32(h ^ step)
-    h = _mix32(h.view(1) ^ row_ids.to(torch.int64))  # (B,)
-    h = _mix32(h ^ position)
-    h = _mix32(h[:, None] ^ vocab_ids.to(torch.int64)[None, :])  # (B, Vl)
-    h2 = _mix32(h ^ 0x85EBCA6B)
-    u = ((h >> 8).double() * 2.0**-24 + (h2 >> 8).double() * 2.0**-48 + 2.0**-50).clamp(max=1 - 2.0**-50)
-    return -torch.log(-torch.log(u))
-
-
-def sample_from_sharded_logits(logits_local: torch.Tensor, *, vocab_size: int, temperature: float, top_k: int,
-                               seed: int, step: int, row_ids: torch.Tensor, position: int,
-                               tp_group=None) -> torch.Tensor:
-    """logits_local [B, Vp/tp] sharded on the vocabulary over tp_group -> sampled global ids [B].
-    temperature 0 means greedy. Padded columns (global id >= vocab_size) are never drawn."""
-    B, Vl = logits_local.shape
-    start = group_rank(tp_group) * Vl
-    vocab_ids = torch.arange(start, start + Vl, device=logits_local.device)
-    z = logits_local.double()
-    z = z.masked_fill(vocab_ids[None, :] >= vocab_size, float("-inf"))
-    if temperature > 0:
-        z = z / temperature
-    if top_k and top_k > 0:
-        k = min(top_k, Vl)
-        local_top = z.topk(k, dim=-1).values  # (B, k)
-        # every rank's k best candidates: the global k-th value is among these tp*k numbers
-        cands = all_gather_along(local_top, -1, tp_group)
-        kth = cands.topk(min(top_k, cands.shape[-1]), dim=-1).values[:, -1:]
-        z = z.masked_fill(z < kth, float("-inf"))
-    score = z if temperature <= 0 else z + gumbel_noise(seed, step, row_ids, position, vocab_ids)
-    best, idx = score.max(dim=-1)
-    pair = torch.stack([best, (idx + start).double()], dim=-1)  # (B, 2)
-    if group_size(tp_group) > 1:
-        # each rank's best (score, global id); the winner is the largest score, lowest id on ties
-        pairs = all_gather_along(pair.unsqueeze(1), 1, tp_group)  # (B, tp, 2)
-        top = pairs[..., 0].max(dim=1, keepdim=True).values
-        ids = pairs[..., 1].masked_fill(pairs[..., 0] != top, float("inf"))
-        return ids.min(dim=1).values.long()
-    return pair[:, 1].long()
+COMPACT_BELOW = 0.75  # compact the batch when live rows <= this fraction of it
 
 
 @dataclass
 class GenerationOutput:
-    sequences: torch.Tensor  # [B, P + N] left-padded prompt then response (pad after EOS)
-    attention_mask: torch.Tensor  # [B, P + N] 1 on real tokens (prompt and response incl. EOS)
-    response_mask: torch.Tensor  # [B, N] 1 on response tokens up to and including EOS
+    sequences: torch.Tensor  # [B, P + N] left-padded prompt then response (pad after the stop)
+    attention_mask: torch.Tensor  # [B, P + N] 1 on real tokens (prompt and response incl. the stop token)
+    response_mask: torch.Tensor  # [B, N] 1 on response tokens up to and including the stop token
     prompt_len: int  # P
+    n_tokens: int = 0  # response tokens generated on this rank
+    seconds: float = 0.0  # wall time of the whole generation (prefill + decode) on this rank
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.n_tokens / self.seconds if self.seconds > 0 else 0.0
 
 
 @contextlib.contextmanager
@@ -107,16 +71,53 @@ def _keep_unsharded(model):
             m.reshard()
 
 
+def _last_position_head(tp_group):
+    """A forward `head` projecting only the last position: hidden [B, S, H] -> [B, 1, Vp/tp]."""
+    def head(hidden, weight_local):
+        return vocab_parallel_logits(hidden[:, -1:], weight_local, tp_group)
+    return head
+
+
+class _Stopper:
+    """Which freshly sampled tokens end their row: EOS ids, stop token sequences, stop_check."""
+
+    def __init__(self, eos_ids, stop_sequences, stop_check, device):
+        self.eos = torch.tensor(sorted(eos_ids), dtype=torch.long, device=device)
+        self.seqs = [list(s) for s in (stop_sequences or []) if len(s) > 0]
+        self.check = stop_check
+        self.host = bool(self.seqs) or stop_check is not None
+
+    def __call__(self, tok: torch.Tensor, responses: torch.Tensor) -> torch.Tensor:
+        """tok [b] just sampled; responses [b, t+1] the live rows' responses so far -> bool [b]."""
+        fin = torch.isin(tok, self.eos) if self.eos.numel() else torch.zeros_like(tok, dtype=torch.bool)
+        if not self.host:
+            return fin
+        flags = fin.tolist()
+        for i, r in enumerate(responses.tolist()):
+            if flags[i]:
+                continue
+            flags[i] = any(r[-len(s):] == s for s in self.seqs if len(s) <= len(r)) or \
+                bool(self.check is not None and self.check(r))
+        return torch.tensor(flags, dtype=torch.bool, device=tok.device)
+
+
 @torch.no_grad()
 def generate(model: Transformer, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, *, max_new_tokens: int,
              eos_id: int | None, pad_id: int, temperature: float = 1.0, top_k: int = 0, seed: int = 0,
-             step: int = 0, row_ids: torch.Tensor | None = None, tp_group=None, dp_group=None) -> GenerationOutput:
+             step: int = 0, row_ids: torch.Tensor | None = None, tp_group=None, dp_group=None,
+             eos_ids: Sequence[int] | None = None, stop_sequences: Sequence[Sequence[int]] | None = None,
+             stop_check: Callable[[list[int]], bool] | None = None, top_p: float = 1.0, min_p: float = 0.0,
+             vocab_limit: int | None = None, compact: bool = True, compile_sampler: bool = False
+             ) -> GenerationOutput:
     """Sample up to `max_new_tokens` after left-padded prompts.
 
     prompt_ids, prompt_mask: [B, P], left-padded (mask 1 on real tokens). row_ids [B]: a global id
     per row (e.g. prompt index * group size + sample), keying the noise so results do not depend
-    on how rows are spread over DP ranks. Returns tokens on every TP rank (identical).
+    on how rows are spread over DP ranks. eos_id and eos_ids: every id that ends a row.
+    vocab_limit: ids >= it (e.g. the tokenizer's vocabulary when the embedding is padded past it)
+    are never sampled. Returns tokens on every TP rank (identical).
     """
+    t0 = time.perf_counter()
     cfg = model.cfg
     B, P = prompt_ids.shape
     dev = prompt_ids.device
@@ -126,30 +127,43 @@ def generate(model: Transformer, prompt_ids: torch.Tensor, prompt_mask: torch.Te
     if total > cfg.max_seq_len:
         raise ValueError(f"prompt length {P} + max_new_tokens {max_new_tokens} exceeds model.max_seq_len "
                          f"{cfg.max_seq_len}")
-    dtype = model.embed.weight.dtype
-    cache = KVCache.empty(cfg, B, total, model.tp, dev, dtype)
+    if vocab_limit is not None and vocab_limit < 1:
+        raise ValueError(f"generate: vocab_limit must be >= 1, got {vocab_limit}")
+    vocab = cfg.vocab_size if vocab_limit is None else min(cfg.vocab_size, vocab_limit)
+    stops = set(eos_ids or []) | ({eos_id} if eos_id is not None else set())
+    stopper = _Stopper(stops, stop_sequences, stop_check, dev)
+    sample_kw = dict(vocab_size=vocab, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed,
+                     step=step, tp_group=tp_group, compile=compile_sampler)
+    cache = KVCache.empty(cfg, B, total, model.tp, dev, model.embed.weight.dtype)
     seqs = torch.full((B, total), pad_id, dtype=torch.long, device=dev)
     seqs[:, :P] = prompt_ids
     mask = torch.zeros((B, total), dtype=torch.long, device=dev)
     mask[:, :P] = prompt_mask.long()
-    done = torch.zeros(B, dtype=torch.bool, device=dev)
+    rows = torch.arange(B, device=dev)  # the batch's rows (indices into seqs); shrinks as rows finish
+    live = torch.ones(B, dtype=torch.bool, device=dev)  # which of `rows` still generate
+    head = _last_position_head(tp_group)
     was_training = model.training
     model.eval()
     with _keep_unsharded(model):
-        logits = model(prompt_ids, attention_mask=mask[:, :P], kv_cache=cache)[:, -1]  # (B, Vp/tp)
+        logits = model(prompt_ids, attention_mask=mask[:, :P], kv_cache=cache, head=head)[:, -1]  # (B, Vp/tp)
         for t in range(max_new_tokens):
-            tok = sample_from_sharded_logits(
-                logits.float(), vocab_size=cfg.vocab_size, temperature=temperature, top_k=top_k, seed=seed,
-                step=step, row_ids=row_ids, position=t, tp_group=tp_group)
-            tok = torch.where(done, torch.full_like(tok, pad_id), tok)
-            seqs[:, P + t] = tok
-            mask[:, P + t] = (~done).long()
-            if eos_id is not None:
-                done = done | (tok == eos_id)
+            tok = sample_from_sharded_logits(logits, row_ids=row_ids[rows], position=t, **sample_kw)
+            at = rows[live]
+            seqs[at, P + t] = tok[live]
+            mask[at, P + t] = 1
+            fin = stopper(tok[live], seqs[at, P:P + t + 1])
+            live[live.clone()] = ~fin
             # all DP ranks must take the same number of forward passes (FSDP collectives)
-            active = all_reduce((~done).any().to(torch.float32).reshape(1), "max", dp_group)
+            active = all_reduce(live.any().to(torch.float32).reshape(1), "max", dp_group)
             if active.item() == 0 or t == max_new_tokens - 1:
                 break
-            logits = model(seqs[:, P + t:P + t + 1], attention_mask=mask[:, :P + t + 1], kv_cache=cache)[:, -1]
+            n_live = int(live.sum())
+            if compact and n_live <= COMPACT_BELOW * len(rows):
+                keep = live.nonzero()[:, 0] if n_live > 0 else live.new_zeros(1, dtype=torch.long)
+                cache.keep_rows(keep)
+                rows, live = rows[keep], live[keep]
+            logits = model(seqs[rows, P + t:P + t + 1], attention_mask=mask[rows, :P + t + 1], kv_cache=cache,
+                           head=head)[:, -1]
     model.train(was_training)
-    return GenerationOutput(seqs, mask, mask[:, P:].clone(), P)
+    response_mask = mask[:, P:].clone()
+    return GenerationOutput(seqs, mask, response_mask, P, int(response_mask.sum()), time.perf_counter() - t0)

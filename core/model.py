@@ -89,6 +89,11 @@ class KVCache:
         return cls([torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.n_layers)],
                    [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.n_layers)])
 
+    def keep_rows(self, rows: torch.Tensor) -> None:
+        """Keep only batch rows `rows` [b] (indices), e.g. when finished sequences leave the batch."""
+        self.k = [k.index_select(0, rows) for k in self.k]
+        self.v = [v.index_select(0, rows) for v in self.v]
+
 
 def attention_mask_4d(key_valid: torch.Tensor, q_len: int) -> torch.Tensor:
     """key_valid [B, L] (1 = real token) -> bool [B, 1, S, L]: causal over the last S positions,

@@ -58,18 +58,33 @@ def step_prompts(task, n_global: int, seed: int, step: int, dp_rank: int, dp_siz
 def left_pad(rows: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Token lists -> ids [B, P] and mask [B, P], right-aligned (left padding)."""
     P = max(len(r) for r in rows)
-    ids = torch.full((len(rows), P), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(rows), P), dtype=torch.long)
+    ids = torch.full((len(rows), P), pad_id, dtype=torch.long, device="cpu")
+    mask = torch.zeros((len(rows), P), dtype=torch.long, device="cpu")
     for i, r in enumerate(rows):
-        ids[i, P - len(r):] = torch.tensor(r, dtype=torch.long)
+        ids[i, P - len(r):] = torch.tensor(r, dtype=torch.long, device="cpu")
         mask[i, P - len(r):] = 1
     return ids, mask
 
 
+def eos_ids_of(tokenizer) -> list[int]:
+    """Every id that ends a response: the tokenizer's `eos_ids` where it has them, else its eos_id."""
+    ids = list(getattr(tokenizer, "eos_ids", None) or [])
+    return ids or [tokenizer.eos_id]
+
+
+def stop_string_check(tokenizer, stop_strings):
+    """A `generate` stop_check: does the decoded response contain any of `stop_strings`? None if none."""
+    stops = [s for s in (stop_strings or []) if s]
+    if not stops:
+        return None
+    return lambda ids: any(s in tokenizer.decode(ids) for s in stops)
+
+
 def decode_responses(tokenizer, gen_tokens: torch.Tensor, response_mask: torch.Tensor) -> list[str]:
+    eos = set(eos_ids_of(tokenizer))
     out = []
     for toks, m in zip(gen_tokens.tolist(), response_mask.tolist()):
-        ids = [t for t, keep in zip(toks, m) if keep and t != tokenizer.eos_id]
+        ids = [t for t, keep in zip(toks, m) if keep and t not in eos]
         out.append(tokenizer.decode(ids))
     return out
 
@@ -77,18 +92,29 @@ def decode_responses(tokenizer, gen_tokens: torch.Tensor, response_mask: torch.T
 @torch.no_grad()
 def collect_rollout(policy, tokenizer, task, reward_fn, cfg: RolloutConfig, *, seed: int, step: int,
                     dp_rank: int = 0, dp_size: int = 1, tp_group=None, dp_group=None, device="cpu",
-                    world_group=None) -> Rollout:
-    """Sample G responses for each of this rank's prompts and score them."""
+                    world_group=None, stats: dict | None = None) -> Rollout:
+    """Sample G responses for each of this rank's prompts and score them.
+
+    Sampling reads cfg.temperature, top_k and, where the config has them, top_p, min_p and
+    stop (a list of stop strings). Ids >= the tokenizer's vocab_size are never sampled (checkpoints
+    whose embedding is padded past the tokenizer). `stats`, when given, receives this rank's
+    rollout_tokens (response tokens generated), rollout_s (generation wall time) and
+    rollout_tokens_per_s."""
     G = cfg.group_size
     first, prompts = step_prompts(task, cfg.prompts_per_step, seed, step, dp_rank, dp_size)
     metas = [m for _, m in prompts]
     rows = [[tokenizer.bos_id] + tokenizer.encode(p) for p, _ in prompts for _ in range(G)]
     ids, mask = left_pad(rows, tokenizer.pad_id)
-    row_ids = torch.tensor([(first + i) * G + j for i in range(len(prompts)) for j in range(G)])
+    row_ids = torch.tensor([(first + i) * G + j for i in range(len(prompts)) for j in range(G)], device="cpu")
     gen = generate(policy, ids.to(device), mask.to(device), max_new_tokens=cfg.max_new_tokens,
-                   eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id, temperature=cfg.temperature,
-                   top_k=cfg.top_k, seed=seed, step=step, row_ids=row_ids.to(device), tp_group=tp_group,
-                   dp_group=dp_group)
+                   eos_id=tokenizer.eos_id, eos_ids=eos_ids_of(tokenizer), pad_id=tokenizer.pad_id,
+                   temperature=cfg.temperature, top_k=cfg.top_k, top_p=getattr(cfg, "top_p", 1.0),
+                   min_p=getattr(cfg, "min_p", 0.0),
+                   stop_check=stop_string_check(tokenizer, getattr(cfg, "stop", None)),
+                   vocab_limit=getattr(tokenizer, "vocab_size", None), seed=seed, step=step,
+                   row_ids=row_ids.to(device), tp_group=tp_group, dp_group=dp_group)
+    if stats is not None:
+        stats.update(rollout_tokens=gen.n_tokens, rollout_s=gen.seconds, rollout_tokens_per_s=gen.tokens_per_s)
     responses = decode_responses(tokenizer, gen.sequences[:, gen.prompt_len:].cpu(), gen.response_mask.cpu())
     error, scores = None, None
     try:

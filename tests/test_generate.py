@@ -122,3 +122,86 @@ def test_dp_ranks_kept_in_step_under_fsdp(dist_pools):
     lens = dist_pools.run(2, _dp_ranks_stay_in_step, timeout=120)
     assert lens[0] == [1, 1, 1]  # EOS counted as part of the response
     assert lens[1] == [6, 6, 6]
+
+
+def test_prefill_projects_only_the_last_position():
+    """Prefill's LM head costs B x H x Vp multiply-adds, not B x P x H x Vp: flops of a one-token
+    generation = the body over the prompt + the head on one position per row."""
+    from torch.utils.flop_counter import FlopCounterMode
+    cfg = ModelConfig(**CFG)
+    model = build_model(cfg, seed=3).eval()
+    ids, mask = _prompts()
+    with torch.no_grad(), FlopCounterMode(display=False) as body:
+        model(ids, attention_mask=mask, head=lambda x, w: x)
+    with FlopCounterMode(display=False) as gen:
+        generate(model, ids, mask, max_new_tokens=1, eos_id=None, pad_id=0, temperature=0.0)
+    B, H, Vp = ids.shape[0], cfg.hidden_size, model.padded_vocab
+    assert gen.get_total_flops() == body.get_total_flops() + 2 * B * H * Vp
+
+
+def test_left_padded_batch_matches_unpadded_single_rows():
+    """Each left-padded row generates exactly what it generates alone without padding (positions,
+    masks and cache right), sampled with the row's id."""
+    cfg = ModelConfig(**CFG)
+    model = build_model(cfg, seed=3)
+    ids, mask = _prompts()
+    rows = torch.tensor([5, 17, 2])
+    kw = dict(max_new_tokens=7, eos_id=None, pad_id=0, temperature=1.0, top_p=0.9, seed=4, step=2)
+    batch = generate(model, ids, mask, row_ids=rows, **kw)
+    for i in range(3):
+        real = ids[i:i + 1, mask[i].bool()]
+        one = generate(model, real, torch.ones_like(real), row_ids=rows[i:i + 1], **kw)
+        assert torch.equal(one.sequences[0, real.shape[1]:], batch.sequences[i, ids.shape[1]:])
+
+
+def _truncate_at_stop(resp: list[int], stop) -> int:
+    """Length of the response up to and including the first token at which `stop(prefix)` holds."""
+    for t in range(len(resp)):
+        if stop(resp[:t + 1]):
+            return t + 1
+    return len(resp)
+
+
+def test_stops_on_eos_ids_sequences_and_check_with_compaction():
+    """Stopping keeps each row's tokens up to and including the stop and masks the rest; checked
+    against the unstopped generation truncated by a hand-written loop, with and without compaction."""
+    cfg = ModelConfig(**CFG)
+    model = build_model(cfg, seed=3)
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, 131, (12, 5), generator=g)
+    mask = torch.ones_like(ids)
+    mask[::3, :2] = 0
+    ids = ids.masked_fill(mask == 0, 0)
+    kw = dict(max_new_tokens=16, pad_id=0, temperature=1.0, seed=7)
+    free = generate(model, ids, mask, eos_id=None, **kw)
+    resp = free.sequences[:, 5:].tolist()
+    eos_ids = sorted({r[3] for r in resp[:4]} | {r[9] for r in resp[4:6]})  # several rows stop early
+    seq = resp[7][5:7]  # a stop token sequence
+    check = lambda r: sum(r) % 29 == 0  # noqa: E731  (a stand-in for a decoded-text check)
+
+    def stop(prefix):
+        return prefix[-1] in eos_ids or prefix[-2:] == seq or check(prefix)
+
+    for compact in (True, False):
+        out = generate(model, ids, mask, eos_id=eos_ids[0], eos_ids=eos_ids, stop_sequences=[seq],
+                       stop_check=check, compact=compact, **kw)
+        for i, r in enumerate(resp):
+            n = _truncate_at_stop(r, stop)
+            assert out.sequences[i, 5:5 + n].tolist() == r[:n]
+            assert out.response_mask[i].tolist() == [1] * n + [0] * (16 - n)
+            assert (out.sequences[i, 5 + n:] == 0).all()
+        assert out.n_tokens == sum(_truncate_at_stop(r, stop) for r in resp)
+    assert min(_truncate_at_stop(r, stop) for r in resp) < 8  # the stops did cut rows short
+
+
+def test_generation_never_samples_past_vocab_limit():
+    cfg = ModelConfig(**CFG)
+    model = build_model(cfg, seed=3)
+    with torch.no_grad():
+        model.lm_head.weight[100:] *= 50  # make the columns past the "tokenizer" the likeliest
+    ids, mask = _prompts()
+    out = generate(model, ids, mask, max_new_tokens=10, eos_id=None, pad_id=0, temperature=1.0, seed=1,
+                   vocab_limit=100)
+    assert out.sequences[:, ids.shape[1]:].max() < 100
+    free = generate(model, ids, mask, max_new_tokens=10, eos_id=None, pad_id=0, temperature=1.0, seed=1)
+    assert free.sequences[:, ids.shape[1]:].max() >= 100  # without the limit they would be drawn

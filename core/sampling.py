@@ -1,0 +1,256 @@
+"""Layout-invariant sampling from vocabulary-sharded logits, at the cost of plain multinomial.
+
+Exponential race (Gumbel-max in another form): with E_v ~ Exp(1) independent,
+    argmax_v  z_v / T - log E_v    is distributed as softmax(z / T).
+E_v = -log(1 - w_v) with w_v uniform from a counter-based 32-bit hash of (seed, step, row id,
+position, GLOBAL vocabulary index), so any TP layout, DP layout or batch order draws the same token
+for the same row. w is built so that it is fine-grained near 0, where E is small and decides the
+winner. The hash runs on int32 with wrapping multiplies, in place in preallocated buffers, over
+row chunks that fit in cache; `compile=True` fuses it with torch.compile.
+
+Each rank takes the arg-min of log E - z/T over its shard; one all-gather of (score, id), 2 numbers
+per row and rank, picks the winner. Filters, each exact over the shards (applied in this order):
+  vocab_limit  columns >= the tokenizer's vocabulary (and the model's padding) are never drawn
+  top_k        the global k-th value from every rank's local top-k (k*tp numbers per row)
+  top_p        nucleus: keep v iff the mass of tokens with larger logit is < top_p; the threshold is
+               a radix select over float32 keys, 4 passes, each one [B, 256] all-reduce
+  min_p        keep v iff p_v >= min_p * max p: needs only the global max (one [B] all-reduce)
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from parallel.comm import all_gather_along, all_reduce, group_rank, group_size
+
+_M32 = 0xFFFFFFFF
+_C1, _C2 = 0x85EBCA6B - 2**32, 0xC2B2AE35 - 2**32  # murmur3 finaliser constants as signed int32
+_CHUNK_ELEMS = 1 << 17  # elements per row chunk: 512 KiB per float32 buffer, fits in L2
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer finaliser on int64 tensors holding values < 2**32 (used on [B] and [V] keys)."""
+    x = x & _M32
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & _M32
+    x = x ^ (x >> 15)
+    x = (x * 0x846CA68B) & _M32
+    return x ^ (x >> 16)
+
+
+def _as_int32(x: torch.Tensor) -> torch.Tensor:
+    """int64 values in [0, 2**32) -> the int32 with the same bits."""
+    return torch.where(x >= 2**31, x - 2**32, x).to(torch.int32)
+
+
+def row_keys(seed: int, step: int, row_ids: torch.Tensor, position: int) -> torch.Tensor:
+    """[B] int32 key per (seed, step, row id, position)."""
+    h = _mix32(torch.full_like(row_ids, seed, dtype=torch.int64) ^ 0x9E3779B9)
+    h = _mix32(h ^ step)
+    h = _mix32(h ^ row_ids.to(torch.int64))
+    return _as_int32(_mix32(h ^ position))
+
+
+def col_keys(vocab_ids: torch.Tensor) -> torch.Tensor:
+    """[Vl] int32 key per global vocabulary id."""
+    return _as_int32(_mix32(vocab_ids.to(torch.int64) ^ 0x5BD1E995))
+
+
+def _race_chunk(z, rk, ck, inv_t: float, x, tmp, f):
+    """Scores log E - z*inv_t [b, Vl] into f (smaller wins) for logits z [b, Vl], row keys rk [b, 1],
+    column keys ck [1, Vl]; x, tmp: int32 scratch of z's shape. Pure elementwise: layout-invariant."""
+    torch.bitwise_xor(rk, ck, out=x)
+    torch.bitwise_right_shift(x, 16, out=tmp)
+    x.bitwise_xor_(tmp.bitwise_and_(0xFFFF))  # x ^= x >>> 16
+    x.mul_(_C1)  # wraps mod 2**32
+    torch.bitwise_right_shift(x, 13, out=tmp)
+    x.bitwise_xor_(tmp.bitwise_and_(0x7FFFF))  # x ^= x >>> 13
+    x.mul_(_C2)
+    x.bitwise_right_shift_(1).bitwise_and_(0x7FFFFFFF).bitwise_or_(1)  # odd k < 2**31, top 31 bits
+    f.copy_(x)
+    f.mul_(-(2.0**-31))  # -w, w = k 2**-31 in (0, 1), fine-grained near 0 where E is small
+    f.log1p_().neg_()  # E = -log(1 - w) ~ Exp(1); w rounding to 1 gives E = inf (never wins)
+    f.log_()
+    return torch.sub(f, z, alpha=inv_t, out=f)
+
+
+def _race_full(z, rk, ck, inv_t: float):
+    """Functional form of `_race_chunk` for torch.compile: one fused loop, no scratch buffers."""
+    x = rk ^ ck
+    x = x ^ ((x >> 16) & 0xFFFF)
+    x = x * _C1
+    x = x ^ ((x >> 13) & 0x7FFFF)
+    x = x * _C2
+    k = ((x >> 1) & 0x7FFFFFFF) | 1
+    e = -torch.log1p(k.to(torch.float32) * -(2.0**-31))
+    return torch.log(e) - z * inv_t
+
+
+_compiled = {}
+_buffers: dict = {}
+
+
+def _buffer(name: str, shape, dtype, device) -> torch.Tensor:
+    key = (name, tuple(shape), dtype, str(device))
+    if key not in _buffers:
+        if len(_buffers) > 32:
+            _buffers.clear()
+        _buffers[key] = torch.empty(shape, dtype=dtype, device=device)
+    return _buffers[key]
+
+
+def race_argmin(z: torch.Tensor, rk: torch.Tensor, ck: torch.Tensor, inv_t: float,
+                excluded=None, compile: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Local winner of the race: (score [B] float32, local column [B]). excluded(score, r0, r1) may
+    set +inf in rows r0:r1 of a chunk's scores (filters)."""
+    B, Vl = z.shape
+    if compile:
+        fn = _compiled.get("race")
+        if fn is None:
+            fn = _compiled["race"] = torch.compile(_race_full, dynamic=True)
+        s = fn(z, rk[:, None], ck[None, :], inv_t)
+        if excluded is not None:
+            excluded(s, 0, B)
+        return s.min(dim=-1)
+    # row chunks that stay in cache on CPU; one chunk on an accelerator (fewer kernel launches)
+    rows = max(1, min(B, _CHUNK_ELEMS // max(Vl, 1))) if z.device.type == "cpu" else B
+    x = _buffer("x", (rows, Vl), torch.int32, z.device)
+    tmp = _buffer("tmp", (rows, Vl), torch.int32, z.device)
+    f = _buffer("f", (rows, Vl), torch.float32, z.device)
+    best = torch.empty(B, dtype=torch.float32, device=z.device)
+    idx = torch.empty(B, dtype=torch.long, device=z.device)
+    for r0 in range(0, B, rows):
+        r1 = min(B, r0 + rows)
+        n = r1 - r0
+        s = _race_chunk(z[r0:r1], rk[r0:r1, None], ck[None, :], inv_t, x[:n], tmp[:n], f[:n])
+        if excluded is not None:
+            excluded(s, r0, r1)
+        torch.min(s, dim=-1, out=(best[r0:r1], idx[r0:r1]))
+    return best, idx
+
+
+def _ordered_key(t: torch.Tensor) -> torch.Tensor:
+    """float32 -> int32 whose order, read as unsigned (bits ^ 2**31), is the float order."""
+    b = t.contiguous().view(torch.int32)
+    return b ^ ((b >> 31) & 0x7FFFFFFF) ^ -(2**31)
+
+
+def _key_to_float(k: torch.Tensor) -> torch.Tensor:
+    """int64 unsigned keys [B] in [0, 2**32) -> the float32 values they order."""
+    b = (k - 2**31).to(torch.int32)
+    return (b ^ ((b >> 31) & 0x7FFFFFFF)).view(torch.float32)
+
+
+def top_k_threshold(z: torch.Tensor, k: int, tp_group=None) -> torch.Tensor:
+    """z [B, Vl] sharded on the vocabulary -> [B, 1]: the global k-th largest value."""
+    local = z.topk(min(k, z.shape[-1]), dim=-1).values  # (B, k)
+    # every rank's k best candidates: the global k-th value is among these tp*k numbers
+    cands = all_gather_along(local, -1, tp_group)
+    return cands.topk(min(k, cands.shape[-1]), dim=-1).values[:, -1:]
+
+
+def top_p_threshold(zs: torch.Tensor, top_p: float, tp_group=None) -> torch.Tensor:
+    """zs [B, Vl] (tempered logits, -inf where excluded) sharded on the vocabulary -> [B, 1] float32
+    threshold tau: v is kept iff zs_v >= tau iff the mass of {u: zs_u > zs_v} is < top_p.
+
+    Radix select on the order-preserving 32-bit key of zs, 8 bits per pass: each pass histograms
+    the masses of the keys still in the candidate bucket into 256 bins, sums the histograms over
+    the shards, and picks the bin where the mass above crosses top_p. Masses summed in float64."""
+    B, Vl = zs.shape
+    m = zs.max(dim=-1, keepdim=True).values
+    all_reduce(m, "max", tp_group)  # global max per row, to normalise without overflow
+    e = (zs - m).exp_()  # (B, Vl) unnormalised masses, float32 elementwise (layout-invariant)
+    total = e.sum(-1, dtype=torch.float64)
+    all_reduce(total, "sum", tp_group)  # the softmax normaliser over all shards
+    target = top_p * total
+    key = _ordered_key(zs)  # (B, Vl) int32, unsigned order
+    rows = torch.arange(B, device=zs.device, dtype=torch.int32)[:, None] * 256
+    bins = (((key >> 24) & 255) + rows).view(-1)  # first pass: bin of the top 8 bits, over all keys
+    key, e, row = key.view(-1), e.view(-1).double(), None
+    above = torch.zeros_like(total)  # mass of keys above the current bucket
+    prefix = torch.zeros(B, dtype=torch.int64, device=zs.device)  # the bucket's high bits (unsigned)
+    for level in (24, 16, 8, 0):
+        if row is not None:
+            bins = row * 256 + ((key >> level) & 255)
+        hist = torch.zeros(B * 256, dtype=torch.float64, device=zs.device).index_add_(0, bins, e).view(B, 256)
+        all_reduce(hist, "sum", tp_group)  # every shard's mass per bin of the current bucket
+        gt = above[:, None] + hist.flip(-1).cumsum(-1).flip(-1) - hist  # mass above each bin
+        j = (gt < target[:, None]).long().argmax(-1)  # lowest bin whose mass above is < top_p
+        above = gt.gather(1, j[:, None])[:, 0]
+        prefix = prefix * 256 + j
+        if level:  # keep only the keys inside the chosen bin
+            if row is None:
+                at = (bins == (rows[:, 0] + j.to(torch.int32)).repeat_interleave(Vl)).nonzero()[:, 0]
+                row = at // Vl
+            else:
+                at = (((key.to(torch.int64) & 0xFFFFFFFF) >> level) == prefix[row]).nonzero()[:, 0]
+                row = row[at]
+            key, e = key[at], e[at]
+    return _key_to_float(prefix)[:, None]
+
+
+def sample_from_sharded_logits(logits_local: torch.Tensor, *, vocab_size: int, temperature: float, top_k: int = 0,
+                               seed: int, step: int, row_ids: torch.Tensor, position: int, tp_group=None,
+                               top_p: float = 1.0, min_p: float = 0.0, compile: bool = False) -> torch.Tensor:
+    """logits_local [B, Vp/tp] sharded on the vocabulary over tp_group -> sampled global ids [B],
+    identical on every TP rank. temperature 0 means greedy. Columns with global id >= vocab_size
+    (the model's padding, or past the tokenizer's vocabulary) are never drawn."""
+    B, Vl = logits_local.shape
+    start = group_rank(tp_group) * Vl
+    z = logits_local.float()
+    n_valid = min(max(vocab_size - start, 0), Vl)
+    if n_valid < Vl:
+        z = z.clone()
+        z[:, n_valid:] = float("-inf")
+    if not 0.0 < top_p <= 1.0:
+        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+    if not 0.0 <= min_p <= 1.0:
+        raise ValueError(f"min_p must be in [0, 1], got {min_p}")
+    greedy = temperature <= 0
+    inv_t = 1.0 if greedy else 1.0 / temperature
+    thresholds = []  # (values to compare [B, Vl] -> callable, threshold [B, 1]); kept iff value >= thr
+    if not greedy and top_k and top_k > 0:
+        thresholds.append((None, top_k_threshold(z, top_k, tp_group)))
+    if not greedy and top_p < 1.0:
+        zs = z * inv_t
+        if thresholds:
+            zs = zs.masked_fill(z < thresholds[0][1], float("-inf"))
+        thresholds.append(("tempered", top_p_threshold(zs, top_p, tp_group)))
+    if not greedy and min_p > 0.0:
+        m = z.max(dim=-1, keepdim=True).values
+        all_reduce(m, "max", tp_group)  # p_v >= min_p p_max  <=>  (z_v - z_max) / T >= log(min_p)
+        thresholds.append(("minp", m))
+        log_min_p = math.log(min_p)
+    if greedy:
+        best, idx = z.max(dim=-1)
+        best = -best  # smaller wins, as in the race
+    else:
+        def excluded(s, r0, r1):
+            zc = z[r0:r1]
+            for kind, thr in thresholds:
+                if kind is None:
+                    drop = zc < thr[r0:r1]
+                elif kind == "tempered":
+                    drop = zc * inv_t < thr[r0:r1]
+                else:
+                    drop = (zc - thr[r0:r1]) * inv_t < log_min_p
+                s.masked_fill_(drop, float("inf"))
+        rk = row_keys(seed, step, row_ids.to(z.device), position)
+        ck = col_keys(torch.arange(start, start + Vl, device=z.device))
+        best, idx = race_argmin(z, rk, ck, inv_t, excluded if thresholds else None, compile)
+    gid = idx + start
+    if group_size(tp_group) > 1:
+        # each rank's best (score, global id); the winner is the smallest score, lowest id on ties
+        pair = torch.stack([best.double(), gid.double()], dim=-1)
+        pairs = all_gather_along(pair.unsqueeze(1), 1, tp_group)  # (B, tp, 2)
+        top = pairs[..., 0].min(dim=1, keepdim=True).values
+        best = top[:, 0].float()
+        gid = pairs[..., 1].masked_fill(pairs[..., 0] != top, float("inf")).min(dim=1).values.long()
+    if not greedy and bool(torch.isinf(best).any()):
+        # every allowed column drew E = inf (w rounded to 1; ~2**-25 each): take the best logit
+        fallback = sample_from_sharded_logits(logits_local, vocab_size=vocab_size, temperature=0.0, seed=seed,
+                                              step=step, row_ids=row_ids, position=position, tp_group=tp_group)
+        gid = torch.where(torch.isinf(best), fallback, gid)
+    return gid

@@ -1,0 +1,155 @@
+"""The sampler against float64 references: frequencies (chi-square) for plain, top-k, top-p and
+min-p sampling, the top-p threshold against exact enumeration, padded / out-of-tokenizer columns
+never drawn, and identical tokens for every TP layout (tp 1, 2, 4)."""
+
+import pytest
+import torch
+
+from core.sampling import sample_from_sharded_logits, top_p_threshold
+
+V, VP, N = 10, 12, 20000  # true vocabulary, padded, samples (one row id each)
+
+
+def _logits(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    z = torch.randn(1, VP, generator=g, dtype=torch.float64).float() * 1.2
+    z[0, V:] = 50.0  # padded columns with huge logits: never drawn
+    return z
+
+
+def _kept_probs(z: torch.Tensor, T: float, top_k=0, top_p=1.0, min_p=0.0) -> torch.Tensor:
+    """float64 reference over the true vocabulary, by hand: temperature, top-k, top-p, min-p."""
+    zs = z[0, :V].double() / T
+    keep = torch.ones(V, dtype=torch.bool)
+    if top_k:
+        keep &= zs >= zs.topk(top_k).values[-1]
+    if top_p < 1.0:
+        p = torch.softmax(zs.masked_fill(~keep, float("-inf")), -1)
+        above = torch.tensor([p[zs > zs[v]].sum() for v in range(V)], dtype=torch.float64)
+        keep &= above < top_p
+    if min_p > 0.0:
+        p = torch.softmax(zs, -1)
+        keep &= p >= min_p * p.max()
+    return torch.softmax(zs.masked_fill(~keep, float("-inf")), -1)
+
+
+def _chi2_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    """Pearson chi-square test of counts against probs (bins with p > 0); p-value via the
+    regularised upper incomplete gamma."""
+    nz = probs > 0
+    exp = probs[nz] * counts.sum()
+    stat = ((counts[nz].double() - exp) ** 2 / exp).sum()
+    df = int(nz.sum()) - 1
+    return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), stat / 2))
+
+
+@pytest.mark.parametrize("T,top_k,top_p,min_p", [(1.0, 0, 1.0, 0.0), (0.7, 0, 1.0, 0.0), (1.0, 4, 1.0, 0.0),
+                                                 (1.0, 0, 0.8, 0.0), (0.8, 6, 0.7, 0.0), (1.0, 0, 1.0, 0.15)])
+def test_frequencies_follow_the_filtered_softmax(T, top_k, top_p, min_p):
+    z = _logits()
+    toks = sample_from_sharded_logits(z.expand(N, VP), vocab_size=V, temperature=T, top_k=top_k, top_p=top_p,
+                                      min_p=min_p, seed=11, step=3, row_ids=torch.arange(N), position=5)
+    counts = torch.bincount(toks, minlength=VP)
+    probs = _kept_probs(z, T, top_k, top_p, min_p)
+    assert counts[V:].sum() == 0
+    assert counts[:V][probs == 0].sum() == 0, "a filtered-out token was drawn"
+    assert _chi2_pvalue(counts[:V], probs) > 1e-4
+
+
+def test_noise_independent_over_positions_and_rows():
+    """The same row at different positions, and different rows, draw independently: pairs of
+    consecutive positions follow the product distribution (chi-square on the joint counts)."""
+    z = _logits(1)
+    rows = torch.arange(N)
+    kw = dict(vocab_size=V, temperature=1.0, seed=2, step=0, row_ids=rows)
+    a = sample_from_sharded_logits(z.expand(N, VP), position=0, **kw)
+    b = sample_from_sharded_logits(z.expand(N, VP), position=1, **kw)
+    p = _kept_probs(z, 1.0)
+    top = p.topk(3).indices  # the three likeliest tokens, the rest pooled: enough counts per cell
+    cat = lambda t: torch.where(t[:, None] == top[None], torch.arange(3), 3).min(-1).values  # noqa: E731
+    pc = torch.cat([p[top], (1 - p[top].sum()).reshape(1)])
+    joint = torch.bincount(cat(a) * 4 + cat(b), minlength=16)
+    assert _chi2_pvalue(joint, (pc[:, None] * pc[None, :]).reshape(-1)) > 1e-4
+
+
+def test_top_p_threshold_matches_enumeration():
+    g = torch.Generator().manual_seed(0)
+    zs = torch.randn(6, 40, generator=g) * 2
+    zs[0, :10] = 1.0  # ties
+    zs[1, 5:] = float("-inf")  # excluded columns
+    zs[2] = 0.0  # all equal
+    zs[3, :] = torch.linspace(-3, 3, 40)
+    for p in (1e-6, 0.1, 0.5, 0.9, 0.999):
+        tau = top_p_threshold(zs, p)
+        pr = torch.softmax(zs.double(), -1)
+        for r in range(6):
+            keep = torch.tensor([pr[r][zs[r] > zs[r, v]].sum() < p for v in range(40)])
+            assert torch.equal(zs[r] >= tau[r], keep), (p, r)
+
+
+def test_vocab_limit_and_greedy():
+    z = _logits(2)
+    z[0, 7] = 30.0  # the likeliest column lies past the tokenizer's vocabulary (limit 7)
+    toks = sample_from_sharded_logits(z.expand(N, VP), vocab_size=7, temperature=1.0, seed=0, step=0,
+                                      row_ids=torch.arange(N), position=0)
+    assert toks.max() < 7
+    g = sample_from_sharded_logits(z, vocab_size=7, temperature=0.0, seed=0, step=0, row_ids=torch.arange(1),
+                                   position=0)
+    assert g.item() == z[0, :7].argmax().item()
+
+
+def test_bad_filters_are_named():
+    z = _logits()
+    with pytest.raises(ValueError, match="top_p"):
+        sample_from_sharded_logits(z, vocab_size=V, temperature=1.0, top_p=0.0, seed=0, step=0,
+                                   row_ids=torch.arange(1), position=0)
+    with pytest.raises(ValueError, match="min_p"):
+        sample_from_sharded_logits(z, vocab_size=V, temperature=1.0, min_p=1.5, seed=0, step=0,
+                                   row_ids=torch.arange(1), position=0)
+
+
+CASES = [dict(), dict(top_k=5), dict(top_p=0.7), dict(min_p=0.1), dict(top_k=40, top_p=0.9, min_p=0.02),
+         dict(temperature=0.0)]
+
+
+def _same_tokens_under_tp():
+    import torch.distributed as dist
+
+    from parallel.comm import split_along
+    g = dist.group.WORLD
+    gen = torch.Generator().manual_seed(4)
+    Vtrue, Vp, B = 131, 136, 64
+    full = torch.randn(B, Vp, generator=gen) * 2
+    full[:8, 10:20] = 3.0  # tied logits across the shard boundaries
+    full[:, Vtrue:] = 40.0  # padding: never drawn
+    out = []
+    for case in CASES:
+        kw = dict(vocab_size=100 if "min_p" in case else Vtrue, seed=9, step=1, row_ids=torch.arange(B) * 7,
+                  position=3, temperature=case.get("temperature", 0.9))
+        kw.update({k: v for k, v in case.items() if k != "temperature"})
+        ref = sample_from_sharded_logits(full, **kw)
+        got = sample_from_sharded_logits(split_along(full, -1, g), tp_group=g, **kw)
+        assert torch.equal(ref, got), case
+        out.append(got.tolist())
+    return out
+
+
+def test_same_tokens_tp2(dist_pools):
+    res = dist_pools.run(2, _same_tokens_under_tp)
+    assert res[0] == res[1]
+
+
+@pytest.mark.slow
+def test_same_tokens_tp4(dist_pools):
+    res = dist_pools.run(4, _same_tokens_under_tp)
+    assert all(r == res[0] for r in res)
+
+
+@pytest.mark.slow
+def test_compiled_sampler_draws_the_same_tokens():
+    g = torch.Generator().manual_seed(3)
+    z = torch.randn(64, 300, generator=g) * 2
+    kw = dict(vocab_size=290, temperature=0.8, seed=5, step=1, row_ids=torch.arange(64), position=2)
+    for extra in (dict(), dict(top_k=20, min_p=0.01)):
+        eager = sample_from_sharded_logits(z, **kw, **extra)
+        assert torch.equal(sample_from_sharded_logits(z, compile=True, **kw, **extra), eager)
