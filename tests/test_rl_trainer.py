@@ -64,7 +64,11 @@ def _compare(single, got):
     for a, b in zip(recs0, recs):
         for k in a:
             assert b[k] == pytest.approx(a[k], rel=1e-4, abs=1e-5), k
-    torch.testing.assert_close(logits, logits0, atol=1e-5, rtol=1e-5)
+    # the logits after 2 steps of up to 4 AdamW updates each: AdamW divides by sqrt(v), so a last-bit
+    # difference in a near-zero gradient component moves that weight by up to ~lr * (relative noise);
+    # measured up to 1.6e-5 at tp=2 depending on the sampled batch, so 5e-5 here. The per-step
+    # gradients themselves are compared at 1e-5 in tests/test_layout.py.
+    torch.testing.assert_close(logits, logits0, atol=5e-5, rtol=1e-5)
 
 
 GRPO = ["algo.name=grpo", "kl.estimator=k3+", "loss.entropy_coef=0.01"]
