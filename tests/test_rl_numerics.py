@@ -39,7 +39,7 @@ def _plant(t, kind, ref_side):
 @pytest.mark.parametrize("kind", sorted(GARBAGE))
 @pytest.mark.parametrize("est", ESTIMATORS)
 def test_policy_loss_padding_reaches_no_gradient(est, kind):
-    lp, old, ref, adv, m = _batch()
+    lp, old, ref, adv, m = (t if t.dtype == torch.bool else t.float() for t in _batch())  # fp32, as in training
     cfg, kl_cfg = PolicyLossConfig(), KLConfig(estimator=est, where="loss")
     a = lp.clone().requires_grad_(True)
     loss, _ = policy_loss(a, _plant(old, kind if kind != "lr-200" else "nan", False), _plant(adv, "nan", False), m,
@@ -51,8 +51,8 @@ def test_policy_loss_padding_reaches_no_gradient(est, kind):
                           ref_logp=ref[:, :-1])
     want.backward()
     assert torch.isfinite(a.grad).all() and torch.isfinite(loss)
-    torch.testing.assert_close(loss, want, atol=1e-12, rtol=1e-12)
-    torch.testing.assert_close(a.grad[:, :-1], b.grad, atol=1e-12, rtol=1e-12)
+    torch.testing.assert_close(loss, want, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(a.grad[:, :-1], b.grad, atol=1e-7, rtol=1e-6)
     assert (a.grad[:, -1] == 0).all()
 
 
