@@ -44,7 +44,8 @@ class _UpdateStats:
     SCALED = ("pg_loss", "kl_loss")
     WEIGHTED = ("clipfrac", "dual_clipfrac", "ratio_mean", "approx_kl_old")
 
-    def __init__(self):
+    def __init__(self, device):
+        self.device = device  # where the reduction buffers live (the collective's device)
         self.scaled = {k: [] for k in self.SCALED}
         self.wsum = {k: 0.0 for k in self.WEIGHTED}
         self.tokens = 0.0
@@ -72,7 +73,7 @@ class _UpdateStats:
             self.rmin, self.rmax = min(self.rmin, float(stats["ratio_min"])), max(self.rmax, float(stats["ratio_max"]))
 
     def epoch_approx_kl(self, dp_group) -> float:
-        t = torch.tensor(self.epoch_kl, dtype=torch.float64)
+        t = torch.tensor(self.epoch_kl, dtype=torch.float64, device=self.device)
         comm.all_reduce(t, "sum", dp_group)  # token-weighted drift from the old policy over DP
         self.epoch_kl = [0.0, 0.0]
         return float(t[0] / t[1].clamp(min=1))
@@ -81,9 +82,9 @@ class _UpdateStats:
         # each rank's micro-batch losses add up to its share of the mini-batch loss; shares add over DP
         vals = [sum(self.scaled[k]) / max(len(self.scaled[k]), 1) for k in self.SCALED]
         vals += [self.wsum[k] for k in self.WEIGHTED] + [self.tokens]
-        t = torch.tensor(vals, dtype=torch.float64)
+        t = torch.tensor(vals, dtype=torch.float64, device=self.device)
         comm.all_reduce(t, "sum", dp_group)  # loss shares and token-weighted sums over DP
-        mm = torch.tensor([-self.rmin, self.rmax, self.drift], dtype=torch.float64)
+        mm = torch.tensor([-self.rmin, self.rmax, self.drift], dtype=torch.float64, device=self.device)
         comm.all_reduce(mm, "max", dp_group)  # extreme ratios and the largest log-prob drift over DP
         out = {k: float(t[i]) for i, k in enumerate(self.SCALED)}
         n = max(float(t[-1]), 1.0)
@@ -115,6 +116,15 @@ class StepData:
 
 
 class RLTrainer:
+    """One GRPO/PPO run's step on this rank: `step(s)` does, in order,
+    1. `make_experience`: rollout (G samples per prompt, scored), old log-probs and entropy (policy, no
+       grad), reference log-probs (and hidden states for the exact KL), the per-token KL with padding
+       replaced, KL into the reward if asked, advantages (GRPO group-normalised, or GAE over the critic);
+    2. `update`: epochs x mini-batches x micro-batches of `_micro_step` (forward through the head with
+       the per-token loss, backward), one optimizer step per mini-batch;
+    3. control: beta from the measured KL (clock: samples per step), reference sync, KL guards, metrics.
+    """
+
     def __init__(self, cfg: RLConfig, state, policy, reference, optimizer, tokenizer, task, reward_fn,
                  reward_norm, critic=None, critic_optimizer=None):
         self.cfg, self.state = cfg, state
@@ -210,8 +220,8 @@ class RLTrainer:
         for rid in row_ids.tolist():
             prompt, j = divmod(rid, G)
             g = torch.Generator().manual_seed(self.cfg.train.seed * 1_000_003 + step * 7919 + epoch * 131 + prompt)
-            pos.append(prompt * G + int(torch.randperm(G, generator=g)[j]))
-        mb = torch.tensor(pos) % n
+            pos.append(prompt * G + int(torch.randperm(G, generator=g, device="cpu")[j]))
+        mb = torch.tensor(pos, device="cpu") % n
         return [torch.nonzero(mb == k).flatten().to(self.state.device) for k in range(n)]
 
     def _micro_batches(self, rows: torch.Tensor) -> list[torch.Tensor]:
@@ -230,7 +240,7 @@ class RLTrainer:
           then stop early once the epoch's approx KL(old||new) exceeds `algo.early_stop_kl`.
         Returns the statistics reduced over micro-batches and DP ranks (see `_UpdateStats`)."""
         cfg = self.cfg
-        acc, opt_stats, stop_early = _UpdateStats(), [], False
+        acc, opt_stats, stop_early = _UpdateStats(self.state.device), [], False
         for epoch in range(cfg.algo.epochs):
             for mb, rows in enumerate(self._mini_batches(data.ro.row_ids.cpu(), step, epoch)):
                 micros = self._micro_batches(rows)
