@@ -67,14 +67,19 @@ def gae(token_rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, g
     the episode ends (next value 0). With t' the next valid token after t:
         delta_t = r_t + gamma * V_t' - V_t,  A_t = delta_t + gamma * lam * A_t'.
     Returns (advantages, returns = advantages + values), both [B, S], 0 on masked positions,
-    fp32 (fp64 for fp64 inputs), detached.
+    fp32 (fp64 for fp64 inputs), detached. Whatever masked positions hold (NaN, inf) is ignored.
     """
     if not (token_rewards.shape == values.shape == mask.shape) or token_rewards.dim() != 2:
         raise ValueError(f"gae: rewards {tuple(token_rewards.shape)}, values {tuple(values.shape)} and "
                          f"mask {tuple(mask.shape)} must be equal [B, S] shapes")
     dt = torch.float64 if values.dtype == torch.float64 else torch.float32
-    r, v = token_rewards.detach().to(dt), values.detach().to(dt)
-    m = mask.to(dt)
+    keep = mask.bool()
+    zero = torch.zeros((), dtype=dt, device=values.device)
+    # masked positions are replaced before any arithmetic: a NaN value in the padding would
+    # otherwise survive the multiplications by the mask below (NaN * 0 = NaN) and poison the row
+    r = torch.where(keep, token_rewards.detach().to(dt), zero)
+    v = torch.where(keep, values.detach().to(dt), zero)
+    m = keep.to(dt)
     B, S = r.shape
     next_value = torch.zeros(B, dtype=dt, device=r.device)
     next_adv = torch.zeros(B, dtype=dt, device=r.device)

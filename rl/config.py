@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from core.config import ModelConfig, OptimConfig, ParallelConfig, TrainConfig
-from rl.controller import KLControllerConfig
+from rl.controller import MAX_N_OVER_HORIZON, KLControllerConfig
 from rl.kl import KLConfig
 from rl.losses import PolicyLossConfig
 from rl.rewards import RewardConfig
@@ -116,3 +116,11 @@ class RLConfig:
     init: InitConfig = field(default_factory=InitConfig)
     train: TrainConfig = field(default_factory=lambda: TrainConfig(steps=40, out_dir="runs/grpo"))
     tokenizer: str | None = None  # sentencepiece model; None: the shipped tiny tokenizer
+
+    def __post_init__(self):
+        n = self.rollout.prompts_per_step * self.rollout.group_size  # samples per step: the controller's clock
+        if self.kl_ctl.mode == "adaptive" and not n / self.kl_ctl.horizon < MAX_N_OVER_HORIZON:
+            raise ValueError(f"kl_ctl.horizon={self.kl_ctl.horizon} is in samples and a step has "
+                             f"rollout.prompts_per_step x rollout.group_size = {n}: n / horizon must be < "
+                             f"{MAX_N_OVER_HORIZON:g} (else beta can be driven to 0); use kl_ctl.horizon > "
+                             f"{n / MAX_N_OVER_HORIZON:g}")

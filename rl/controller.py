@@ -6,12 +6,16 @@ Every mode works on `recent`, the mean of the last `window` KL values passed to 
 | mode         | rule                                                                          |
 |--------------|-------------------------------------------------------------------------------|
 | `fixed`      | beta unchanged                                                                |
-| `adaptive`   | Ziegler et al. 2019: e = clip(recent/target - 1, -0.2, 0.2); beta *= 1 + e * n_steps / horizon |
+| `adaptive`   | Ziegler et al. 2019: e = clip(recent/target - 1, -0.2, 0.2); beta *= 1 + e * n / horizon |
 | `threshold`  | beta *= up if recent > target * band_high; beta *= down if recent < target * band_low |
-| `normalized` | beta = target / recent, so beta * KL stays near `target`; unchanged if recent <= 0 |
+| `normalized` | beta = min(target / recent, normalized_max); unchanged if recent <= 0           |
 
-`n_steps` is the number of samples (Ziegler) or steps the KL value stands for; only `adaptive`
-uses it. A non-finite KL raises ValueError: a NaN would otherwise poison beta for good.
+The adaptive clock is Ziegler et al.'s: `n` is the number of samples (responses) the KL value was
+measured on -- the trainer passes the step's global rollout.prompts_per_step * rollout.group_size --
+and `horizon` is in samples, so with the KL persistently above (below) target beta grows (shrinks)
+by about e^0.2 every `horizon` samples. n / horizon must stay below 5, else one update could drive
+the factor 1 + e * n / horizon to 0 or below (beta stuck at 0 for good); larger is refused.
+A non-finite KL raises ValueError: a NaN would otherwise poison beta for good.
 State (`state_dict`) is plain Python numbers and round-trips exactly.
 """
 
@@ -21,6 +25,7 @@ import math
 from dataclasses import dataclass
 
 MODES = ("fixed", "adaptive", "threshold", "normalized")
+MAX_N_OVER_HORIZON = 5.0  # 1 + e * n / horizon > 0 for every e >= -0.2
 
 
 @dataclass
@@ -30,7 +35,7 @@ class KLControllerConfig:
     mode: str = "fixed"  # one of MODES
     beta: float = 0.05  # initial coefficient
     target: float = 0.1  # target KL (same units as the kl_mean passed to update)
-    horizon: float = 10000.0  # adaptive: steps over which beta can change by e^(+-0.2)
+    horizon: float = 10000.0  # adaptive: SAMPLES (responses) over which beta changes by about e^(+-0.2)
     band_low: float = 0.5  # threshold: shrink beta when recent < target * band_low
     band_high: float = 1.5  # threshold: grow beta when recent > target * band_high
     up: float = 1.5  # threshold: growth factor
@@ -38,6 +43,7 @@ class KLControllerConfig:
     beta_min: float = 0.0
     beta_max: float = 1.0e6
     window: int = 1  # number of recent KL values averaged into `recent`
+    normalized_max: float = 10.0  # normalized: beta <= this, so a tiny KL (1e-6) cannot blow beta up
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -56,6 +62,8 @@ class KLControllerConfig:
             raise ValueError(f"kl_ctl needs 0 < band_low <= band_high, got {self.band_low}, {self.band_high}")
         if not (self.up >= 1.0 and 0.0 < self.down <= 1.0):
             raise ValueError(f"kl_ctl needs up >= 1 and 0 < down <= 1, got up={self.up}, down={self.down}")
+        if not self.normalized_max > 0:
+            raise ValueError(f"kl_ctl.normalized_max must be positive, got {self.normalized_max}")
         if self.window < 1:
             raise ValueError(f"kl_ctl.window must be >= 1, got {self.window}")
 
@@ -71,20 +79,24 @@ class KLController:
     def beta(self) -> float:
         return self._beta
 
-    def update(self, kl_mean: float, n_steps: int = 1) -> float:
-        """Record the measured KL (a Python number or 0-d tensor) and return the new beta."""
+    def update(self, kl_mean: float, n_samples: int = 1) -> float:
+        """Record the measured KL (a Python number or 0-d tensor), measured on `n_samples` responses,
+        and return the new beta."""
         kl = float(kl_mean)
         if not math.isfinite(kl):
             raise ValueError(f"KLController.update: kl_mean is {kl} (not finite)")
-        if n_steps < 0:
-            raise ValueError(f"KLController.update: n_steps must be >= 0, got {n_steps}")
         c = self.config
+        if n_samples < 0:
+            raise ValueError(f"KLController.update: n_samples must be >= 0, got {n_samples}")
+        if c.mode == "adaptive" and not n_samples / c.horizon < MAX_N_OVER_HORIZON:
+            raise ValueError(f"KLController.update: n_samples / kl_ctl.horizon = {n_samples} / {c.horizon} must be "
+                             f"< {MAX_N_OVER_HORIZON:g}, else the factor 1 + e * n / horizon (e >= -0.2) can reach 0")
         self._history = (self._history + [kl])[-c.window:]
         recent = sum(self._history) / len(self._history)
         beta = self._beta
         if c.mode == "adaptive":
             error = min(max(recent / c.target - 1.0, -0.2), 0.2)
-            beta = beta * (1.0 + error * n_steps / c.horizon)
+            beta = beta * (1.0 + error * n_samples / c.horizon)
         elif c.mode == "threshold":
             if recent > c.target * c.band_high:
                 beta = beta * c.up
@@ -92,7 +104,7 @@ class KLController:
                 beta = beta * c.down
         elif c.mode == "normalized":
             if recent > 0:
-                beta = c.target / recent
+                beta = min(c.target / recent, c.normalized_max)
         self._beta = min(max(beta, c.beta_min), c.beta_max)
         self._n_updates += 1
         return self._beta

@@ -1,35 +1,47 @@
 """KL to the reference policy: sampled estimators, their configuration, masked fp32 aggregation.
 
 Per response token, with `logp = log pi(x)` (policy) and `ref_logp = log pi_ref(x)` (reference),
-both `[B, S]` and evaluated at the sampled token x ~ pi, and `log_ratio = logp - ref_logp`,
-r = pi_ref(x) / pi(x) = exp(-log_ratio):
+both `[B, S]` and evaluated at the sampled token x, `log_ratio = logp - ref_logp` and
+r = pi_ref(x) / pi(x) = exp(-log_ratio). Directions are named by their arguments, in order:
+`pi_ref` is KL(pi||ref) = E_pi[log(pi/ref)] (what most RL-for-LLM papers call the reverse KL),
+`ref_pi` is KL(ref||pi) = E_pi[r log r] (their forward KL). The old names `forward` / `reverse` are
+refused with an error naming the new one.
 
-| estimator | value                                  | E_{x~pi}[value]      | gradient as a loss term (on-policy) |
-|-----------|----------------------------------------|----------------------|-------------------------------------|
-| `k1`      | log_ratio = -log r                     | KL(pi||ref), exactly | zero in expectation                 |
-| `k2`      | 0.5 * log_ratio**2                     | biased (>= 0)        | grad KL(pi||ref)                    |
-| `k3`      | (r - 1) - log r                        | KL(pi||ref), exactly | grad KL(ref||pi)  (the REVERSE KL)  |
-| `k1+`     | value of k1, gradient of k2            | KL(pi||ref)          | grad KL(pi||ref)                    |
-| `k3+`     | value of k3, gradient of k2            | KL(pi||ref)          | grad KL(pi||ref)                    |
+| estimator | value (direction pi_ref)             | E_{x~pi}[value]      | gradient as a loss term (on-policy) |
+|-----------|--------------------------------------|----------------------|-------------------------------------|
+| `k1`      | log_ratio = -log r                   | KL(pi||ref), exactly | zero in expectation                 |
+| `k2`      | 0.5 * log_ratio**2                   | biased (>= 0)        | grad KL(pi||ref)                    |
+| `k3`      | (r - 1) - log r                      | KL(pi||ref), exactly | grad KL(ref||pi)  (the other KL)    |
+| `k1+`     | value of k1, gradient of k2          | KL(pi||ref)          | grad KL(pi||ref)                    |
+| `k3+`     | value of k3, gradient of k2 (default)| KL(pi||ref)          | grad KL(pi||ref)                    |
 | `low_var_kl` | k3 with clamps 20 (log-ratio) / 10 (value) unless given (verl's name) | | as k3 |
 
 "Gradient as a loss term" means E_{x~pi}[grad_theta k(x)] with the sampling distribution held
 fixed, which is what minimising `mean(k)` over on-policy samples does. k1's gradient is
 E_pi[grad log pi] = 0; k2's is E_pi[log(pi/ref) grad log pi] = grad KL(pi||ref); k3's is
-E_pi[(1 - r) grad log pi] = -E_ref[grad log pi] = grad KL(ref||pi). So k3 is a fine *value*
-(unbiased, non-negative: use it for rewards and metrics) but optimises the reverse KL as a loss;
-the straight-through variants `k1+`/`k3+` (value.detach() + k2 - k2.detach()) keep the value and take the
-forward-KL gradient. tests/test_rl_kl.py checks every line of this table by exact enumeration.
+E_pi[(1 - r) grad log pi] = -E_ref[grad log pi] = grad KL(ref||pi). So plain k3 is a fine *value*
+(unbiased, non-negative) but optimises KL(ref||pi) as a loss (logged once when asked for); the
+straight-through variants `k1+`/`k3+` (value.detach() + k2 - k2.detach()) keep the value and take
+the gradient of KL(pi||ref). `value_clamp` bounds both their value (to [-v, v]) and their
+per-token gradient coefficient d/dlogp (log_ratio clamped to [-v, v], so |grad| <= v |grad logp|).
 
-`direction="reverse"` estimates KL(ref||pi) = E_pi[r log r] from the same on-policy samples:
-`k1` -> r log r (unbiased, any sign), `k3` -> r log r - (r - 1) (unbiased, >= 0). The other
-estimators have no reverse form here. The exact full-vocabulary KL (either direction) comes from
-`parallel.vocab` / `parallel.fused`; `KLConfig.exact` selects it and this module then only
-aggregates it.
+`direction="ref_pi"` estimates KL(ref||pi) from the same samples: `k1` -> r log r (unbiased, any
+sign), `k3` -> r log r - (r - 1) (unbiased, >= 0), each with a straight-through gradient
+-r * grad log pi, whose expectation is grad KL(ref||pi). The exact full-vocabulary KL (either
+direction) comes from `parallel.vocab` / `parallel.fused`; `KLConfig.exact` selects it.
 
-Clamps (`log_ratio_clamp`, `value_clamp`) clip the log-ratio before and the value after the
-estimator; clamped tokens get zero gradient through the clipped quantity. Computation is fp32
-(or fp64 if the inputs are fp64) whatever the input dtype.
+Off-policy (algo.epochs x algo.mini_batches > 1): after the first mini-batch the tokens come from
+pi_old, not pi. `kl_loss_term` multiplies the loss term by the token-level importance weight
+w = pi/pi_old, clamped to at most `is_ratio_max`: `is_weight="detached"` (default) keeps every
+estimator's on-policy gradient exactly, off-policy too (E_old[w grad k] = E_pi[grad k]);
+`"live"` (gradient through w; DeepSeek-V3.2 / TRL's bias-corrected k3) turns k1 and k3 into
+differentiable unbiased estimates of KL(pi||ref), whose gradient is grad KL(pi||ref) on- and
+off-policy; `"none"` leaves the term unweighted (biased off-policy). tests/test_kl_table.py
+checks every estimator x place x weight by exact enumeration (the README's table).
+
+Masked positions (padding) never reach a value or a gradient: with `mask`, the inputs there are
+replaced by a constant before any arithmetic, so NaN or inf in the padding cannot leak.
+Computation is fp32 (or fp64 if the inputs are fp64) whatever the input dtype.
 
 Aggregation (`masked_sum`, `masked_mean`, `kl_quantiles`, `kl_by_position`) reduces in fp32 over
 valid tokens only and, given `dp_group`, over every DP rank (counted collectives), so metrics
@@ -38,6 +50,8 @@ describe the whole batch.
 
 from __future__ import annotations
 
+import logging
+import math
 from dataclasses import dataclass
 
 import torch
@@ -45,35 +59,84 @@ import torch
 from parallel import comm
 
 ESTIMATORS = ("k1", "k2", "k3", "k1+", "k3+", "low_var_kl")
-REVERSE_ESTIMATORS = ("k1", "k3")
+DIRECTIONS = ("pi_ref", "ref_pi")  # KL(pi||ref), KL(ref||pi)
+OLD_DIRECTIONS = {"forward": "pi_ref", "reverse": "ref_pi"}
+REVERSE_ESTIMATORS = ("k1", "k3")  # sampled estimators of KL(ref||pi)
+IS_WEIGHTS = ("none", "detached", "live")
+LIVE_ESTIMATORS = ("k1", "k3", "low_var_kl")  # where a live ratio gives an exact gradient
+HEAD_DIRECTION = {"pi_ref": "forward", "ref_pi": "reverse"}  # parallel.vocab's names for the exact KL
+
+log = logging.getLogger(__name__)
+_LOGGED: set[str] = set()
+
+
+def check_direction(direction: str, where: str) -> str:
+    """`direction` if valid; the old names raise an error that gives the new one."""
+    if direction in OLD_DIRECTIONS:
+        raise ValueError(f"{where}={direction!r} is no longer accepted (it was easy to misread): use "
+                         f"{OLD_DIRECTIONS[direction]!r} (= KL({'pi||ref' if direction == 'forward' else 'ref||pi'}))")
+    if direction not in DIRECTIONS:
+        raise ValueError(f"{where} must be one of {DIRECTIONS} (KL(pi||ref), KL(ref||pi)), got {direction!r}")
+    return direction
+
+
+def loss_gradient(estimator: str, direction: str = "pi_ref", is_weight: str = "detached") -> str:
+    """What minimising the KL term in the loss follows in expectation, on- and off-policy (with the
+    importance weight): 'grad KL(pi||ref)', 'grad KL(ref||pi)' or 'zero'."""
+    if direction == "ref_pi":
+        return "grad KL(ref||pi)"
+    if is_weight == "live":
+        return "grad KL(pi||ref)"
+    return {"k1": "zero", "k3": "grad KL(ref||pi)", "low_var_kl": "grad KL(ref||pi)"}.get(estimator,
+                                                                                         "grad KL(pi||ref)")
 
 
 @dataclass
 class KLConfig:
     """The `kl` section: how the KL to the reference is measured and where it enters."""
 
-    estimator: str = "k3"  # one of ESTIMATORS (ignored when exact=True)
+    estimator: str = "k3+"  # one of ESTIMATORS (ignored when exact=True); k3+: gradient of KL(pi||ref)
     exact: bool = False  # use the exact full-vocab KL from the vocab-parallel head instead
-    direction: str = "forward"  # "forward" KL(pi||ref) | "reverse" KL(ref||pi)
+    direction: str = "pi_ref"  # "pi_ref": KL(pi||ref) | "ref_pi": KL(ref||pi)
     where: str = "loss"  # "loss": beta * KL term in the policy loss; "reward": -beta * KL per token
     log_ratio_clamp: float | None = None  # clip log(pi/ref) to [-c, c] before the estimator
-    value_clamp: float | None = None  # clip the estimate to [-v, v]
+    value_clamp: float | None = None  # clip the estimate to [-v, v]; k1+/k3+: also d/dlogp to [-v, v]
     fp32: bool = True  # upcast to fp32 before computing (fp64 inputs stay fp64)
+    # importance weight w = pi/pi_old on each token's KL loss term (sampled, where=loss): "detached"
+    # keeps each estimator's on-policy gradient exactly off-policy; "live" (k1, k3 only) makes the
+    # gradient that of KL(pi||ref); "none": unweighted (biased after the first mini-batch)
+    is_weight: str = "detached"
+    is_ratio_max: float = 10.0  # w is clamped to at most this (a clamped token keeps w, loses w's grad)
 
     def __post_init__(self):
         if self.estimator not in ESTIMATORS:
             raise ValueError(f"kl.estimator must be one of {ESTIMATORS}, got {self.estimator!r}")
-        if self.direction not in ("forward", "reverse"):
-            raise ValueError(f"kl.direction must be 'forward' or 'reverse', got {self.direction!r}")
+        check_direction(self.direction, "kl.direction")
         if self.where not in ("loss", "reward"):
             raise ValueError(f"kl.where must be 'loss' or 'reward', got {self.where!r}")
-        if self.direction == "reverse" and not self.exact and self.estimator not in REVERSE_ESTIMATORS:
-            raise ValueError(f"kl.direction='reverse' with a sampled estimator needs kl.estimator in "
+        if self.direction == "ref_pi" and not self.exact and self.estimator not in REVERSE_ESTIMATORS:
+            raise ValueError(f"kl.direction='ref_pi' with a sampled estimator needs kl.estimator in "
                              f"{REVERSE_ESTIMATORS}, got {self.estimator!r}")
         for name in ("log_ratio_clamp", "value_clamp"):
             v = getattr(self, name)
             if v is not None and not v > 0:
                 raise ValueError(f"kl.{name} must be positive or null, got {v!r}")
+        if self.is_weight not in IS_WEIGHTS:
+            raise ValueError(f"kl.is_weight must be one of {IS_WEIGHTS}, got {self.is_weight!r}")
+        if self.is_weight == "live" and not self.exact and (self.estimator not in LIVE_ESTIMATORS
+                                                            or self.direction != "pi_ref"):
+            raise ValueError(f"kl.is_weight='live' gives a biased gradient with kl.estimator={self.estimator!r}, "
+                             f"kl.direction={self.direction!r}: use it with kl.estimator in {LIVE_ESTIMATORS} and "
+                             f"kl.direction='pi_ref', or kl.is_weight='detached'")
+        if not self.is_ratio_max >= 1.0:
+            raise ValueError(f"kl.is_ratio_max must be >= 1, got {self.is_ratio_max!r}")
+        if self.where == "loss" and not self.exact and self.estimator in ("k1", "k3", "low_var_kl"):
+            msg = (f"kl.estimator={self.estimator!r} in the loss (kl.is_weight={self.is_weight!r}, "
+                   f"kl.direction={self.direction!r}): its gradient is "
+                   f"{loss_gradient(self.estimator, self.direction, self.is_weight)}")
+            if msg not in _LOGGED:
+                _LOGGED.add(msg)
+                log.warning("%s; k3+ (the default) follows grad KL(pi||ref)", msg)
 
 
 def _upcast(t: torch.Tensor, fp32: bool = True) -> torch.Tensor:
@@ -82,59 +145,90 @@ def _upcast(t: torch.Tensor, fp32: bool = True) -> torch.Tensor:
     return t
 
 
-def kl_estimate(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str = "k3",
+def sanitize(t: torch.Tensor, mask: torch.Tensor | None, fill: float = 0.0) -> torch.Tensor:
+    """`t` with masked-out positions (mask false) replaced by `fill` before any arithmetic: whatever
+    they held (NaN, inf), they reach no value and no gradient (torch.where passes 0 there)."""
+    if mask is None:
+        return t
+    if mask.shape != t.shape:
+        raise ValueError(f"mask has shape {tuple(mask.shape)} but the values have {tuple(t.shape)}")
+    return torch.where(mask.bool(), t, torch.full((), fill, dtype=t.dtype, device=t.device))
+
+
+def kl_estimate(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str = "k3+",
                 log_ratio_clamp: float | None = None, value_clamp: float | None = None,
-                direction: str = "forward", fp32: bool = True) -> torch.Tensor:
+                direction: str = "pi_ref", fp32: bool = True, mask: torch.Tensor | None = None) -> torch.Tensor:
     """Per-token sampled KL estimate.
 
     logp, ref_logp: [B, S] (any shape, equal), log-probs of the sampled tokens under the policy
-    and the reference. Returns [B, S] in fp32 (fp64 for fp64 inputs). Padding positions are
-    computed like any other; mask them when aggregating.
+    and the reference; mask (optional, same shape): where false the result is exactly 0 with zero
+    gradient, whatever the inputs hold. Returns [B, S] in fp32 (fp64 for fp64 inputs).
     """
     if logp.shape != ref_logp.shape:
         raise ValueError(f"kl_estimate: logp has shape {tuple(logp.shape)} but ref_logp has "
                          f"{tuple(ref_logp.shape)}")
     if estimator not in ESTIMATORS:
         raise ValueError(f"kl_estimate: unknown estimator {estimator!r}; expected one of {ESTIMATORS}")
-    if direction not in ("forward", "reverse"):
-        raise ValueError(f"kl_estimate: direction must be 'forward' or 'reverse', got {direction!r}")
+    check_direction(direction, "kl_estimate: direction")
     if estimator == "low_var_kl":
         estimator = "k3"
         log_ratio_clamp = 20.0 if log_ratio_clamp is None else log_ratio_clamp
         value_clamp = 10.0 if value_clamp is None else value_clamp
-    lr = _upcast(logp, fp32) - _upcast(ref_logp, fp32)  # log(pi / ref)
+    lr = sanitize(_upcast(logp, fp32), mask) - sanitize(_upcast(ref_logp, fp32), mask)  # log(pi / ref)
     if log_ratio_clamp is not None:
         lr = lr.clamp(-log_ratio_clamp, log_ratio_clamp)
 
-    if direction == "reverse":
+    if direction == "ref_pi":
         if estimator not in REVERSE_ESTIMATORS:
-            raise ValueError(f"kl_estimate: direction='reverse' supports {REVERSE_ESTIMATORS}, "
-                             f"got {estimator!r}")
+            raise ValueError(f"kl_estimate: direction='ref_pi' supports {REVERSE_ESTIMATORS}, got {estimator!r}")
         r = torch.exp(-lr)  # ref / pi
         value = r * (-lr) if estimator == "k1" else r * (-lr) - (r - 1.0)
-        return value.clamp(-value_clamp, value_clamp) if value_clamp is not None else value
+        if value_clamp is not None:
+            value = value.clamp(-value_clamp, value_clamp)
+        # value of the estimator, gradient -r grad log pi: E_pi of it is grad KL(ref||pi)
+        return value.detach() - r.detach() * (lr - lr.detach())
 
-    k2 = 0.5 * lr * lr
     if estimator in ("k1", "k1+"):
         value = lr
     elif estimator == "k2":
-        value = k2
+        value = 0.5 * lr * lr
     else:  # k3, k3+
         value = torch.expm1(-lr) + lr  # (r - 1) - log r, with r - 1 computed accurately near 0
     if value_clamp is not None:
         value = value.clamp(-value_clamp, value_clamp)
-    if estimator.endswith("+"):
-        value = value.detach() + (k2 - k2.detach())  # value of k1/k3, gradient of k2 only
+    if estimator.endswith("+"):  # value of k1/k3, gradient of k2 (d/dlogp = log_ratio, bounded by value_clamp)
+        g = lr.detach() if value_clamp is None else lr.detach().clamp(-value_clamp, value_clamp)
+        value = value.detach() + g * (lr - lr.detach())
     return value
 
 
-def kl_from_config(cfg: KLConfig, logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
+def kl_from_config(cfg: KLConfig, logp: torch.Tensor, ref_logp: torch.Tensor,
+                   mask: torch.Tensor | None = None) -> torch.Tensor:
     """`kl_estimate` with the settings of a `KLConfig` (sampled estimators only)."""
     if cfg.exact:
         raise ValueError("kl.exact=True: the KL comes from the vocab-parallel head, not from "
                          "sampled log-probs; pass it in directly")
     return kl_estimate(logp, ref_logp, cfg.estimator, cfg.log_ratio_clamp, cfg.value_clamp,
-                       cfg.direction, cfg.fp32)
+                       cfg.direction, cfg.fp32, mask)
+
+
+def kl_loss_term(cfg: KLConfig, logp: torch.Tensor, ref_logp: torch.Tensor | None,
+                 old_logp: torch.Tensor | None = None, mask: torch.Tensor | None = None,
+                 kl: torch.Tensor | None = None) -> torch.Tensor:
+    """The per-token KL term of the loss [B, S]: the estimate (or the exact `kl` from the head)
+    times the importance weight w = min(pi/pi_old, is_ratio_max) as `cfg.is_weight` says.
+    The sampled estimate needs `ref_logp`; the weight needs `old_logp` (None: no weight, on-policy).
+    The exact KL is a full-vocabulary expectation at each position: no token weight applies."""
+    if cfg.exact:
+        if kl is None:
+            raise ValueError("kl_loss_term: kl.exact=True needs the exact per-token `kl` from the head")
+        return sanitize(_upcast(kl, cfg.fp32), mask)
+    k = kl_from_config(cfg, logp, ref_logp, mask)
+    if cfg.is_weight == "none" or old_logp is None:
+        return k
+    lw = sanitize(_upcast(logp, cfg.fp32), mask) - sanitize(_upcast(old_logp, cfg.fp32), mask)
+    w = torch.exp(lw.clamp(max=math.log(cfg.is_ratio_max)))
+    return (w.detach() if cfg.is_weight == "detached" else w) * k
 
 
 # ---------------------------------------------------------------------------------------------

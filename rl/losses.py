@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import torch
 
 from parallel import comm
-from rl.kl import KLConfig, kl_from_config
+from rl.kl import KLConfig, kl_loss_term, sanitize
 
 AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 
@@ -88,10 +88,31 @@ def _masked_stats(x: torch.Tensor, m: torch.Tensor, empty: float) -> tuple[torch
     """(mean, min, max) of x over valid positions, detached; `empty` for all three when none."""
     x = x.detach().float()
     if not m.any():
-        e = torch.tensor(empty)
+        e = torch.tensor(empty, device=x.device)
         return e, e.clone(), e.clone()
     v = x[m]
     return v.mean(), v.min(), v.max()
+
+
+def _surrogate_terms(logp, old_logp, advantages, m, clip_low, clip_high, dual_clip, log_ratio_clamp):
+    """(per-token clipped loss, clipped flags, dual-clip flags, log_ratio), all [B, S], 0/False off
+    the mask; inputs are sanitized at masked positions before any arithmetic."""
+    dt = torch.float64 if logp.dtype == torch.float64 else torch.float32
+    log_ratio = _zero_masked(logp, m) - _zero_masked(old_logp, m)
+    log_ratio = log_ratio.clamp(-log_ratio_clamp, log_ratio_clamp)
+    ratio = torch.exp(log_ratio)
+    adv = _zero_masked(advantages, m).detach()
+    loss1 = -adv * ratio
+    loss2 = -adv * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
+    loss = torch.maximum(loss1, loss2)
+    clipped = (loss2 > loss1) & m
+    dual = torch.zeros_like(m)
+    if dual_clip is not None:
+        cap = -adv * dual_clip  # = dual_clip * |A| where A < 0
+        dual = (adv < 0) & (loss > cap) & m
+        loss = torch.where(adv < 0, torch.minimum(loss, cap), loss)
+    loss = torch.where(m, loss, torch.zeros((), dtype=dt, device=loss.device))
+    return loss, clipped, dual, log_ratio
 
 
 def clipped_surrogate(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor,
@@ -116,21 +137,10 @@ def clipped_surrogate(logp: torch.Tensor, old_logp: torch.Tensor, advantages: to
     if dual_clip is not None and not dual_clip > 1.0:
         raise ValueError(f"clipped_surrogate: dual_clip must be > 1, got {dual_clip}")
     m = mask.bool()
-    dt = torch.float64 if logp.dtype == torch.float64 else torch.float32
-    log_ratio = _zero_masked(logp, m) - _zero_masked(old_logp, m)
-    log_ratio = log_ratio.clamp(-log_ratio_clamp, log_ratio_clamp)
+    loss, clipped, dual, log_ratio = _surrogate_terms(logp, old_logp, advantages, m, clip_low, clip_high, dual_clip,
+                                                      log_ratio_clamp)
+    dt = loss.dtype
     ratio = torch.exp(log_ratio)
-    adv = _zero_masked(advantages, m).detach()
-    loss1 = -adv * ratio
-    loss2 = -adv * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
-    loss = torch.maximum(loss1, loss2)
-    clipped = (loss2 > loss1) & m
-    dual = torch.zeros_like(m)
-    if dual_clip is not None:
-        cap = -adv * dual_clip  # = dual_clip * |A| where A < 0
-        dual = (adv < 0) & (loss > cap) & m
-        loss = torch.where(adv < 0, torch.minimum(loss, cap), loss)
-    loss = torch.where(m, loss, torch.zeros((), dtype=dt, device=loss.device))
     n = int(m.sum())
     lr = log_ratio.detach()
     r_mean, r_min, r_max = _masked_stats(ratio, m, 1.0)
@@ -140,7 +150,7 @@ def clipped_surrogate(logp: torch.Tensor, old_logp: torch.Tensor, advantages: to
         "ratio_mean": r_mean, "ratio_min": r_min, "ratio_max": r_max,
         "approx_kl_old": torch.where(m, torch.expm1(lr) - lr, torch.zeros((), dtype=dt, device=lr.device)).sum().float()
         / max(n, 1),
-        "valid_tokens": torch.tensor(float(n)),
+        "valid_tokens": torch.tensor(float(n), device=m.device),
     }
     return loss, stats
 
@@ -222,8 +232,8 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
 
     kl_in_loss = kl_cfg is not None and kl_cfg.where == "loss"
     exact = kl_cfg is not None and kl_cfg.exact
-    if kl is None and ref_logp is not None and not exact:
-        kl = kl_from_config(kl_cfg or KLConfig(), logp, ref_logp)
+    if kl is not None or (ref_logp is not None and not exact):  # sanitized, importance-weighted
+        kl = kl_loss_term(kl_cfg or KLConfig(), logp, ref_logp, old_logp, mask, kl)
     if kl_in_loss and kl is None:
         raise ValueError("policy_loss: kl.where='loss' needs the per-token `kl`" +
                          (" (kl.exact=True: the exact KL from the head)" if exact else " or `ref_logp`"))
@@ -236,7 +246,7 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
     if cfg.entropy_coef != 0.0 and entropy is None:
         raise ValueError("policy_loss: loss.entropy_coef != 0 needs the per-token `entropy`")
     if entropy is not None:
-        ent = agg(entropy)
+        ent = agg(sanitize(entropy, mask.bool()))
         stats["entropy"] = ent.detach()
         if cfg.entropy_coef != 0.0:
             loss = loss - cfg.entropy_coef * ent
@@ -264,28 +274,90 @@ def token_weights(mask: torch.Tensor, mode: str = "token-mean", scale: LossScale
     return torch.where(m, w, torch.zeros((), device=m.device))
 
 
-def token_policy_loss(cfg: PolicyLossConfig, weights: torch.Tensor, mask: torch.Tensor, old_logp: torch.Tensor,
-                      advantages: torch.Tensor, *, kl_cfg: KLConfig | None = None, beta: float = 0.0,
-                      ref_logp: torch.Tensor | None = None, on_policy: bool = False):
-    """`policy_loss` as a per-token function for `parallel.fused_loss.fused_head_loss`, which forms
-    the gradient during its forward pass, chunk by chunk. All tensors [B, S] (flattened here);
-    `weights` from `token_weights`. Summed over every token, the returned function's values equal
-    `policy_loss(...)`'s loss. `on_policy`: the first mini-batch after the rollout, whose old
-    policy is the current one, so old log-probs are the current ones, detached (ratio exactly 1)."""
-    w, m = weights.reshape(-1), mask.reshape(-1).bool()
-    old, adv = old_logp.reshape(-1), advantages.reshape(-1)
-    ref = None if ref_logp is None else ref_logp.reshape(-1)
-    kl_in_loss = kl_cfg is not None and kl_cfg.where == "loss" and beta != 0.0
+class TokenPolicyLoss:
+    """`policy_loss` as a per-token function, for `parallel.fused_loss.fused_head_loss` (which calls it
+    chunk by chunk and forms the gradient in its forward pass) and for the unfused path (called once
+    on every token). Summed over every token its values equal `policy_loss(...)`'s loss.
 
-    def fn(logp, entropy, kl, tokens):
-        mm = m[tokens]
-        o = logp.detach() if on_policy else old[tokens]
-        total, _ = clipped_surrogate(logp, o, adv[tokens], mm, cfg.clip_low, cfg.clip_high, cfg.dual_clip,
-                                     cfg.log_ratio_clamp)
-        if kl_in_loss:
-            total = total + beta * (kl if kl_cfg.exact else kl_from_config(kl_cfg, logp, ref[tokens]))
-        if cfg.entropy_coef != 0.0:
-            total = total - cfg.entropy_coef * entropy
-        return torch.where(mm, total * w[tokens].to(total.dtype), torch.zeros((), dtype=total.dtype,
-                                                                               device=total.device))
-    return fn
+    weights, mask, old_logp, advantages, ref_logp: [B, S] (flattened here); `weights` from
+    `token_weights`. Everything bound here is sanitized at masked positions (mask false) before any
+    arithmetic, and so are the head's values passed to `__call__`: padding reaches no value and no
+    gradient. `on_policy`: the first mini-batch after the rollout, whose old policy is the current
+    one, so old log-probs are the current ones, detached (ratio exactly 1).
+
+    Each call records its tokens' detached parts (surrogate, KL term, entropy, log-ratio, clip
+    flags), so `stats()` gives the update statistics without evaluating the loss a second time.
+    """
+
+    _PARTS = ("pg", "kl", "entropy", "log_ratio", "clipped", "dual")
+
+    def __init__(self, cfg: PolicyLossConfig, weights: torch.Tensor, mask: torch.Tensor, old_logp: torch.Tensor,
+                 advantages: torch.Tensor, *, kl_cfg: KLConfig | None = None, beta: float = 0.0,
+                 ref_logp: torch.Tensor | None = None, on_policy: bool = False):
+        self.cfg, self.kl_cfg, self.beta, self.on_policy = cfg, kl_cfg, beta, on_policy
+        self.m = mask.reshape(-1).bool()
+        self.w = sanitize(weights.reshape(-1), self.m).detach()
+        self.old = sanitize(old_logp.reshape(-1), self.m).detach()
+        self.adv = sanitize(advantages.reshape(-1), self.m).detach()
+        self.ref = None if ref_logp is None else sanitize(ref_logp.reshape(-1), self.m).detach()
+        self.kl_in_loss = kl_cfg is not None and kl_cfg.where == "loss" and beta != 0.0
+        if self.kl_in_loss and not kl_cfg.exact and self.ref is None:
+            raise ValueError("TokenPolicyLoss: kl.where='loss' with a sampled estimator needs `ref_logp`")
+        self.rec = {k: torch.zeros(self.m.numel(), dtype=torch.float64, device=self.m.device) for k in self._PARTS}
+        self.seen = {"kl": False, "entropy": False}
+
+    def __call__(self, logp, entropy, kl, tokens):
+        """logp, entropy, kl: this chunk's [c] values from the head (entropy/kl None if not asked),
+        tokens: the chunk's slice of the flattened [B*S]. Returns the weighted per-token loss [c]."""
+        c, mm = self.cfg, self.m[tokens]
+        logp = sanitize(logp, mm)
+        o = logp.detach() if self.on_policy else self.old[tokens]
+        pg, clipped, dual, lr = _surrogate_terms(logp, o, self.adv[tokens], mm, c.clip_low,
+                                                 c.clip_low if c.clip_high is None else c.clip_high, c.dual_clip,
+                                                 c.log_ratio_clamp)
+        total = pg
+        rec = {"pg": pg, "log_ratio": lr, "clipped": clipped, "dual": dual}
+        kc = self.kl_cfg
+        if kc is not None and (kl is not None if kc.exact else self.ref is not None):
+            ref = None if self.ref is None else self.ref[tokens]
+            klt = kl_loss_term(kc, logp, ref, o, mm, None if kl is None else sanitize(kl, mm))
+            rec["kl"], self.seen["kl"] = klt, True
+            if self.kl_in_loss:
+                total = total + self.beta * klt
+        elif self.kl_in_loss:
+            raise ValueError("TokenPolicyLoss: kl.exact=True with kl.where='loss' needs the head's exact KL")
+        if entropy is not None:
+            entropy = sanitize(entropy, mm)
+            rec["entropy"], self.seen["entropy"] = entropy, True
+        if c.entropy_coef != 0.0:
+            if entropy is None:
+                raise ValueError("TokenPolicyLoss: loss.entropy_coef != 0 needs the per-token entropy")
+            total = total - c.entropy_coef * entropy
+        for k, v in rec.items():
+            self.rec[k][tokens] = v.detach().to(torch.float64)
+        w = self.w[tokens].to(total.dtype)
+        return torch.where(mm, total * w, torch.zeros((), dtype=total.dtype, device=total.device))
+
+    def stats(self) -> dict:
+        """The statistics of `policy_loss` over the tokens seen so far: pg_loss, kl_loss, entropy (the
+        weighted sums, scaled like the loss), clipfrac, dual_clipfrac, ratio_mean/min/max,
+        approx_kl_old (k3 estimate of KL(old||new)), valid_tokens; Python floats."""
+        m, w, r = self.m, self.w.to(torch.float64), self.rec
+        n = int(m.sum())
+        out = {"pg_loss": float((w * r["pg"]).sum())}
+        for k in ("kl", "entropy"):
+            if self.seen[k]:
+                out["kl_loss" if k == "kl" else k] = float((w * r[k]).sum())
+        lr = r["log_ratio"][m]
+        ratio = lr.exp()
+        out.update(clipfrac=float(r["clipped"].sum()) / max(n, 1), dual_clipfrac=float(r["dual"].sum()) / max(n, 1),
+                   ratio_mean=float(ratio.mean()) if n else 1.0, ratio_min=float(ratio.min()) if n else 1.0,
+                   ratio_max=float(ratio.max()) if n else 1.0,
+                   approx_kl_old=float((torch.expm1(lr) - lr).sum()) / max(n, 1), valid_tokens=float(n))
+        return out
+
+
+def token_policy_loss(cfg: PolicyLossConfig, weights: torch.Tensor, mask: torch.Tensor, old_logp: torch.Tensor,
+                      advantages: torch.Tensor, **kw) -> TokenPolicyLoss:
+    """`TokenPolicyLoss(...)` (the per-token policy loss for the fused head)."""
+    return TokenPolicyLoss(cfg, weights, mask, old_logp, advantages, **kw)

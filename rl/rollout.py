@@ -36,6 +36,14 @@ class Rollout:
         """[B, N] the sampled response tokens (targets of the response positions)."""
         return self.sequences[:, self.prompt_len:]
 
+    def select(self, rows: torch.Tensor) -> Rollout:
+        """The rollout of the local rows `rows` ([k] indices, in that order): every per-row field
+        indexed, `prompt_len` and the per-prompt `metas` kept whole, `responses` ([] stays [])."""
+        idx = rows.tolist()
+        return Rollout(self.sequences[rows], self.attention_mask[rows], self.response_mask[rows], self.prompt_len,
+                       self.scores[rows], self.row_ids[rows], self.metas,
+                       [self.responses[i] for i in idx] if self.responses else [])
+
 
 def raise_everywhere(error: str | None, group=None) -> None:
     """Raise on every rank of `group` if any rank has an error, so none is left in a collective."""

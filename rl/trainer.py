@@ -25,9 +25,9 @@ from parallel.fsdp import set_gradient_sync, sync_replicated_grads
 from rl.advantages import broadcast_to_tokens, gae, grpo_advantages, kl_shaped_rewards, whiten
 from rl.config import RLConfig
 from rl.controller import KLController
-from rl.kl import kl_by_position, kl_from_config, kl_quantiles, masked_mean
+from rl.kl import HEAD_DIRECTION, kl_by_position, kl_from_config, kl_quantiles, masked_mean, sanitize
 from rl.logprobs import critic_values, logprobs_from_hidden, policy_fused_loss, policy_token_stats, reference_hidden
-from rl.losses import aggregate, clipped_value_loss, loss_scale, policy_loss, token_policy_loss, token_weights
+from rl.losses import TokenPolicyLoss, aggregate, clipped_value_loss, loss_scale, token_weights
 from rl.reference import ReferenceSync
 from rl.rollout import Rollout, collect_rollout
 
@@ -44,7 +44,8 @@ class _UpdateStats:
     SCALED = ("pg_loss", "kl_loss")
     WEIGHTED = ("clipfrac", "dual_clipfrac", "ratio_mean", "approx_kl_old")
 
-    def __init__(self):
+    def __init__(self, device):
+        self.device = device  # where the reduction buffers live (the collective's device)
         self.scaled = {k: [] for k in self.SCALED}
         self.wsum = {k: 0.0 for k in self.WEIGHTED}
         self.tokens = 0.0
@@ -61,6 +62,7 @@ class _UpdateStats:
         for k in self.SCALED:
             if k in stats:
                 self.scaled[k][-1] += float(stats[k])
+        self.drift = max(self.drift, float(stats.get("drift", 0.0)))
         n = float(stats["valid_tokens"])
         for k in self.WEIGHTED:
             self.wsum[k] += float(stats[k]) * n
@@ -71,7 +73,7 @@ class _UpdateStats:
             self.rmin, self.rmax = min(self.rmin, float(stats["ratio_min"])), max(self.rmax, float(stats["ratio_max"]))
 
     def epoch_approx_kl(self, dp_group) -> float:
-        t = torch.tensor(self.epoch_kl, dtype=torch.float64)
+        t = torch.tensor(self.epoch_kl, dtype=torch.float64, device=self.device)
         comm.all_reduce(t, "sum", dp_group)  # token-weighted drift from the old policy over DP
         self.epoch_kl = [0.0, 0.0]
         return float(t[0] / t[1].clamp(min=1))
@@ -80,9 +82,9 @@ class _UpdateStats:
         # each rank's micro-batch losses add up to its share of the mini-batch loss; shares add over DP
         vals = [sum(self.scaled[k]) / max(len(self.scaled[k]), 1) for k in self.SCALED]
         vals += [self.wsum[k] for k in self.WEIGHTED] + [self.tokens]
-        t = torch.tensor(vals, dtype=torch.float64)
+        t = torch.tensor(vals, dtype=torch.float64, device=self.device)
         comm.all_reduce(t, "sum", dp_group)  # loss shares and token-weighted sums over DP
-        mm = torch.tensor([-self.rmin, self.rmax, self.drift], dtype=torch.float64)
+        mm = torch.tensor([-self.rmin, self.rmax, self.drift], dtype=torch.float64, device=self.device)
         comm.all_reduce(mm, "max", dp_group)  # extreme ratios and the largest log-prob drift over DP
         out = {k: float(t[i]) for i, k in enumerate(self.SCALED)}
         n = max(float(t[-1]), 1.0)
@@ -114,6 +116,15 @@ class StepData:
 
 
 class RLTrainer:
+    """One GRPO/PPO run's step on this rank: `step(s)` does, in order,
+    1. `make_experience`: rollout (G samples per prompt, scored), old log-probs and entropy (policy, no
+       grad), reference log-probs (and hidden states for the exact KL), the per-token KL with padding
+       replaced, KL into the reward if asked, advantages (GRPO group-normalised, or GAE over the critic);
+    2. `update`: epochs x mini-batches x micro-batches of `_micro_step` (forward through the head with
+       the per-token loss, backward), one optimizer step per mini-batch;
+    3. control: beta from the measured KL (clock: samples per step), reference sync, KL guards, metrics.
+    """
+
     def __init__(self, cfg: RLConfig, state, policy, reference, optimizer, tokenizer, task, reward_fn,
                  reward_norm, critic=None, critic_optimizer=None):
         self.cfg, self.state = cfg, state
@@ -162,15 +173,16 @@ class RLTrainer:
                                             vocab_size=self.vocab, temperature=self._temperature,
                                             chunk_size=cfg.algo.kl_chunk_size)
         with self.timer("old_logprobs"):
-            kl_dir = cfg.kl.direction if exact else None
+            kl_dir = HEAD_DIRECTION[cfg.kl.direction] if exact else None
             old = self._token_stats(self.policy, ro, entropy=True, kl=kl_dir, ref_hidden=ref_h, ref_weight=ref_w)
-        kl = old.kl if exact else kl_from_config(cfg.kl, old.logprobs, ref_logp)
-        kl = torch.where(mask, kl.float(), torch.zeros((), device=kl.device))
+        # padding is replaced here, once, before anything reaches advantages, losses or the heads
+        old_logp, ref_logp = sanitize(old.logprobs, mask), sanitize(ref_logp, mask)
+        kl = sanitize(old.kl.float(), mask) if exact else kl_from_config(cfg.kl, old_logp, ref_logp, mask)
         scores = ro.scores
         if self.reward_norm is not None:
             scores = self.reward_norm.normalize_(scores.clone(), self.dp_group)
-        data = StepData(ro, mask, old.logprobs, ref_logp, ref_h if exact else None, ref_w if exact else None,
-                        kl, old.entropy, advantages=None)
+        data = StepData(ro, mask, old_logp, ref_logp, ref_h if exact else None, ref_w if exact else None,
+                        kl, sanitize(old.entropy, mask), advantages=None)
         if cfg.algo.name == "grpo":
             if cfg.kl.where == "reward":  # the response's summed KL penalty enters its reward
                 scores = scores - self.controller.beta * kl.sum(1)
@@ -208,8 +220,8 @@ class RLTrainer:
         for rid in row_ids.tolist():
             prompt, j = divmod(rid, G)
             g = torch.Generator().manual_seed(self.cfg.train.seed * 1_000_003 + step * 7919 + epoch * 131 + prompt)
-            pos.append(prompt * G + int(torch.randperm(G, generator=g)[j]))
-        mb = torch.tensor(pos) % n
+            pos.append(prompt * G + int(torch.randperm(G, generator=g, device="cpu")[j]))
+        mb = torch.tensor(pos, device="cpu") % n
         return [torch.nonzero(mb == k).flatten().to(self.state.device) for k in range(n)]
 
     def _micro_batches(self, rows: torch.Tensor) -> list[torch.Tensor]:
@@ -217,48 +229,27 @@ class RLTrainer:
         return [rows[i:i + m] for i in range(0, rows.numel(), m)]
 
     def update(self, data: StepData, step: int) -> dict:
+        """Step 6, the policy (and critic) update on this step's rollouts, in order:
+
+        for each of `algo.epochs` epochs,
+          for each mini-batch (rows split by global row id, so the same for any DP layout):
+            a. the mini-batch's global valid-token and sequence counts (one all-reduce): the loss scale
+            b. for each micro-batch, `_micro_step`: forward through the head with the per-token loss,
+               backward (FSDP gradient sync on the last micro-batch only), statistics
+            c. replicated gradients summed over DP, optimizer step (policy, then critic)
+          then stop early once the epoch's approx KL(old||new) exceeds `algo.early_stop_kl`.
+        Returns the statistics reduced over micro-batches and DP ranks (see `_UpdateStats`)."""
         cfg = self.cfg
-        beta = self.controller.beta
-        acc = _UpdateStats()
-        opt_stats = []
-        stop_early = False
-        ro = data.ro
-        exact = cfg.kl.exact and cfg.kl.where == "loss"
+        acc, opt_stats, stop_early = _UpdateStats(self.state.device), [], False
         for epoch in range(cfg.algo.epochs):
-            for mb, rows in enumerate(self._mini_batches(ro.row_ids.cpu(), step, epoch)):
+            for mb, rows in enumerate(self._mini_batches(data.ro.row_ids.cpu(), step, epoch)):
                 micros = self._micro_batches(rows)
                 scale = loss_scale([data.mask[r] for r in micros], self.dp_group)
                 acc.start_mini_batch()
                 for i, r in enumerate(micros):
-                    last = i == len(micros) - 1
-                    set_gradient_sync(self.policy, last)
-                    sub = Rollout(ro.sequences[r], ro.attention_mask[r], ro.response_mask[r], ro.prompt_len,
-                                  ro.scores[r], ro.row_ids[r], ro.metas, [])
-                    # nothing has changed since the rollout on the first mini-batch: the old policy IS
-                    # the current one, so the ratio is exactly 1 (any difference is float noise)
-                    on_policy = epoch == 0 and mb == 0
-                    kw = dict(kl=cfg.kl.direction if exact else None, ref_hidden=data.ref_hidden[r] if exact else None,
-                              ref_weight=data.ref_weight if exact else None)
-                    if cfg.algo.fused_loss:
-                        fn = token_policy_loss(cfg.loss, token_weights(data.mask[r], cfg.loss.agg, scale,
-                                                                       cfg.loss.norm_len),
-                                               data.mask[r], data.old_logp[r], data.advantages[r], kl_cfg=cfg.kl,
-                                               beta=beta, ref_logp=data.ref_logp[r], on_policy=on_policy)
-                        loss, cur = self._fused_loss(sub, fn, entropy=cfg.loss.entropy_coef != 0.0, **kw)
-                    else:
-                        cur = self._token_stats(self.policy, sub, entropy=True, **kw)
-                    old_logp = data.old_logp[r]
-                    if on_policy:
-                        acc.drift = max(acc.drift, _max_abs(cur.logprobs.detach() - old_logp, data.mask[r]))
-                        old_logp = cur.logprobs.detach()
-                    with torch.set_grad_enabled(not cfg.algo.fused_loss):
-                        loss_u, stats = policy_loss(cur.logprobs, old_logp, data.advantages[r], data.mask[r],
-                                                    cfg.loss, kl_cfg=cfg.kl, beta=beta, ref_logp=data.ref_logp[r],
-                                                    kl=cur.kl, entropy=cur.entropy, scale=scale)
-                    (loss if cfg.algo.fused_loss else loss_u).backward()
-                    acc.add(stats)
-                    if self.critic is not None:
-                        self._critic_backward(data, sub, r, scale, last)
+                    # the first mini-batch after the rollout is on-policy: its old policy IS the current one
+                    acc.add(self._micro_step(data, r, scale, on_policy=epoch == 0 and mb == 0,
+                                             last=i == len(micros) - 1))
                 sync_replicated_grads(self.policy, self.dp_group)
                 opt_stats.append(self.opt.step())
                 if self.critic is not None:
@@ -273,6 +264,38 @@ class RLTrainer:
                    skipped=sum(int(s.skipped) for s in opt_stats), skipped_total=opt_stats[-1].skipped_total,
                    early_stopped=stop_early, optimizer_steps=len(opt_stats))
         return out
+
+    def _micro_step(self, data: StepData, r: torch.Tensor, scale, on_policy: bool, last: bool) -> dict:
+        """Forward, loss and backward of the micro-batch of local rows `r`; returns its statistics.
+
+        One per-token loss (`TokenPolicyLoss`) serves both paths: with `algo.fused_loss` the fused head
+        calls it chunk by chunk and forms the gradient in its forward; otherwise the head returns
+        log-probs with grad and the loss is called once on all tokens. Either way the statistics
+        come from what the loss recorded while it ran, not from a second evaluation. On-policy
+        (first mini-batch), the old log-probs are the current ones, detached (ratio exactly 1);
+        `drift` is how far they were from the rollout's, a float-noise check."""
+        cfg = self.cfg
+        set_gradient_sync(self.policy, last)
+        sub = data.ro.select(r)
+        exact = cfg.kl.exact and cfg.kl.where == "loss"
+        kw = dict(kl=HEAD_DIRECTION[cfg.kl.direction] if exact else None,
+                  ref_hidden=data.ref_hidden[r] if exact else None, ref_weight=data.ref_weight if exact else None,
+                  entropy=cfg.loss.entropy_coef != 0.0)
+        fn = TokenPolicyLoss(cfg.loss, token_weights(data.mask[r], cfg.loss.agg, scale, cfg.loss.norm_len),
+                             data.mask[r], data.old_logp[r], data.advantages[r], kl_cfg=cfg.kl,
+                             beta=self.controller.beta, ref_logp=data.ref_logp[r], on_policy=on_policy)
+        if cfg.algo.fused_loss:
+            loss, cur = self._fused_loss(sub, fn, **kw)
+        else:
+            cur = self._token_stats(self.policy, sub, **kw)
+            flat = lambda t: None if t is None else t.reshape(-1)
+            loss = fn(flat(cur.logprobs), flat(cur.entropy), flat(cur.kl), slice(None)).sum()
+        loss.backward()
+        stats = fn.stats()
+        stats["drift"] = _max_abs(cur.logprobs.detach() - data.old_logp[r], data.mask[r]) if on_policy else 0.0
+        if self.critic is not None:
+            self._critic_backward(data, sub, r, scale, last)
+        return stats
 
     def _critic_backward(self, data: StepData, sub: Rollout, r, scale, last: bool) -> None:
         set_gradient_sync(self.critic, last)
@@ -294,7 +317,8 @@ class RLTrainer:
         mask, dpg = data.mask, self.dp_group
         kl_mean = float(masked_mean(data.kl, mask, dp_group=dpg))
         beta = self.controller.beta
-        new_beta = self.controller.update(kl_mean)
+        # Ziegler et al.'s clock: the KL was measured on this many samples (global); horizon is in samples
+        new_beta = self.controller.update(kl_mean, n_samples=cfg.rollout.prompts_per_step * cfg.rollout.group_size)
         synced = self.ref_sync.maybe_sync(step, kl_mean, self.policy, self.ref, self.opt)
         q = kl_quantiles(data.kl, mask, dp_group=dpg)
         pos_mean, _ = kl_by_position(data.kl, mask, n_buckets=min(8, cfg.rollout.max_new_tokens),

@@ -262,14 +262,15 @@ def test_policy_loss_combines_terms():
     loss, st = policy_loss(logp, old, adv, m, cfg, kl_cfg=KLConfig(estimator="k3+"), beta=0.2,
                            ref_logp=ref, entropy=ent)
     pg, _ = clipped_surrogate(logp, old, adv, m)
-    want = (aggregate(pg, m, cfg.agg) + 0.2 * aggregate(kl_estimate(logp, ref, "k3+"), m, cfg.agg)
+    w = torch.exp(logp.detach() - old)  # kl.is_weight="detached" (default): importance weight pi/pi_old
+    want = (aggregate(pg, m, cfg.agg) + 0.2 * aggregate(w * kl_estimate(logp, ref, "k3+"), m, cfg.agg)
             - 0.01 * aggregate(ent, m, cfg.agg))
     torch.testing.assert_close(loss, want, atol=1e-12, rtol=1e-12)
     assert set(st) >= {"pg_loss", "kl_loss", "entropy", "clipfrac", "ratio_mean", "approx_kl_old"}
     # KL in the reward: reported, not added
     loss_r, st_r = policy_loss(logp, old, adv, m, cfg, kl_cfg=KLConfig(where="reward"), beta=0.2,
                                ref_logp=ref, entropy=ent)
-    torch.testing.assert_close(loss_r, want - 0.2 * aggregate(kl_estimate(logp, ref, "k3+"), m, cfg.agg))
+    torch.testing.assert_close(loss_r, want - 0.2 * aggregate(w * kl_estimate(logp, ref, "k3+"), m, cfg.agg))
     # exact KL passed in directly
     kl_exact = torch.rand(2, 5, dtype=D, requires_grad=True)
     loss_e, _ = policy_loss(logp, old, adv, m, kl_cfg=KLConfig(exact=True), beta=0.5, kl=kl_exact)

@@ -18,16 +18,16 @@ def test_fixed_keeps_beta():
 def test_adaptive_ziegler_by_hand():
     c = KLController(KLControllerConfig(mode="adaptive", beta=0.1, target=6.0, horizon=10000))
     # kl=9: error = clip(9/6 - 1, -.2, .2) = 0.2; beta = 0.1 * (1 + 0.2 * 256 / 10000)
-    assert c.update(9.0, n_steps=256) == pytest.approx(0.1 * 1.00512, rel=1e-15)
+    assert c.update(9.0, n_samples=256) == pytest.approx(0.1 * 1.00512, rel=1e-15)
     # kl=6.6: error = 0.1; beta *= 1 + 0.1 * 100 / 10000
-    assert c.update(6.6, n_steps=100) == pytest.approx(0.1 * 1.00512 * 1.001, rel=1e-15)
+    assert c.update(6.6, n_samples=100) == pytest.approx(0.1 * 1.00512 * 1.001, rel=1e-15)
     # kl=0: error = -0.2 (clipped from -1); beta *= 1 - 0.2 * 1e4 / 1e4 = 0.8
-    assert c.update(0.0, n_steps=10000) == pytest.approx(0.1 * 1.00512 * 1.001 * 0.8, rel=1e-15)
+    assert c.update(0.0, n_samples=10000) == pytest.approx(0.1 * 1.00512 * 1.001 * 0.8, rel=1e-15)
 
 
 def test_adaptive_accepts_a_tensor():
     c = KLController(KLControllerConfig(mode="adaptive", beta=1.0, target=1.0, horizon=10))
-    assert c.update(torch.tensor(1.05), n_steps=1) == pytest.approx(1.0 + 0.05 * 0.1, rel=1e-6)
+    assert c.update(torch.tensor(1.05), n_samples=1) == pytest.approx(1.0 + 0.05 * 0.1, rel=1e-6)
 
 
 def test_threshold_by_hand():
@@ -64,20 +64,20 @@ def test_bounds_all_modes():
     c = KLController(KLControllerConfig(mode="threshold", beta=1.0, target=1.0, up=10.0, beta_max=3.0))
     assert c.update(5.0) == 3.0
     c = KLController(KLControllerConfig(mode="adaptive", beta=1.0, target=1.0, horizon=1.0, beta_min=0.9))
-    assert c.update(0.0, n_steps=1) == 0.9  # 1 * (1 - 0.2) = 0.8 -> 0.9
+    assert c.update(0.0, n_samples=1) == 0.9  # 1 * (1 - 0.2) = 0.8 -> 0.9
 
 
 def test_state_round_trip_exact():
     cfg = KLControllerConfig(mode="adaptive", beta=0.123456789, target=0.3, horizon=77, window=3)
     a = KLController(cfg)
     for kl in (0.31, 0.7, 0.01, 0.5):
-        a.update(kl, n_steps=5)
+        a.update(kl, n_samples=5)
     state = json.loads(json.dumps(a.state_dict()))  # plain python numbers survive JSON
     b = KLController(cfg)
     b.load_state_dict(state)
     assert b.beta == a.beta
     for kl in (0.2, 0.9):
-        assert a.update(kl, n_steps=3) == b.update(kl, n_steps=3)
+        assert a.update(kl, n_samples=3) == b.update(kl, n_samples=3)
     with pytest.raises(ValueError, match="expected keys"):
         b.load_state_dict({"beta": 1.0})
 

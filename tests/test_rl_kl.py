@@ -18,7 +18,7 @@ def _policy(seed):
     return theta, ref_logp
 
 
-def _expected_grad(theta, ref_logp, estimator, direction="forward"):
+def _expected_grad(theta, ref_logp, estimator, direction="pi_ref"):
     """E_{x~pi}[grad k(x)] by enumerating x, pi held fixed (on-policy sampling)."""
     logp = torch.log_softmax(theta, 0)
     k = kl_estimate(logp[None], ref_logp[None], estimator, direction=direction)[0]  # [K]
@@ -55,12 +55,12 @@ def test_unbiased_values_by_enumeration(seed):
     logp = torch.log_softmax(theta.detach(), 0)
     p = logp.exp()
     fwd, rev, _, _ = _analytic(theta, ref_logp)
-    mean = lambda est, d="forward": (p * kl_estimate(logp[None], ref_logp[None], est, direction=d)[0]).sum()
+    mean = lambda est, d="pi_ref": (p * kl_estimate(logp[None], ref_logp[None], est, direction=d)[0]).sum()
     for est in ("k1", "k3", "k1+", "k3+"):
         torch.testing.assert_close(mean(est), fwd, atol=1e-12, rtol=1e-12)
     assert abs(float(mean("k2") - fwd)) > 1e-4  # k2 is biased
     for est in ("k1", "k3"):
-        torch.testing.assert_close(mean(est, "reverse"), rev, atol=1e-12, rtol=1e-12)
+        torch.testing.assert_close(mean(est, "ref_pi"), rev, atol=1e-12, rtol=1e-12)
 
 
 def test_sampled_mean_within_standard_error():
@@ -81,13 +81,13 @@ def test_signs_and_identical_policies():
     logp = torch.randn(4, 9, generator=g) * 3
     ref = torch.randn(4, 9, generator=g) * 3
     assert (kl_estimate(logp, ref, "k3") >= 0).all()
-    assert (kl_estimate(logp, ref, "k3", direction="reverse") >= 0).all()
+    assert (kl_estimate(logp, ref, "k3", direction="ref_pi") >= 0).all()
     assert (kl_estimate(logp, ref, "k1") < 0).any()  # k1 keeps its sign
     same = logp.clone()
     for est in ESTIMATORS:
         assert torch.equal(kl_estimate(logp, same, est), torch.zeros_like(logp)), est
     for est in ("k1", "k3"):
-        assert torch.equal(kl_estimate(logp, same, est, direction="reverse"), torch.zeros_like(logp))
+        assert torch.equal(kl_estimate(logp, same, est, direction="ref_pi"), torch.zeros_like(logp))
 
 
 def test_straight_through_value_of_base_gradient_of_k2_per_token():
@@ -123,15 +123,15 @@ def test_dtype_and_errors():
         kl_estimate(lp, lp, "k4")
     with pytest.raises(ValueError, match=r"\(2, 3\).*\(3, 2\)"):
         kl_estimate(lp, lp.t(), "k1")
-    with pytest.raises(ValueError, match="reverse"):
-        kl_estimate(lp, lp, "k2", direction="reverse")
+    with pytest.raises(ValueError, match="ref_pi"):
+        kl_estimate(lp, lp, "k2", direction="ref_pi")
     with pytest.raises(ValueError, match="kl.estimator"):
         KLConfig(estimator="k5")
     with pytest.raises(ValueError, match="kl.where"):
         KLConfig(where="both")
-    with pytest.raises(ValueError, match="reverse"):
-        KLConfig(direction="reverse", estimator="k3+")
-    KLConfig(direction="reverse", exact=True, estimator="k3+")  # exact KL has both directions
+    with pytest.raises(ValueError, match="ref_pi"):
+        KLConfig(direction="ref_pi", estimator="k3+")
+    KLConfig(direction="ref_pi", exact=True, estimator="k3+")  # exact KL has both directions
 
 
 def _ref_masked(values, mask):

@@ -149,3 +149,67 @@ def test_fused_loss_equals_recomputing_head(singles):
     same steps as autograd through the recomputing fused head and rl.losses.policy_loss."""
     for name, ov in (("grpo", GRPO), ("ppo", PPO), ("exact", EXACT)):
         _compare(singles[name], _steps_and_logits(1, 1, ov + ["algo.fused_loss=false"]))
+
+
+def _with_padding(data, garbage: bool):
+    """`data` with its last response column turned into padding: either kept, masked, and filled with
+    garbage (NaN old log-prob, log(pi/ref) = -200, -inf advantage), or removed altogether."""
+    import dataclasses
+
+    from rl.rollout import Rollout
+
+    ro = data.ro
+    if garbage:
+        mask = data.mask.clone()
+        mask[:, -1] = False
+        old, ref, adv = data.old_logp.clone(), data.ref_logp.clone(), data.advantages.clone()
+        old[0, -1], adv[2, -1] = math.nan, -math.inf
+        ref[1, -1] = old[1, -1] + 200.0
+        ref[3, -1] = math.nan
+        ro2 = Rollout(ro.sequences, ro.attention_mask, mask, ro.prompt_len, ro.scores, ro.row_ids, ro.metas, [])
+        return dataclasses.replace(data, ro=ro2, mask=mask, old_logp=old, ref_logp=ref, advantages=adv)
+    cut = lambda t: None if t is None else t[:, :-1]
+    ro2 = Rollout(ro.sequences[:, :-1], ro.attention_mask[:, :-1], ro.response_mask[:, :-1], ro.prompt_len,
+                  ro.scores, ro.row_ids, ro.metas, [])
+    return dataclasses.replace(data, ro=ro2, mask=cut(data.mask), old_logp=cut(data.old_logp),
+                               ref_logp=cut(data.ref_logp), ref_hidden=cut(data.ref_hidden), kl=cut(data.kl),
+                               entropy=cut(data.entropy), advantages=cut(data.advantages))
+
+
+@pytest.mark.parametrize("ov", [["kl.estimator=k3"], ["algo.fused_loss=false"]])
+def test_update_ignores_garbage_at_padding(ov):
+    """Through RLTrainer.update (two epochs x two mini-batches, so old log-probs matter): NaN, -inf
+    and a log-ratio of -200 at padded positions leave the step finite, not skipped, and equal to
+    the step on the same data with the padding removed."""
+    torch.set_num_threads(1)
+    over = GRPO + ["algo.epochs=2", "algo.mini_batches=2", "kl_ctl.beta=0.5"] + ov
+    a, _ = _trainer(1, 1, over)
+    b, _ = _trainer(1, 1, over)
+    data = a.make_experience(0)
+    ra = a.update(_with_padding(data, True), 0)
+    rb = b.update(_with_padding(data, False), 0)
+    assert ra["skipped"] == 0 and math.isfinite(ra["grad_norm"]) and math.isfinite(ra["pg_loss"])
+    assert ra["grad_norm"] == pytest.approx(rb["grad_norm"], rel=1e-5)
+    # four AdamW steps (lr 1e-2) on differently shaped but equal fp32 problems: rounding noise only
+    for (n, p), q in zip(a.policy.named_parameters(), b.policy.parameters()):
+        assert float((p - q).abs().max()) < 1e-4, n
+
+
+def test_adaptive_controller_clock_through_the_trainer():
+    """KL held at 10x the target: each step multiplies beta by 1 + 0.2 * n / horizon with n the
+    step's samples (prompts_per_step x group_size = 16), Ziegler et al.'s clock."""
+    torch.set_num_threads(1)
+    trainer, _ = _trainer(1, 1, GRPO + ["kl_ctl.mode=adaptive", "kl_ctl.beta=0.1", "kl_ctl.target=0.05",
+                                        "kl_ctl.horizon=64", "train.steps=3"])
+    real = trainer.make_experience
+
+    def fixed_kl(step):
+        data = real(step)
+        data.kl = torch.where(data.mask, 0.5, 0.0)
+        return data
+
+    trainer.make_experience = fixed_kl
+    for s in range(3):
+        rec = trainer.step(s)
+        assert rec["kl_mean"] == pytest.approx(0.5)
+        assert rec["beta_next"] == pytest.approx(0.1 * (1 + 0.2 * 16 / 64) ** (s + 1), rel=1e-12)

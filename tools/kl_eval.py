@@ -10,8 +10,11 @@ and the statistics come from the vocab-parallel fused head -- no rank ever holds
 logits:
 
     logprob      log p(x_t)               policy      ref_logprob  log q(x_t)     reference
-    kl_exact     KL(p || q), full vocab   (forward)   entropy      H(p)
+    kl_exact     KL(p || q), full vocab   (pi_ref)    entropy      H(p)
     k1, k2, k3   sampled estimators of KL(p || q) from log p(x_t) - log q(x_t) (rl.kl.kl_estimate)
+
+p is the policy, q the reference: every KL here is KL(policy || reference), the direction rl.kl calls
+`pi_ref` (the RL-for-LLM literature's "reverse KL").
 
 R.json: {"policy", "ref", "tp", "dp", "sequences": [{"line", "response_start", "n_tokens", "logprob": [..],
 "ref_logprob", "kl_exact", "k1", "k2", "k3", "entropy", "sum": {"kl_exact", "k1", "k2", "k3"}}, ...],
@@ -44,7 +47,7 @@ from core.config import ModelConfig, from_dict
 from core.model import Transformer
 from parallel.dims import LayoutError, ParallelDims, init_parallel, kv_replica_group, launch_world_size, resolve_device
 from parallel.fused import fused_head
-from rl.kl import kl_estimate
+from rl.kl import HEAD_DIRECTION, kl_estimate
 
 FIELDS = ("logprob", "ref_logprob", "kl_exact", "k1", "k2", "k3", "entropy")
 
@@ -121,7 +124,8 @@ def score(policy: Transformer, ref: Transformer, toks: list[int], k: int, state)
 
     def head(h, w):
         return fused_head(h[0, k - 1:L - 1], w, targets, state.tp_group, vocab_size=V,
-                          ref_hidden=ref_h[0, k - 1:L - 1], ref_weight_local=ref_w, entropy=True, kl="forward")
+                          ref_hidden=ref_h[0, k - 1:L - 1], ref_weight_local=ref_w, entropy=True,
+                          kl=HEAD_DIRECTION["pi_ref"])
 
     out = policy(ids, head=head)
     logp, ref_logp = out.logprobs.double(), out.ref_logprobs.double()
