@@ -17,7 +17,10 @@ class RolloutConfig:
     group_size: int = 4  # samples per prompt (G)
     max_new_tokens: int = 12
     temperature: float = 1.0
-    top_k: int = 0
+    top_k: int = 0  # 0: off; else sample among the k largest logits (exact across vocabulary shards)
+    top_p: float = 1.0  # nucleus: keep tokens while the mass of strictly larger logits is below top_p
+    min_p: float = 0.0  # keep tokens with p >= min_p * max p
+    stop: list[str] = field(default_factory=list)  # stop strings (beside the tokenizer's EOS ids)
     eval_prompts: int = 0  # >0: also score this many fixed prompts greedily each eval_every steps
     eval_every: int = 10
 
@@ -27,6 +30,14 @@ class RolloutConfig:
                 raise ValueError(f"rollout.{k} must be >= 1, got {getattr(self, k)}")
         if self.temperature < 0:
             raise ValueError(f"rollout.temperature must be >= 0, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"rollout.top_p must be in (0, 1], got {self.top_p}")
+        if not 0.0 <= self.min_p < 1.0:
+            raise ValueError(f"rollout.min_p must be in [0, 1), got {self.min_p}")
+        if self.top_k < 0:
+            raise ValueError(f"rollout.top_k must be >= 0, got {self.top_k}")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise ValueError(f"rollout.stop must be a list of non-empty strings, got {self.stop!r}")
 
 
 @dataclass

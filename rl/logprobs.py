@@ -16,6 +16,7 @@ import torch
 
 from parallel.comm import copy_to_tp
 from parallel.fused import fused_head
+from parallel.fused_loss import fused_head_loss
 
 
 class TokenStats(NamedTuple):
@@ -28,16 +29,19 @@ def _response_hidden(h: torch.Tensor, prompt_len: int) -> torch.Tensor:
     return h[:, prompt_len - 1:-1]  # (B, N, H)
 
 
-def _through_head(model, sequences, attention_mask, prompt_len: int, tp_group, ref_hidden, fn):
+def _through_head(model, sequences, attention_mask, prompt_len: int, tp_group, ref_hidden, mask, fn):
     """Run `model` with a head that hands the response positions, flattened, to
-    fn(hidden [B*N, H] (copied to tp), weight_local, targets [B*N], ref_hidden [B*N, H] or None)."""
+    fn(hidden [B*N, H] (copied to tp), weight_local, targets [B*N], ref_hidden [B*N, H] or None,
+    mask [B*N] or None). `mask` [B, N] (the response mask) tells the fused heads which positions are
+    padding: those never reach a value or a gradient, whatever they hold."""
     targets = sequences[:, prompt_len:]  # (B, N)
     B, N = targets.shape
+    flat_mask = None if mask is None else mask.reshape(B * N)
 
     def head(h, w):
         hr = copy_to_tp(_response_hidden(h, prompt_len), tp_group).reshape(B * N, -1)
         rh = None if ref_hidden is None else ref_hidden.reshape(B * N, -1)
-        return fn(hr, w, targets.reshape(-1), rh)
+        return fn(hr, w, targets.reshape(-1), rh, flat_mask)
 
     return model(sequences, attention_mask=attention_mask, head=head), (B, N)
 
@@ -50,25 +54,29 @@ def _stats(out, shape) -> TokenStats:
 def policy_token_stats(model, sequences, attention_mask, prompt_len: int, *, tp_group=None, vocab_size: int,
                        temperature: float = 1.0, chunk_size: int = 1024, entropy: bool = True,
                        kl: str | None = None, ref_hidden: torch.Tensor | None = None,
-                       ref_weight: torch.Tensor | None = None) -> TokenStats:
+                       ref_weight: torch.Tensor | None = None, mask: torch.Tensor | None = None) -> TokenStats:
     """Log-probs (and entropy, exact KL against the given reference hidden states and head
-    weight) of the response tokens of `sequences` [B, P + N] under `model`."""
+    weight) of the response tokens of `sequences` [B, P + N] under `model`; 0 where `mask` [B, N]
+    is False."""
     out, shape = _through_head(
-        model, sequences, attention_mask, prompt_len, tp_group, ref_hidden,
-        lambda h, w, t, rh: fused_head(h, w, t, tp_group, vocab_size=vocab_size, ref_hidden=rh,
-                                       ref_weight_local=ref_weight, temperature=temperature,
-                                       chunk_size=chunk_size, entropy=entropy, kl=kl))
+        model, sequences, attention_mask, prompt_len, tp_group, ref_hidden, mask,
+        lambda h, w, t, rh, m: fused_head(h, w, t, tp_group, vocab_size=vocab_size, ref_hidden=rh,
+                                          ref_weight_local=ref_weight, temperature=temperature,
+                                          chunk_size=chunk_size, entropy=entropy, kl=kl, mask=m))
     return _stats(out, shape)
 
 
 @torch.no_grad()
 def logprobs_from_hidden(hidden: torch.Tensor, weight_local: torch.Tensor, targets: torch.Tensor, *, tp_group=None,
-                         vocab_size: int, temperature: float = 1.0, chunk_size: int = 1024) -> torch.Tensor:
+                         vocab_size: int, temperature: float = 1.0, chunk_size: int = 1024,
+                         mask: torch.Tensor | None = None) -> torch.Tensor:
     """Log-probs [B, N] of `targets` [B, N] from final hidden states [B, N, H] and a local head
-    weight [Vp/tp, H] (e.g. what `reference_hidden` returned): no second forward of the model."""
+    weight [Vp/tp, H] (e.g. what `reference_hidden` returned): no second forward of the model.
+    0 where `mask` [B, N] is False."""
     B, N = targets.shape
     out = fused_head(hidden.reshape(B * N, -1), weight_local, targets.reshape(-1), tp_group, vocab_size=vocab_size,
-                     temperature=temperature, chunk_size=chunk_size, entropy=False)
+                     temperature=temperature, chunk_size=chunk_size, entropy=False,
+                     mask=None if mask is None else mask.reshape(B * N))
     return out.logprobs.view(B, N)
 
 
@@ -88,15 +96,15 @@ def critic_values(critic, sequences, attention_mask, prompt_len: int) -> torch.T
 def policy_fused_loss(model, sequences, attention_mask, prompt_len: int, token_loss, *, tp_group=None,
                       vocab_size: int, temperature: float = 1.0, chunk_size: int = 1024, entropy: bool = False,
                       kl: str | None = None, ref_hidden: torch.Tensor | None = None,
-                      ref_weight: torch.Tensor | None = None) -> tuple[torch.Tensor, TokenStats]:
+                      ref_weight: torch.Tensor | None = None,
+                      mask: torch.Tensor | None = None) -> tuple[torch.Tensor, TokenStats]:
     """The policy loss over the response tokens through `parallel.fused_loss.fused_head_loss`
     (gradient formed in forward, no logits recomputed in backward). Returns (loss, detached
-    per-token stats [B, N])."""
-    from parallel.fused_loss import fused_head_loss
-
+    per-token stats [B, N]). Positions where `mask` [B, N] is False are dropped inside the head."""
     (loss, out), shape = _through_head(
-        model, sequences, attention_mask, prompt_len, tp_group, ref_hidden,
-        lambda h, w, t, rh: fused_head_loss(h, w, t, tp_group, token_loss=token_loss, vocab_size=vocab_size,
-                                            ref_hidden=rh, ref_weight_local=ref_weight, temperature=temperature,
-                                            chunk_size=chunk_size, entropy=entropy, kl=kl))
+        model, sequences, attention_mask, prompt_len, tp_group, ref_hidden, mask,
+        lambda h, w, t, rh, m: fused_head_loss(h, w, t, tp_group, token_loss=token_loss, vocab_size=vocab_size,
+                                               ref_hidden=rh, ref_weight_local=ref_weight,
+                                               temperature=temperature, chunk_size=chunk_size, entropy=entropy,
+                                               kl=kl, mask=m))
     return loss, _stats(out, shape)

@@ -116,9 +116,9 @@ def collect_rollout(policy, tokenizer, task, reward_fn, cfg: RolloutConfig, *, s
     row_ids = torch.tensor([(first + i) * G + j for i in range(len(prompts)) for j in range(G)], device="cpu")
     gen = generate(policy, ids.to(device), mask.to(device), max_new_tokens=cfg.max_new_tokens,
                    eos_id=tokenizer.eos_id, eos_ids=eos_ids_of(tokenizer), pad_id=tokenizer.pad_id,
-                   temperature=cfg.temperature, top_k=cfg.top_k, top_p=getattr(cfg, "top_p", 1.0),
-                   min_p=getattr(cfg, "min_p", 0.0),
-                   stop_check=stop_string_check(tokenizer, getattr(cfg, "stop", None)),
+                   temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p,
+                   min_p=cfg.min_p,
+                   stop_check=stop_string_check(tokenizer, cfg.stop),
                    vocab_limit=getattr(tokenizer, "vocab_size", None), seed=seed, step=step,
                    row_ids=row_ids.to(device), tp_group=tp_group, dp_group=dp_group)
     if stats is not None:

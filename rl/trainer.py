@@ -137,6 +137,7 @@ class RLTrainer:
         self.tp_group, self.dp_group = state.tp_group, state.dp_group
         self.world_group = None if state.mesh is None else torch.distributed.group.WORLD
         self.timer = PhaseTimer(state.device)
+        self.rollout_stats: dict = {}  # this rank's last generation: rollout_tokens, rollout_s
         if cfg.algo.name == "ppo" and critic is None:
             raise ValueError("algo.name='ppo' needs a critic")
 
@@ -146,12 +147,12 @@ class RLTrainer:
     def _token_stats(self, model, ro: Rollout, **kw):
         return policy_token_stats(model, ro.sequences, ro.attention_mask, ro.prompt_len, tp_group=self.tp_group,
                                   vocab_size=self.vocab, temperature=self._temperature,
-                                  chunk_size=self.cfg.algo.kl_chunk_size, **kw)
+                                  chunk_size=self.cfg.algo.kl_chunk_size, mask=ro.response_mask, **kw)
 
     def _fused_loss(self, ro: Rollout, token_loss, **kw):
         return policy_fused_loss(self.policy, ro.sequences, ro.attention_mask, ro.prompt_len, token_loss,
                                  tp_group=self.tp_group, vocab_size=self.vocab, temperature=self._temperature,
-                                 chunk_size=self.cfg.algo.kl_chunk_size, **kw)
+                                 chunk_size=self.cfg.algo.kl_chunk_size, mask=ro.response_mask, **kw)
 
     @property
     def _temperature(self) -> float:
@@ -164,14 +165,15 @@ class RLTrainer:
         with self.timer("rollout"):
             ro = collect_rollout(self.policy, self.tok, self.task, self.reward_fn, cfg.rollout, seed=cfg.train.seed,
                                  step=step, dp_rank=st.dp_rank, dp_size=st.dims.dp, tp_group=self.tp_group,
-                                 dp_group=self.dp_group, device=st.device, world_group=self.world_group)
+                                 dp_group=self.dp_group, device=st.device, world_group=self.world_group,
+                                 stats=self.rollout_stats)
         mask = ro.response_mask
         exact = cfg.kl.exact
         with self.timer("ref_logprobs"):
             ref_h, ref_w = reference_hidden(self.ref, ro.sequences, ro.attention_mask, ro.prompt_len)
             ref_logp = logprobs_from_hidden(ref_h, ref_w, ro.responses_ids, tp_group=self.tp_group,
                                             vocab_size=self.vocab, temperature=self._temperature,
-                                            chunk_size=cfg.algo.kl_chunk_size)
+                                            chunk_size=cfg.algo.kl_chunk_size, mask=mask)
         with self.timer("old_logprobs"):
             kl_dir = HEAD_DIRECTION[cfg.kl.direction] if exact else None
             old = self._token_stats(self.policy, ro, entropy=True, kl=kl_dir, ref_hidden=ref_h, ref_weight=ref_w)
@@ -344,6 +346,8 @@ class RLTrainer:
                "grad_norm": upd["grad_norm"], "lr": upd["lr"], "skipped": upd["skipped"],
                "skipped_total": upd["skipped_total"], "early_stopped": upd["early_stopped"],
                "samples": int(n), "response_len": tokens / n, "tokens_per_s": tokens / max(elapsed, 1e-9),
+               # response tokens of every DP rank over this rank's generation time (the ranks decode in step)
+               "rollout_tokens_per_s": tokens / max(self.rollout_stats.get("rollout_s", 0.0), 1e-9),
                "logp_drift": upd["logp_drift"], "ref_synced": synced, "step_time_s": elapsed,
                **times, **peak_memory(self.state.device)}
         if "critic_grad_norm" in upd:

@@ -118,7 +118,6 @@ GRAPH = scan()
 # which needs importlib; that one stays.
 KNOWN = {
     "rl.rewards": ["imports importlib"],
-    "rl.logprobs": ["imports parallel.fused_loss inside a function"],
 }
 
 
