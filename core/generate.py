@@ -38,7 +38,7 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
 def gumbel_noise(seed: int, step: int, row_ids: torch.Tensor, position: int, vocab_ids: torch.Tensor) -> torch.Tensor:
     """Gumbel(0, 1) noise [B, Vl] for rows `row_ids` [B] at one `position`, for global vocabulary
     ids `vocab_ids` [Vl]; identical whichever rank or layout evaluates it."""
-    h = _mix32(torch.tensor(seed, dtype=torch.int64) ^ 0x9E3779B9)
+    h = _mix32(torch.tensor(seed, dtype=torch.int64, device=row_ids.device) ^ 0x9E3779B9)
     h = _mix32(h ^ step)
     h = _mix32(h.view(1) ^ row_ids.to(torch.int64))  # (B,)
     h = _mix32(h ^ position)
@@ -126,7 +126,7 @@ def generate(model: Transformer, prompt_ids: torch.Tensor, prompt_mask: torch.Te
     if total > cfg.max_seq_len:
         raise ValueError(f"prompt length {P} + max_new_tokens {max_new_tokens} exceeds model.max_seq_len "
                          f"{cfg.max_seq_len}")
-    dtype = model.embed.weight.dtype
+    dtype = model.activation_dtype  # bf16 when the model computes in bf16
     cache = KVCache.empty(cfg, B, total, model.tp, dev, dtype)
     seqs = torch.full((B, total), pad_id, dtype=torch.long, device=dev)
     seqs[:, :P] = prompt_ids

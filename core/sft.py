@@ -15,7 +15,6 @@ rank has, so every rank raises the same error and none hangs.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import sys
 
@@ -38,7 +37,7 @@ from core.optim import OptimConfigError, build_optimizer, check_optim_config
 from core.tokenizer import TokenizerError, load_tokenizer
 from parallel.comm import all_reduce
 from parallel.dims import LayoutError, ParallelDims, init_parallel, seed_everything, tp_subgroup
-from parallel.fsdp import FSDPOptions, is_fsdp, parallelize, set_gradient_sync, sync_replicated_grads
+from parallel.fsdp import FSDPOptions, parallelize, set_gradient_sync, sync_replicated_grads
 from parallel.layers import vocab_parallel_logits
 
 # errors that mean "this config or launch cannot work": reported as one line, exit status 2
@@ -126,9 +125,9 @@ def train(cfg: SFTConfig) -> dict:
                        activation_checkpointing=p.activation_checkpointing, cpu_offload=p.cpu_offload)
     model = parallelize(model, state.dp_mesh, opts)
     model.train()
-    # without FSDP, bf16 means autocast over fp32 weights
-    autocast = (torch.autocast(device.type, dtype=torch.bfloat16)
-                if p.mixed_precision == "bf16" and not is_fsdp(model) else contextlib.nullcontext())
+    model.set_mixed_precision(p.mixed_precision)  # bf16: autocast over the fp32 master weights
+    if cfg.train.compile:
+        model.compile_blocks()
     opt = build_optimizer(model, cfg.optim, m, cfg.train.steps, state.tp_group, state.dp_group)
     loader = SequenceLoader(tokens, cfg.data.seq_len, cfg.data.micro_batch_size, cfg.train.seed,
                             state.dp_rank, dims.dp)
@@ -164,9 +163,8 @@ def train(cfg: SFTConfig) -> dict:
             for i, b in enumerate(batches):
                 set_gradient_sync(model, i == len(batches) - 1)
                 targets = b.targets.to(device)
-                with autocast:
-                    loss_tok = model(b.input_ids.to(device), head=cross_entropy_head(targets, state.tp_group,
-                                                                                     m.vocab_size))
+                loss_tok = model(b.input_ids.to(device), head=cross_entropy_head(targets, state.tp_group,
+                                                                                 m.vocab_size))
                 loss = loss_tok.float().sum() / n_tokens
                 loss.backward()
                 loss_sum += loss.detach()

@@ -88,7 +88,7 @@ def _masked_stats(x: torch.Tensor, m: torch.Tensor, empty: float) -> tuple[torch
     """(mean, min, max) of x over valid positions, detached; `empty` for all three when none."""
     x = x.detach().float()
     if not m.any():
-        e = torch.tensor(empty)
+        e = torch.tensor(empty, device=x.device)
         return e, e.clone(), e.clone()
     v = x[m]
     return v.mean(), v.min(), v.max()
@@ -140,7 +140,7 @@ def clipped_surrogate(logp: torch.Tensor, old_logp: torch.Tensor, advantages: to
         "ratio_mean": r_mean, "ratio_min": r_min, "ratio_max": r_max,
         "approx_kl_old": torch.where(m, torch.expm1(lr) - lr, torch.zeros((), dtype=dt, device=lr.device)).sum().float()
         / max(n, 1),
-        "valid_tokens": torch.tensor(float(n)),
+        "valid_tokens": torch.tensor(float(n), device=lr.device),
     }
     return loss, stats
 

@@ -107,7 +107,7 @@ def score_responses(reward_fn: RewardFn, metas: Sequence[dict], responses: Seque
             raise ValueError(f"reward for prompt {i}, sample {j} is {r} (not finite); response "
                              f"{resp[:80]!r}")
         out.append(r)
-    return torch.tensor(out, dtype=torch.float32)
+    return torch.tensor(out, dtype=torch.float32, device="cpu")
 
 
 def _comm_device(group, t: torch.Tensor) -> torch.device:

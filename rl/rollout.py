@@ -38,7 +38,7 @@ class Rollout:
 
 def raise_everywhere(error: str | None, group=None) -> None:
     """Raise on every rank of `group` if any rank has an error, so none is left in a collective."""
-    flag = torch.tensor([0.0 if error is None else 1.0])
+    flag = torch.tensor([0.0 if error is None else 1.0], device=comm.collective_device(group))
     comm.all_reduce(flag, "max", group)  # did any rank fail?
     if flag.item() > 0:
         raise ValueError(error or "another rank failed (see its error above)")
@@ -57,10 +57,10 @@ def step_prompts(task, n_global: int, seed: int, step: int, dp_rank: int, dp_siz
 def left_pad(rows: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Token lists -> ids [B, P] and mask [B, P], right-aligned (left padding)."""
     P = max(len(r) for r in rows)
-    ids = torch.full((len(rows), P), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(rows), P), dtype=torch.long)
+    ids = torch.full((len(rows), P), pad_id, dtype=torch.long, device="cpu")
+    mask = torch.zeros((len(rows), P), dtype=torch.long, device="cpu")
     for i, r in enumerate(rows):
-        ids[i, P - len(r):] = torch.tensor(r, dtype=torch.long)
+        ids[i, P - len(r):] = torch.tensor(r, dtype=torch.long, device="cpu")
         mask[i, P - len(r):] = 1
     return ids, mask
 
@@ -83,7 +83,7 @@ def collect_rollout(policy, tokenizer, task, reward_fn, cfg: RolloutConfig, *, s
     metas = [m for _, m in prompts]
     rows = [[tokenizer.bos_id] + tokenizer.encode(p) for p, _ in prompts for _ in range(G)]
     ids, mask = left_pad(rows, tokenizer.pad_id)
-    row_ids = torch.tensor([(first + i) * G + j for i in range(len(prompts)) for j in range(G)])
+    row_ids = torch.tensor([(first + i) * G + j for i in range(len(prompts)) for j in range(G)], device="cpu")
     gen = generate(policy, ids.to(device), mask.to(device), max_new_tokens=cfg.max_new_tokens,
                    eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id, temperature=cfg.temperature,
                    top_k=cfg.top_k, seed=seed, step=step, row_ids=row_ids.to(device), tp_group=tp_group,

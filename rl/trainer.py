@@ -71,7 +71,7 @@ class _UpdateStats:
             self.rmin, self.rmax = min(self.rmin, float(stats["ratio_min"])), max(self.rmax, float(stats["ratio_max"]))
 
     def epoch_approx_kl(self, dp_group) -> float:
-        t = torch.tensor(self.epoch_kl, dtype=torch.float64)
+        t = torch.tensor(self.epoch_kl, dtype=torch.float64, device=comm.collective_device(dp_group))
         comm.all_reduce(t, "sum", dp_group)  # token-weighted drift from the old policy over DP
         self.epoch_kl = [0.0, 0.0]
         return float(t[0] / t[1].clamp(min=1))
@@ -80,9 +80,9 @@ class _UpdateStats:
         # each rank's micro-batch losses add up to its share of the mini-batch loss; shares add over DP
         vals = [sum(self.scaled[k]) / max(len(self.scaled[k]), 1) for k in self.SCALED]
         vals += [self.wsum[k] for k in self.WEIGHTED] + [self.tokens]
-        t = torch.tensor(vals, dtype=torch.float64)
+        t = torch.tensor(vals, dtype=torch.float64, device=comm.collective_device(dp_group))
         comm.all_reduce(t, "sum", dp_group)  # loss shares and token-weighted sums over DP
-        mm = torch.tensor([-self.rmin, self.rmax, self.drift], dtype=torch.float64)
+        mm = torch.tensor([-self.rmin, self.rmax, self.drift], dtype=torch.float64, device=t.device)
         comm.all_reduce(mm, "max", dp_group)  # extreme ratios and the largest log-prob drift over DP
         out = {k: float(t[i]) for i, k in enumerate(self.SCALED)}
         n = max(float(t[-1]), 1.0)
@@ -208,8 +208,8 @@ class RLTrainer:
         for rid in row_ids.tolist():
             prompt, j = divmod(rid, G)
             g = torch.Generator().manual_seed(self.cfg.train.seed * 1_000_003 + step * 7919 + epoch * 131 + prompt)
-            pos.append(prompt * G + int(torch.randperm(G, generator=g)[j]))
-        mb = torch.tensor(pos) % n
+            pos.append(prompt * G + int(torch.randperm(G, generator=g, device="cpu")[j]))
+        mb = torch.tensor(pos, device="cpu") % n
         return [torch.nonzero(mb == k).flatten().to(self.state.device) for k in range(n)]
 
     def _micro_batches(self, rows: torch.Tensor) -> list[torch.Tensor]:
