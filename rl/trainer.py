@@ -125,7 +125,8 @@ class RLTrainer:
         self.vocab = policy.cfg.vocab_size
         self.tp_group, self.dp_group = state.tp_group, state.dp_group
         self.world_group = None if state.mesh is None else torch.distributed.group.WORLD
-        self.timer = PhaseTimer(state.device)
+        self.timer = PhaseTimer(state.device, memory={"rollout": "rollout", "ref_logprobs": "ref",
+                                                      "old_logprobs": "old", "update": "update"})
         if cfg.algo.name == "ppo" and critic is None:
             raise ValueError("algo.name='ppo' needs a critic")
 
