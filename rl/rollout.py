@@ -68,7 +68,8 @@ def left_pad(rows: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Te
 def decode_responses(tokenizer, gen_tokens: torch.Tensor, response_mask: torch.Tensor) -> list[str]:
     out = []
     for toks, m in zip(gen_tokens.tolist(), response_mask.tolist()):
-        ids = [t for t, keep in zip(toks, m) if keep and t != tokenizer.eos_id]
+        # ids past the tokenizer (a model vocabulary padded beyond it, as Qwen2.5's) have no text
+        ids = [t for t, keep in zip(toks, m) if keep and t != tokenizer.eos_id and t < tokenizer.vocab_size]
         out.append(tokenizer.decode(ids))
     return out
 
