@@ -211,6 +211,14 @@ class Transformer(nn.Module):
         self.compute_dtype = torch.bfloat16 if mode == "bf16" else None
         return self
 
+    def cast_weights(self, dtype: torch.dtype) -> Transformer:
+        """Store the parameters in `dtype` (e.g. a bf16 reference); the rotary inverse frequencies
+        stay fp32 (in bf16 the angle position * inv_freq would be off by radians at long positions)."""
+        inv_freq = self.inv_freq
+        self.to(dtype)
+        self.inv_freq = inv_freq
+        return self
+
     @property
     def activation_dtype(self) -> torch.dtype:
         """The dtype of attention inputs and of the KV cache: the compute dtype, else the weights'."""

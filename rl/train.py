@@ -84,7 +84,7 @@ def assemble(cfg: RLConfig, state, model_cfg, tokenizer, policy, ref, critic=Non
     if cfg.train.compile:
         policy.compile_blocks()
     if cfg.reference.dtype == "bf16":  # bf16 weights, half the memory; its KL path stays fp32 (fused heads)
-        ref = ref.to(torch.bfloat16)
+        ref = ref.cast_weights(torch.bfloat16)
     ref = parallelize(freeze(ref), state.dp_mesh, FSDPOptions(fsdp=p.fsdp, mixed_precision=p.mixed_precision,
                                                                cpu_offload=cfg.reference.cpu_offload))
     ref.set_mixed_precision(p.mixed_precision)

@@ -8,7 +8,7 @@ import subprocess
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SECTIONS = ("layout", "hf_parity", "mfu_eager", "mfu_compile", "grpo_tiny", "grpo_0p5b", "kl_head", "bf16_kl")
+SECTIONS = ("layout", "hf_parity", "mfu_eager", "grpo_tiny", "grpo_0p5b", "kl_head", "bf16_kl", "mfu_compile")
 
 
 @pytest.mark.slow

@@ -110,6 +110,7 @@ def test_bf16_grpo_steps_with_bf16_reference_close_to_fp32():
         if name == "bf16":
             assert all(p.dtype == torch.float32 for p in trainer.policy.parameters()), "master weights fp32"
             assert all(p.dtype == torch.bfloat16 for p in trainer.ref.parameters()), "reference in bf16"
+            assert trainer.ref.inv_freq.dtype == torch.float32, "rotary frequencies stay fp32"
             assert trainer.policy.compute_dtype == torch.bfloat16
     for a, b in zip(recs["fp32"], recs["bf16"]):
         for k in ("reward_mean", "entropy", "pg_loss", "grad_norm"):
@@ -122,3 +123,37 @@ def test_bf16_grpo_steps_with_bf16_reference_close_to_fp32():
     assert recs["bf16"][0]["peak_mem_phase_kind"] in ("cpu_rss_hwm", "cpu_max_rss")
     assert recs["bf16"][0]["peak_mem_bytes"] >= max(recs["bf16"][0][f"peak_mem_{k}_bytes"]
                                                    for k in ("rollout", "ref", "old", "update"))
+
+
+@pytest.mark.slow
+def test_compiled_blocks_match_eager_and_decoding_stays_eager():
+    from core.generate import generate
+
+    torch.manual_seed(2)
+    ids = torch.randint(3, 200, (2, 12))
+    model = build_model(MC, seed=7)
+    with torch.no_grad():
+        eager = model(ids)
+        greedy = generate(model, ids[:, :5], torch.ones(2, 5, dtype=torch.long), max_new_tokens=4, eos_id=None,
+                          pad_id=0, temperature=0.0).sequences
+    model.compile_blocks()
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids), eager, atol=1e-5, rtol=1e-5)
+        again = generate(model, ids[:, :5], torch.ones(2, 5, dtype=torch.long), max_new_tokens=4, eos_id=None,
+                         pad_id=0, temperature=0.0).sequences
+    assert torch.equal(again, greedy)
+    assert not any(n.startswith("_compiled") or "_orig_mod" in n for n, _ in model.named_parameters()), \
+        "compiling must not rename parameters (checkpoints)"
+
+
+@pytest.mark.slow
+def test_sft_train_compile_matches_eager(tmp_path):
+    from core.sft import train
+
+    losses = {}
+    for c in ("false", "true"):
+        cfg = load_config(SFTConfig, "configs/sft_tiny.yaml",
+                          [f"train.compile={c}", "train.steps=3", "train.progress=false",
+                           f"train.out_dir={tmp_path / c}", "model.hidden_size=32", "model.intermediate_size=64"])
+        losses[c] = train(cfg)["losses"]
+    assert losses["true"] == pytest.approx(losses["false"], rel=1e-5)

@@ -51,7 +51,7 @@ def check_kind(kind: str, root: str, device, world: int, rank: int) -> float:
 
     seq = 8 if kind == "mistral" else 24  # mistral: within its sliding window
     ids = IDS[:, :seq].to(device)
-    hf = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, torch_dtype=torch.float32).to(device).eval()
+    hf = transformers.AutoModelForCausalLM.from_pretrained(hf_dir).float().to(device).eval()
     cfg = from_dict(ModelConfig, read_manifest(ckpt)["model_config"])
     model = Transformer(cfg, state.tp_group, device="meta").to_empty(device=device)
     load_model_weights(model, ckpt, state)
