@@ -1,7 +1,11 @@
 """Training throughput and MFU of a ~1B Llama (the Llama-3.2-1B shape) in bf16 with FSDP2.
 
-    torchrun --nproc_per_node N -m bench.bench_mfu [--tp 1] [--seq 2048] [--mb 4] [--steps 10] [--ac]
-    python -m bench.bench_mfu --cpu        # CPU fallback: a tiny model, 3 steps (checks the path only)
+    torchrun --nproc_per_node N -m bench.bench_mfu [--tp 1] [--seq 2048] [--mb 4] [--steps 10] [--ac] [--compile]
+    python -m bench.bench_mfu --cpu [--model tiny|mid] [--compile] [--dtype fp32|bf16]   # CPU: path check / timing
+
+`--compile` torch.compiles each transformer block (core.model.Transformer.compile_blocks);
+`compile_s` is the wall time of the warm-up steps (compilation happens there), `step_s` the mean
+of the timed steps after it.
 
 One step = forward + backward (loss from kltron's vocab-parallel cross entropy inside forward) +
 clip + AdamW, on random tokens; the first `--warmup` steps are not timed. With dp > 1 the model is
@@ -17,8 +21,8 @@ scores and values; causal masking not discounted, as in the PaLM / Megatron conv
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
+import os
 import sys
 import time
 
@@ -37,6 +41,9 @@ LLAMA_1B = ModelConfig(vocab_size=128256, hidden_size=2048, n_layers=16, n_heads
                        intermediate_size=8192, max_seq_len=8192, rope_theta=500000.0, tie_embeddings=True)
 TINY = ModelConfig(vocab_size=256, hidden_size=64, n_layers=2, n_heads=4, n_kv_heads=2, intermediate_size=176,
                    max_seq_len=128)
+MID = ModelConfig(vocab_size=4096, hidden_size=256, n_layers=4, n_heads=8, n_kv_heads=4, intermediate_size=704,
+                  max_seq_len=256)  # ~5M parameters: a CPU-sized stand-in where compile can pay off
+MODELS = {"tiny": TINY, "mid": MID, "1b": LLAMA_1B}
 PEAK_BF16 = {"H100": 989e12, "H200": 989e12, "H800": 989e12, "A100": 312e12, "A800": 312e12}
 
 
@@ -56,60 +63,57 @@ def peak_flops(device: torch.device, override_tflops: float | None) -> float | N
     return next((v for k, v in PEAK_BF16.items() if k in name), None)
 
 
-def parse_args(argv=None) -> argparse.Namespace:
+def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--cpu", action="store_true", help="tiny model on CPU (checks the code path)")
+    ap.add_argument("--cpu", action="store_true", help="run on the CPU (default model: tiny)")
+    ap.add_argument("--model", choices=sorted(MODELS), default=None, help="default: 1b on GPU, tiny on CPU")
+    ap.add_argument("--dtype", choices=["bf16", "fp32"], default=None, help="default: bf16 on GPU, fp32 on CPU")
+    ap.add_argument("--compile", action="store_true", help="torch.compile each transformer block")
     ap.add_argument("--tp", type=int, default=1)
-    ap.add_argument("--seq", type=int, default=2048)
-    ap.add_argument("--mb", type=int, default=4, help="sequences per DP rank per step")
-    ap.add_argument("--steps", type=int, default=10)
-    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--seq", type=int, default=None, help="default 2048 (GPU), 64 (CPU)")
+    ap.add_argument("--mb", type=int, default=None, help="sequences per DP rank per step; default 4 (GPU), 2 (CPU)")
+    ap.add_argument("--steps", type=int, default=None, help="timed steps; default 10 (GPU), 3 (CPU)")
+    ap.add_argument("--warmup", type=int, default=None, help="untimed first steps; default 3 (GPU), 1 (CPU)")
     ap.add_argument("--ac", action="store_true", help="activation checkpointing per block")
     ap.add_argument("--peak-tflops", type=float, default=None)
     ap.add_argument("--json", default=None)
-    return ap.parse_args(argv)
+    args = ap.parse_args(argv)
+    cuda = torch.cuda.is_available() and not args.cpu
+    for k, gpu, cpu in (("model", "1b", "tiny"), ("dtype", "bf16", "fp32"), ("seq", 2048, 64), ("mb", 4, 2),
+                        ("steps", 10, 3), ("warmup", 3, 1)):
+        if getattr(args, k) is None:
+            setattr(args, k, gpu if cuda else cpu)
+    return args, cuda
 
 
-def time_steps(step, args, device, cuda: bool) -> tuple[float, float]:
-    """`args.warmup` untimed steps, then the mean seconds of `args.steps` -> (seconds, last loss)."""
-    for _ in range(args.warmup):
-        step()
-    if cuda:
-        torch.cuda.synchronize(device)
-        torch.cuda.reset_peak_memory_stats(device)
-    t0 = time.perf_counter()
-    for _ in range(args.steps):
-        loss = step()
-    if cuda:
-        torch.cuda.synchronize(device)
-    return (time.perf_counter() - t0) / args.steps, loss
+def _build(args, cfg, state, device):
+    kv_group = kv_replica_group(state, cfg.n_kv_heads)
+    model = build_model(cfg, state.tp_group, kv_group, seed=0, device=device)
+    model = parallelize(model, state.dp_mesh, FSDPOptions(mixed_precision=args.dtype,
+                                                          activation_checkpointing=args.ac))
+    model.set_mixed_precision(args.dtype)  # without FSDP: autocast over fp32 weights; with it a no-op
+    if args.compile:
+        model.compile_blocks()
+    return model
 
 
 def main(argv=None) -> dict:
-    args = parse_args(argv)
-    cuda = torch.cuda.is_available() and not args.cpu
-    cfg = LLAMA_1B if cuda else TINY
+    args, cuda = parse_args(argv)
+    cfg = MODELS[args.model]
     if not cuda:
-        args.seq, args.mb, args.steps, args.warmup = 64, 2, 3, 1
-        torch.set_num_threads(1)  # tiny matmuls: threads only contend
+        torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     device = resolve_device("cuda" if cuda else "cpu")
     dims = ParallelDims(launch_world_size() // args.tp, args.tp)
     state = init_parallel(dims, device, cfg.n_heads, cfg.n_kv_heads)
-    kv_group = kv_replica_group(state, cfg.n_kv_heads)
-    model = build_model(cfg, state.tp_group, kv_group, seed=0, device=device)
-    model = parallelize(model, state.dp_mesh, FSDPOptions(mixed_precision="bf16" if cuda else "fp32",
-                                                          activation_checkpointing=args.ac))
-    autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if cuda and not is_fsdp(model)
-                else contextlib.nullcontext())
+    model = _build(args, cfg, state, device)
     opt = build_optimizer(model, OptimConfig(lr=1e-4, warmup_steps=0, schedule="constant"), cfg,
                           args.steps + args.warmup, state.tp_group, state.dp_group)
     g = torch.Generator().manual_seed(1 + state.dp_rank)  # each DP rank its own tokens, same over TP
     n_global_tokens = dims.dp * args.mb * args.seq
 
     def step() -> float:
-        ids = torch.randint(0, cfg.vocab_size, (args.mb, args.seq + 1), generator=g).to(device)
-        with autocast:
-            loss_tok = model(ids[:, :-1], head=cross_entropy_head(ids[:, 1:], state.tp_group, cfg.vocab_size))
+        ids = torch.randint(0, cfg.vocab_size, (args.mb, args.seq + 1), generator=g, device="cpu").to(device)
+        loss_tok = model(ids[:, :-1], head=cross_entropy_head(ids[:, 1:], state.tp_group, cfg.vocab_size))
         loss = loss_tok.float().sum() / n_global_tokens
         loss.backward()
         opt.step()
@@ -117,23 +121,45 @@ def main(argv=None) -> dict:
         all_reduce(total, "sum", state.dp_group)  # each DP rank holds its share of the global mean
         return float(total)
 
-    dt, loss = time_steps(step, args, device, cuda)
+    def sync():
+        if cuda:
+            torch.cuda.synchronize(device)
+
+    t_w = time.perf_counter()
+    for _ in range(args.warmup):
+        step()
+    sync()
+    compile_s = time.perf_counter() - t_w
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(device)
+    t0 = time.perf_counter()
+    for _ in range(args.steps):
+        loss = step()
+    sync()
+    dt = (time.perf_counter() - t0) / args.steps
+    return _report(args, cfg, dims, device, cuda, model, state, dt, compile_s, loss, n_global_tokens)
+
+
+def _report(args, cfg, dims, device, cuda, model, state, dt, compile_s, loss, n_global_tokens) -> dict:
     tokens_per_s = n_global_tokens / dt
     per_gpu = tokens_per_s / dims.world_size
     peak = peak_flops(device, args.peak_tflops)
     mfu = per_gpu * flops_per_token(cfg, args.seq) / peak if peak else None
     n_params = sum(p.numel() for p in model.parameters())  # local shards
     res = {"device": torch.cuda.get_device_name(device) if cuda else "cpu", "world": dims.world_size,
+           "model": args.model, "dtype": args.dtype, "compile": args.compile,
            "dp": dims.dp, "tp": dims.tp, "fsdp": is_fsdp(model), "ac": args.ac, "seq": args.seq, "mb": args.mb,
-           "step_s": dt, "tokens_per_s": tokens_per_s, "tokens_per_s_per_gpu": per_gpu, "mfu": mfu, "loss": loss,
-           "peak_mem_gib": torch.cuda.max_memory_allocated(device) / 2**30 if cuda else None,
+           "step_s": dt, "compile_s": compile_s, "warmup_steps": args.warmup, "tokens_per_s": tokens_per_s,
+           "tokens_per_s_per_gpu": per_gpu, "flops_per_token": flops_per_token(cfg, args.seq), "mfu": mfu,
+           "loss": loss, "peak_mem_gib": torch.cuda.max_memory_allocated(device) / 2**30 if cuda else None,
            "local_params": n_params}
     if state.is_main:
         mfu_s = f"{100 * mfu:.1f}%" if mfu is not None else "n/a (no GPU peak known)"
-        print(f"bench_mfu: {res['device']} x{dims.world_size} dp={dims.dp} tp={dims.tp} fsdp={res['fsdp']} "
-              f"ac={args.ac} seq={args.seq} mb={args.mb}: {dt * 1e3:.0f} ms/step, {tokens_per_s:,.0f} tok/s "
-              f"({per_gpu:,.0f}/GPU), MFU {mfu_s}, loss {loss:.3f}"
-              + (f", peak {res['peak_mem_gib']:.1f} GiB" if cuda else ""), file=sys.stderr)
+        print(f"bench_mfu: {res['device']} x{dims.world_size} {args.model} {args.dtype} compile={args.compile} "
+              f"dp={dims.dp} tp={dims.tp} fsdp={res['fsdp']} ac={args.ac} seq={args.seq} mb={args.mb}: "
+              f"warm-up {compile_s:.1f}s, {dt * 1e3:.0f} ms/step, {tokens_per_s:,.0f} tok/s ({per_gpu:,.0f}/GPU), "
+              f"MFU {mfu_s}, loss {loss:.3f}" + (f", peak {res['peak_mem_gib']:.1f} GiB" if cuda else ""),
+              file=sys.stderr)
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(res, f, indent=1)

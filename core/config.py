@@ -117,6 +117,7 @@ class TrainConfig:
     verify_checkpoints: bool = True  # hash every checkpoint file a load opens; resume falls back to one that verifies
     progress: bool = True
     device: str = "auto"  # "auto", "cpu" or "cuda"
+    compile: bool = False  # torch.compile each transformer block (full-sequence forwards; decoding stays eager)
 
 
 @dataclass

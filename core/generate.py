@@ -134,7 +134,7 @@ def generate(model: Transformer, prompt_ids: torch.Tensor, prompt_mask: torch.Te
     stopper = _Stopper(stops, stop_sequences, stop_check, dev)
     sample_kw = dict(vocab_size=vocab, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed,
                      step=step, tp_group=tp_group, compile=compile_sampler)
-    cache = KVCache.empty(cfg, B, total, model.tp, dev, model.embed.weight.dtype)
+    cache = KVCache.empty(cfg, B, total, model.tp, dev, model.activation_dtype)  # bf16 when computing in bf16
     seqs = torch.full((B, total), pad_id, dtype=torch.long, device=dev)
     seqs[:, :P] = prompt_ids
     mask = torch.zeros((B, total), dtype=torch.long, device=dev)

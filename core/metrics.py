@@ -6,8 +6,9 @@ step it logged. `ProgressBar` writes plain text to stderr: on a terminal it redr
 non-terminal log (CI) it prints a full line every `every` steps and at the end.
 
 Peak memory: on CUDA `torch.cuda.max_memory_allocated` (bytes held by tensors, kind
-"cuda_max_allocated"); on CPU the process's peak resident set size from `getrusage` (kind
-"cpu_max_rss": everything the process ever held, not only tensors, and never reset).
+"cuda_max_allocated"); on Linux CPUs the process's resident-set high-water mark VmHWM, reset per
+interval through /proc/self/clear_refs (kind "cpu_rss_hwm": everything the process holds, not
+only tensors); without /proc, `getrusage`'s lifetime peak (kind "cpu_max_rss", never reset).
 """
 
 from __future__ import annotations
@@ -96,19 +97,73 @@ class ProgressBar:
         self.stream.flush()
 
 
-def reset_peak_memory(device: torch.device) -> None:
-    if torch.device(device).type == "cuda":
+_carried: dict[str, int] = {}  # per device: the step's peak from phases already measured and reset
+
+
+def _cpu_hwm_reset() -> bool:
+    """Reset the process's resident-set high-water mark (Linux >= 4.0: write 5 to clear_refs)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def _cpu_hwm_bytes() -> int | None:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024  # kB
+    except OSError:
+        pass
+    return None
+
+
+def _current_peak(device: torch.device) -> tuple[int, str]:
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device)), "cuda_max_allocated"
+    hwm = _cpu_hwm_bytes()
+    if hwm is not None:
+        return hwm, "cpu_rss_hwm"
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024, "cpu_max_rss"  # kB on Linux
+
+
+def _reset_current(device: torch.device) -> None:
+    if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
+    else:
+        _cpu_hwm_reset()
+
+
+def reset_peak_memory(device: torch.device) -> None:
+    """Start a new peak-memory interval (a step): the allocator's peak on CUDA, the RSS high-water
+    mark on Linux CPUs."""
+    device = torch.device(device)
+    _carried.pop(str(device), None)
+    _reset_current(device)
 
 
 def peak_memory(device: torch.device) -> dict:
-    """{"peak_mem_bytes": int, "peak_mem_kind": "cuda_max_allocated" | "cpu_max_rss"}."""
+    """{"peak_mem_bytes": int, "peak_mem_kind": "cuda_max_allocated" | "cpu_rss_hwm" | "cpu_max_rss"}
+    since `reset_peak_memory`, including phases that `PhaseTimer(memory=...)` measured and reset
+    in between. "cpu_max_rss" (no /proc) is the process's lifetime peak, never reset."""
     device = torch.device(device)
-    if device.type == "cuda":
-        return {"peak_mem_bytes": int(torch.cuda.max_memory_allocated(device)),
-                "peak_mem_kind": "cuda_max_allocated"}
-    rss_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # kilobytes on Linux
-    return {"peak_mem_bytes": int(rss_kb) * 1024, "peak_mem_kind": "cpu_max_rss"}
+    peak, kind = _current_peak(device)
+    return {"peak_mem_bytes": max(peak, _carried.get(str(device), 0)), "peak_mem_kind": kind}
+
+
+def phase_peak_begin(device: torch.device) -> None:
+    """Reset the peak for a phase, carrying what was reached so far into the interval's peak."""
+    device = torch.device(device)
+    _carried[str(device)] = max(_carried.get(str(device), 0), _current_peak(device)[0])
+    _reset_current(device)
+
+
+def phase_peak_end(device: torch.device) -> tuple[int, str]:
+    """(peak bytes since `phase_peak_begin`, kind)."""
+    return _current_peak(torch.device(device))
 
 
 class Throughput:
@@ -127,11 +182,18 @@ class Throughput:
 
 class PhaseTimer:
     """`with timer("forward"): ...` accumulates wall time per phase; `pop()` returns
-    {"time_forward_s": ...} and resets. `sync` waits for the device first (CUDA is async)."""
+    {"time_forward_s": ...} and resets. `sync` waits for the device first (CUDA is async).
 
-    def __init__(self, device: torch.device | None = None):
+    `memory={"phase": "key"}`: those phases also record their peak memory (the allocator's on
+    CUDA, the RSS high-water mark on CPU; see `peak_memory`) as `peak_mem_<key>_bytes`, the
+    largest over the phase's entries since the last `pop()`, with `peak_mem_phase_kind`."""
+
+    def __init__(self, device: torch.device | None = None, memory: dict[str, str] | None = None):
         self.device = torch.device(device) if device is not None else None
         self.totals: dict[str, float] = defaultdict(float)
+        self.memory = dict(memory or {})
+        self.peaks: dict[str, int] = {}
+        self.mem_kind: str | None = None
 
     def _sync(self):
         if self.device is not None and self.device.type == "cuda":
@@ -140,14 +202,25 @@ class PhaseTimer:
     @contextmanager
     def __call__(self, name: str):
         self._sync()
+        mem = self.memory.get(name) if self.device is not None else None
+        if mem is not None:
+            phase_peak_begin(self.device)
         t0 = time.perf_counter()
         try:
             yield
         finally:
             self._sync()
             self.totals[name] += time.perf_counter() - t0
+            if mem is not None:
+                peak, self.mem_kind = phase_peak_end(self.device)
+                key = f"peak_mem_{mem}_bytes"
+                self.peaks[key] = max(self.peaks.get(key, 0), peak)
 
     def pop(self) -> dict:
         out = {f"time_{k}_s": v for k, v in self.totals.items()}
+        out.update(self.peaks)
+        if self.peaks:
+            out["peak_mem_phase_kind"] = self.mem_kind
         self.totals.clear()
+        self.peaks.clear()
         return out

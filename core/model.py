@@ -11,6 +11,7 @@ from a generator keyed by (seed, name), then each rank keeps its slice.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import zlib
 from dataclasses import dataclass
@@ -44,7 +45,7 @@ class RMSNorm(nn.Module):
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
     """Inverse frequencies [hd/2], with optional llama3-style scaling of the long wavelengths."""
     hd = cfg.head_dim
-    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd))
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float64, device="cpu") / hd))
     sc = cfg.rope_scaling
     if not sc or sc.get("rope_type", sc.get("type", "default")) == "default":
         return inv.float()
@@ -199,6 +200,47 @@ class Transformer(nn.Module):
                                                            device=device, dtype=dtype))
         self.register_buffer("inv_freq", rope_inv_freq(cfg).to(device=None if device == "meta" else device),
                              persistent=False)
+        self.compute_dtype: torch.dtype | None = None  # None: compute in the weights' dtype (no autocast)
+        self._compiled_layers: list | None = None  # torch.compile'd blocks (a plain list: not submodules)
+
+    # -----------------------------------------------------------------------------------------
+    # precision and compilation
+
+    def set_mixed_precision(self, mode: str) -> Transformer:
+        """mode "bf16": the forward runs under `torch.autocast(<device>, bfloat16)` over the weights
+        as they are (fp32 master weights stay fp32, so do their gradients and every gradient
+        reduction); rotary tables, attention and the KV cache of `generate` are bf16, the RMSNorm
+        statistics and the fused heads' logits fp32. "fp32": no autocast. Under FSDP2 with
+        bf16 params the weights are already bf16 inside forward and the autocast is a no-op."""
+        if mode not in ("fp32", "bf16"):
+            raise ValueError(f"mixed precision must be 'fp32' or 'bf16', got {mode!r}")
+        self.compute_dtype = torch.bfloat16 if mode == "bf16" else None
+        return self
+
+    def cast_weights(self, dtype: torch.dtype) -> Transformer:
+        """Store the parameters in `dtype` (e.g. a bf16 reference); the rotary inverse frequencies
+        stay fp32 (in bf16 the angle position * inv_freq would be off by radians at long positions)."""
+        inv_freq = self.inv_freq
+        self.to(dtype)
+        self.inv_freq = inv_freq
+        return self
+
+    @property
+    def activation_dtype(self) -> torch.dtype:
+        """The dtype of attention inputs and of the KV cache: the compute dtype, else the weights'."""
+        return self.compute_dtype or self.embed.weight.dtype
+
+    def _autocast(self, device: torch.device):
+        if self.compute_dtype is None or device.type not in ("cuda", "cpu"):
+            return contextlib.nullcontext()
+        return torch.autocast(device.type, dtype=self.compute_dtype)
+
+    def compile_blocks(self, **compile_kwargs) -> Transformer:
+        """torch.compile each transformer block (call after activation checkpointing and FSDP, so
+        the compiled block includes them). Used for full-sequence forwards (training, log-probs);
+        KV-cache decoding keeps the eager blocks (its cache length changes every step)."""
+        self._compiled_layers = [torch.compile(b, **compile_kwargs) for b in self.layers]
+        return self
 
     @property
     def head_weight(self) -> torch.Tensor:
@@ -229,16 +271,22 @@ class Transformer(nn.Module):
             mask = attention_mask_4d(attention_mask, S)
         elif kv_cache is not None and past > 0:
             mask = attention_mask_4d(torch.ones(B, past + S, dtype=torch.bool, device=input_ids.device), S)
-        x = self.embed(input_ids)  # (B, S, H), replicated over tp
-        cos, sin = rope_cos_sin(self.inv_freq, position_ids, x.dtype)
-        for i, block in enumerate(self.layers):
-            x = block(x, cos, sin, mask, kv_cache, i)
-        if kv_cache is not None:
-            kv_cache.length = past + S
-        x = self.norm(x)
-        if head is None:
-            return vocab_parallel_logits(x, self.head_weight, self.tp_group)
-        return head(x, self.head_weight if self.with_lm_head else None)
+        with self._autocast(input_ids.device):
+            x = self.embed(input_ids)  # (B, S, H), replicated over tp
+            cos, sin = rope_cos_sin(self.inv_freq, position_ids, self.compute_dtype or x.dtype)
+            layers = self._compiled_layers if self._compiled_layers and kv_cache is None else self.layers
+            for i, block in enumerate(layers):
+                x = block(x, cos, sin, mask, kv_cache, i)
+            if kv_cache is not None:
+                kv_cache.length = past + S
+            x = self.norm(x)
+            w = self.head_weight if self.with_lm_head else None
+            if self.compute_dtype is not None:  # the head's matmul operands in the compute dtype
+                x = x.to(self.compute_dtype)
+                w = None if w is None else w.to(self.compute_dtype)
+            if head is None:
+                return vocab_parallel_logits(x, w, self.tp_group)
+            return head(x, w)
 
     # -----------------------------------------------------------------------------------------
     # initialisation independent of the layout
@@ -262,7 +310,7 @@ class Transformer(nn.Module):
                 continue
             g = torch.Generator().manual_seed(derive_seed(seed, zlib.crc32(name.encode())))
             std = resid_std if leaf in ("wo", "w_down") else cfg.init_std
-            full = torch.randn(shape, generator=g, dtype=torch.float32) * std
+            full = torch.randn(shape, generator=g, dtype=torch.float32, device="cpu") * std
             p.copy_(local_shard(full, name, cfg, self.tp_rank, self.tp).to(p.dtype))
         self.inv_freq = rope_inv_freq(cfg).to(self.embed.weight.device)
 

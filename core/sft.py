@@ -15,7 +15,6 @@ rank has, so every rank raises the same error and none hangs.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import sys
 from dataclasses import dataclass
@@ -33,7 +32,7 @@ from core.sft_data import DataError, SequenceLoader, tokenize_text_file
 from core.tokenizer import TokenizerError, load_tokenizer
 from parallel.comm import all_reduce
 from parallel.dims import LayoutError, ParallelDims, launch_world_size
-from parallel.fsdp import FSDPOptions, is_fsdp, parallelize, set_gradient_sync, sync_replicated_grads
+from parallel.fsdp import FSDPOptions, parallelize, set_gradient_sync, sync_replicated_grads
 from parallel.layers import vocab_parallel_logits
 from parallel.vocab import vocab_parallel_cross_entropy
 
@@ -87,13 +86,13 @@ def cross_entropy_head(targets: torch.Tensor, tp_group, vocab_size: int):
 @dataclass
 class SFTJob:
     """What the loop needs: the run (groups, device, out_dir, metrics), the FSDP-wrapped model, its
-    optimizer, this DP rank's loader, the bf16 autocast (or a null context) and the tokenizer."""
+    optimizer, this DP rank's loader and the tokenizer. (bf16 compute is the model's own setting:
+    `Transformer.set_mixed_precision`.)"""
 
     run: Run
     model: torch.nn.Module
     opt: object
     loader: SequenceLoader
-    autocast: object
     tokenizer: object
 
     def modules(self) -> dict:
@@ -128,13 +127,13 @@ def build(cfg: SFTConfig) -> SFTJob:
                        activation_checkpointing=p.activation_checkpointing, cpu_offload=p.cpu_offload)
     model = parallelize(model, state.dp_mesh, opts)
     model.train()
-    # without FSDP, bf16 means autocast over fp32 weights
-    autocast = (torch.autocast(run.device.type, dtype=torch.bfloat16)
-                if p.mixed_precision == "bf16" and not is_fsdp(model) else contextlib.nullcontext())
+    model.set_mixed_precision(p.mixed_precision)  # bf16: autocast over the fp32 master weights
+    if cfg.train.compile:
+        model.compile_blocks()
     opt = build_optimizer(model, cfg.optim, m, cfg.train.steps, state.tp_group, state.dp_group)
     loader = SequenceLoader(tokens, cfg.data.seq_len, cfg.data.micro_batch_size, cfg.train.seed,
                             state.dp_rank, dims.dp)
-    return SFTJob(run, model, opt, loader, autocast, tokenizer)
+    return SFTJob(run, model, opt, loader, tokenizer)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -155,9 +154,8 @@ def train_step(job: SFTJob, cfg: SFTConfig, timer: PhaseTimer) -> tuple[float, i
         for i, b in enumerate(batches):
             set_gradient_sync(model, i == len(batches) - 1)
             targets = b.targets.to(device)
-            with job.autocast:
-                loss_tok = model(b.input_ids.to(device), head=cross_entropy_head(targets, state.tp_group,
-                                                                                 cfg.model.vocab_size))
+            loss_tok = model(b.input_ids.to(device), head=cross_entropy_head(targets, state.tp_group,
+                                                                             cfg.model.vocab_size))
             loss = loss_tok.float().sum() / n_tokens
             loss.backward()
             loss_sum += loss.detach()

@@ -44,7 +44,7 @@ def tokenize_text_file(path: str | None, tokenizer: Tokenizer) -> torch.Tensor:
             ids.extend(tokenizer.encode(line, bos=True, eos=True))
     if not ids:
         raise DataError(f"data.text_file {path} holds no text")
-    return torch.tensor(ids, dtype=torch.long)
+    return torch.tensor(ids, dtype=torch.long, device="cpu")
 
 
 @dataclass
@@ -83,7 +83,7 @@ class SequenceLoader:
 
     def _epoch_order(self, epoch: int) -> torch.Tensor:
         g = torch.Generator().manual_seed(derive_seed(self.seed, epoch))
-        return torch.randperm(self.n_seq, generator=g)
+        return torch.randperm(self.n_seq, generator=g, device="cpu")
 
     def __iter__(self):
         return self

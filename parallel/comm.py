@@ -99,6 +99,14 @@ def group_rank(group) -> int:
     return dist.get_rank(group)
 
 
+def collective_device(group=None) -> torch.device:
+    """Where a bookkeeping tensor for a collective over `group` must live: the current CUDA device
+    under NCCL (which takes no CPU tensors), else the CPU (gloo, or a single rank)."""
+    if group_size(group) > 1 and dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 _OPS = {
     "sum": dist.ReduceOp.SUM,
     "max": dist.ReduceOp.MAX,

@@ -38,6 +38,7 @@ position reaches no value and no gradient, and the gradients equal those without
 
 from __future__ import annotations
 
+import contextlib
 from typing import NamedTuple
 
 import torch
@@ -82,11 +83,19 @@ class HeadMatmul:
 
     def __call__(self, h: torch.Tensor, keep: torch.Tensor | None = None) -> torch.Tensor:
         h = rows(h, keep)
-        if self.out_dtype:
-            z = torch.mm(h, self.w.T, out_dtype=self.sh.dtype)
-        else:
-            z = h.to(self.w.dtype) @ self.w.T  # a fresh tensor: scaled in place
+        with no_autocast(h.device.type):  # under a caller's autocast the matmul would round to bf16
+            if self.out_dtype:
+                z = torch.mm(h, self.w.T, out_dtype=self.sh.dtype)
+            else:
+                z = h.to(self.w.dtype) @ self.w.T  # a fresh tensor: scaled in place
         return z.div_(self.sh.temperature) if self.sh.temperature != 1.0 else z
+
+
+def no_autocast(device_type: str):
+    """Autocast switched off on `device_type` (a no-op context where autocast does not exist)."""
+    if device_type in ("cuda", "cpu"):
+        return torch.autocast(device_type, enabled=False)
+    return contextlib.nullcontext()
 
 
 def rows(h: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:

@@ -78,8 +78,11 @@ class ReferenceConfig:
     sync_mode: str = "hard"  # "hard" copy or "ema" mix
     ema_alpha: float = 0.1  # ref <- (1 - alpha) * ref + alpha * policy
     reset_optimizer: bool = False  # reset the policy's AdamW state after a sync
+    dtype: str = "fp32"  # "bf16": the reference's weights are stored and computed in bf16 (its KL stays fp32)
 
     def __post_init__(self):
+        if self.dtype not in ("fp32", "bf16"):
+            raise ValueError(f"reference.dtype must be 'fp32' or 'bf16', got {self.dtype!r}")
         if self.sync_mode not in ("hard", "ema"):
             raise ValueError(f"reference.sync_mode must be 'hard' or 'ema', got {self.sync_mode!r}")
         if not 0.0 < self.ema_alpha <= 1.0:

@@ -47,7 +47,7 @@ class Rollout:
 
 def raise_everywhere(error: str | None, group=None) -> None:
     """Raise on every rank of `group` if any rank has an error, so none is left in a collective."""
-    flag = torch.tensor([0.0 if error is None else 1.0])
+    flag = torch.tensor([0.0 if error is None else 1.0], device=comm.collective_device(group))
     comm.all_reduce(flag, "max", group)  # did any rank fail?
     if flag.item() > 0:
         raise ValueError(error or "another rank failed (see its error above)")
@@ -92,7 +92,8 @@ def decode_responses(tokenizer, gen_tokens: torch.Tensor, response_mask: torch.T
     eos = set(eos_ids_of(tokenizer))
     out = []
     for toks, m in zip(gen_tokens.tolist(), response_mask.tolist()):
-        ids = [t for t, keep in zip(toks, m) if keep and t not in eos]
+        # ids past the tokenizer (a model vocabulary padded beyond it, as Qwen2.5's) have no text
+        ids = [t for t, keep in zip(toks, m) if keep and t not in eos and t < tokenizer.vocab_size]
         out.append(tokenizer.decode(ids))
     return out
 

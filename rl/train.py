@@ -66,13 +66,19 @@ def assemble(cfg: RLConfig, state, model_cfg, tokenizer, policy, ref, critic=Non
     opts = FSDPOptions(fsdp=p.fsdp, mixed_precision=p.mixed_precision,
                        activation_checkpointing=p.activation_checkpointing, cpu_offload=False)
     total = cfg.train.steps * cfg.algo.epochs * cfg.algo.mini_batches
-    policy = parallelize(policy, state.dp_mesh, opts)
+    policy = parallelize(policy, state.dp_mesh, opts).set_mixed_precision(p.mixed_precision)
+    if cfg.train.compile:
+        policy.compile_blocks()
+    if cfg.reference.dtype == "bf16":  # bf16 weights, half the memory; its KL path stays fp32 (fused heads)
+        ref = ref.cast_weights(torch.bfloat16)
     ref = parallelize(freeze(ref), state.dp_mesh, FSDPOptions(fsdp=p.fsdp, mixed_precision=p.mixed_precision,
                                                                cpu_offload=cfg.reference.cpu_offload))
+    ref.set_mixed_precision(p.mixed_precision)
     opt = build_optimizer(policy, cfg.optim, model_cfg, total, state.tp_group, state.dp_group)
     critic_opt = None
     if critic is not None:
         critic = parallelize(critic, state.dp_mesh, opts)
+        critic.body.set_mixed_precision(p.mixed_precision)
         copt = replace(cfg.optim, lr=cfg.critic.lr, min_lr=cfg.critic.lr * 0.1, warmup_steps=cfg.critic.warmup_steps)
         critic_opt = build_optimizer(critic, copt, model_cfg, total, state.tp_group, state.dp_group)
     task, reward_fn, reward_norm = build_reward(cfg.reward)

@@ -44,8 +44,7 @@ class _UpdateStats:
     SCALED = ("pg_loss", "kl_loss")
     WEIGHTED = ("clipfrac", "dual_clipfrac", "ratio_mean", "approx_kl_old")
 
-    def __init__(self, device):
-        self.device = device  # where the reduction buffers live (the collective's device)
+    def __init__(self):
         self.scaled = {k: [] for k in self.SCALED}
         self.wsum = {k: 0.0 for k in self.WEIGHTED}
         self.tokens = 0.0
@@ -73,7 +72,7 @@ class _UpdateStats:
             self.rmin, self.rmax = min(self.rmin, float(stats["ratio_min"])), max(self.rmax, float(stats["ratio_max"]))
 
     def epoch_approx_kl(self, dp_group) -> float:
-        t = torch.tensor(self.epoch_kl, dtype=torch.float64, device=self.device)
+        t = torch.tensor(self.epoch_kl, dtype=torch.float64, device=comm.collective_device(dp_group))
         comm.all_reduce(t, "sum", dp_group)  # token-weighted drift from the old policy over DP
         self.epoch_kl = [0.0, 0.0]
         return float(t[0] / t[1].clamp(min=1))
@@ -82,9 +81,9 @@ class _UpdateStats:
         # each rank's micro-batch losses add up to its share of the mini-batch loss; shares add over DP
         vals = [sum(self.scaled[k]) / max(len(self.scaled[k]), 1) for k in self.SCALED]
         vals += [self.wsum[k] for k in self.WEIGHTED] + [self.tokens]
-        t = torch.tensor(vals, dtype=torch.float64, device=self.device)
+        t = torch.tensor(vals, dtype=torch.float64, device=comm.collective_device(dp_group))
         comm.all_reduce(t, "sum", dp_group)  # loss shares and token-weighted sums over DP
-        mm = torch.tensor([-self.rmin, self.rmax, self.drift], dtype=torch.float64, device=self.device)
+        mm = torch.tensor([-self.rmin, self.rmax, self.drift], dtype=torch.float64, device=t.device)
         comm.all_reduce(mm, "max", dp_group)  # extreme ratios and the largest log-prob drift over DP
         out = {k: float(t[i]) for i, k in enumerate(self.SCALED)}
         n = max(float(t[-1]), 1.0)
@@ -136,7 +135,8 @@ class RLTrainer:
         self.vocab = policy.cfg.vocab_size
         self.tp_group, self.dp_group = state.tp_group, state.dp_group
         self.world_group = None if state.mesh is None else torch.distributed.group.WORLD
-        self.timer = PhaseTimer(state.device)
+        self.timer = PhaseTimer(state.device, memory={"rollout": "rollout", "ref_logprobs": "ref",
+                                                      "old_logprobs": "old", "update": "update"})
         self.rollout_stats: dict = {}  # this rank's last generation: rollout_tokens, rollout_s
         if cfg.algo.name == "ppo" and critic is None:
             raise ValueError("algo.name='ppo' needs a critic")
@@ -242,7 +242,7 @@ class RLTrainer:
           then stop early once the epoch's approx KL(old||new) exceeds `algo.early_stop_kl`.
         Returns the statistics reduced over micro-batches and DP ranks (see `_UpdateStats`)."""
         cfg = self.cfg
-        acc, opt_stats, stop_early = _UpdateStats(self.state.device), [], False
+        acc, opt_stats, stop_early = _UpdateStats(), [], False
         for epoch in range(cfg.algo.epochs):
             for mb, rows in enumerate(self._mini_batches(data.ro.row_ids.cpu(), step, epoch)):
                 micros = self._micro_batches(rows)

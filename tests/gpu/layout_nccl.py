@@ -1,7 +1,10 @@
 """Layout equivalence (tests/test_layout.py's checks) on GPUs with NCCL, under torchrun:
 
-    torchrun --standalone --nproc_per_node N tests/gpu/layout_nccl.py [--bf16-sanity]
-    python tests/gpu/layout_nccl.py --cpu      # CPU/gloo fallback, 1 process (checks the path)
+    torchrun --standalone --nproc_per_node N -m tests.gpu.layout_nccl [--bf16-sanity] [--json OUT]
+    python -m tests.gpu.layout_nccl --cpu      # CPU/gloo fallback, 1 process (checks the path)
+
+Under torchrun on GPUs the NCCL process group is created even for N = 1 (tp = dp = 1: the groups
+exist, and every collective is an identity on one rank).
 
 Runs every layout of test_layout.LAYOUTS with dp * tp == N, both model variants, fp32 with TF32
 off, each rank against a single-GPU reference it computes itself (atol=rtol=1e-5). With
@@ -12,6 +15,7 @@ dropping. Prints one PASS/FAIL line per check on rank 0; exit status 1 if any fa
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import traceback
@@ -29,7 +33,7 @@ def bf16_sanity(device: str) -> str:
     repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     cfg = load_config(SFTConfig, os.path.join(repo, "configs", "sft_tiny.yaml"),
                       ["parallel.mixed_precision=bf16", "train.steps=30", f"train.device={device}",
-                       "train.progress=false", "train.out_dir=/tmp/kltron_bf16_sanity"])
+                       "train.progress=false", "train.resume=false", "train.out_dir=/tmp/kltron_bf16_sanity"])
     losses = train(cfg)["losses"]
     assert all(torch.isfinite(torch.tensor(losses))), losses
     first, last = sum(losses[:5]) / 5, sum(losses[-5:]) / 5
@@ -41,6 +45,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--cpu", action="store_true")
     ap.add_argument("--bf16-sanity", action="store_true")
+    ap.add_argument("--json", default=None, help="write {checks: [{name, ok, detail}], ...} here (rank 0)")
     args = ap.parse_args(argv)
     cuda = torch.cuda.is_available() and not args.cpu
     if cuda:
@@ -48,11 +53,14 @@ def main(argv=None) -> int:
         torch.backends.cudnn.allow_tf32 = False
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         torch.cuda.set_device(device)
+        if "RANK" in os.environ and not dist.is_initialized():  # under torchrun: NCCL, even on one GPU
+            dist.init_process_group("nccl", device_id=device)
     else:
         device = torch.device("cpu")
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     failed = 0
+    checks = []
 
     def report(name: str, fn):
         nonlocal failed
@@ -66,6 +74,7 @@ def main(argv=None) -> int:
             dist.all_reduce(flag)
             ok = ok and flag.item() == 0
         failed += not ok
+        checks.append({"name": name, "ok": ok, "detail": detail})
         if rank == 0:
             print(f"[{'PASS' if ok else 'FAIL'}] {name} ({'nccl' if cuda else 'gloo'}, world {world})"
                   + (f": {detail}" if detail else ""), flush=True)
@@ -78,6 +87,10 @@ def main(argv=None) -> int:
             report(f"layout dp={dp} tp={tp} {variant}", check)
     if args.bf16_sanity and world == 1:
         report("bf16 SFT sanity (tiny, autocast)", lambda: bf16_sanity("cuda" if cuda else "cpu"))
+    backend = dist.get_backend() if dist.is_initialized() else "none (one process)"
+    if rank == 0 and args.json:
+        with open(args.json, "w") as f:
+            json.dump({"world": world, "device": str(device), "backend": backend, "checks": checks}, f, indent=1)
     if dist.is_initialized():
         dist.destroy_process_group()
     return 1 if failed else 0

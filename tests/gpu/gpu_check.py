@@ -1,0 +1,235 @@
+"""The driver of scripts/gpu_check.sh: run each section as its own process under a time budget,
+collect its JSON, write everything to one file and print a table.
+
+    python -m tests.gpu.gpu_check --out DIR [--cpu] [--budget 470]
+
+Sections (GPU / --cpu tiny version):
+  layout       layout equivalence (tests/test_layout.py's checks), NCCL under torchrun, every
+               dp x tp the GPU count allows / gloo, one process; + a bf16 SFT sanity run
+  hf_parity    tools/convert_hf logits vs transformers on the device, tp = 1 (and 2 with 2 GPUs)
+  mfu_eager    bench.bench_mfu: ~1B Llama, bf16, forward+backward+AdamW, tokens/s and MFU / tiny on CPU
+  grpo_tiny    the default GRPO job (configs/grpo_tiny.yaml), step time split and peak memory per phase
+  grpo_0p5b    configs/grpo_0p5b_gpu.yaml (Qwen2.5-0.5B shape, bf16, bf16 reference, exact KL)
+               / the same config shrunk to the tiny shape on CPU
+  kl_head      bench.bench_kl_device: fused exact-KL head vs gathering logits, T=32768 H=4096
+               V=128256 bf16 / T=1024 H=64 V=4096 fp32 on CPU
+  bf16_kl      bench.bench_bf16_kl --device: exact-KL error of the heads with bf16 inputs
+  mfu_compile  mfu_eager with torch.compile'd blocks (compile time = the warm-up steps); run last
+Each section: status ok | failed | timeout | skipped, seconds, result (its JSON), log file.
+Exit status: the number of sections not ok (skipped ones excepted).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+import torch
+
+from core.metrics import read_metrics
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+PHASES = ("rollout", "ref", "old", "update")
+TIMES = ("rollout", "ref_logprobs", "old_logprobs", "update")
+
+
+def _torchrun(n: int) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}"]
+
+
+def grpo_summary(run_dir: str) -> dict:
+    """Mean step time split and max peak memory per phase over the steps after the first (or all
+    if only one), from the run's metrics.jsonl."""
+    recs = read_metrics(os.path.join(run_dir, "metrics.jsonl"))
+    if not recs:
+        raise RuntimeError(f"{run_dir}/metrics.jsonl has no steps")
+    body = recs[1:] or recs
+    mean = lambda k: sum(float(r.get(k, 0.0)) for r in body) / len(body)
+    out = {"steps": len(recs), "step_time_s": mean("step_time_s"), "tokens_per_s": mean("tokens_per_s"),
+           "reward_first": recs[0]["reward_mean"], "reward_last": recs[-1]["reward_mean"],
+           "kl_mean_last": recs[-1]["kl_mean"], "peak_mem_kind": recs[-1].get("peak_mem_phase_kind"),
+           "peak_mem_bytes": max(int(r.get("peak_mem_bytes", 0)) for r in recs)}
+    for t in TIMES:
+        out[f"time_{t}_s"] = mean(f"time_{t}_s")
+    for p in PHASES:
+        out[f"peak_mem_{p}_bytes"] = max(int(r.get(f"peak_mem_{p}_bytes", 0)) for r in body)
+    missing = [k for k, v in out.items() if k.startswith("peak_mem_") and k.endswith("_bytes") and not v]
+    if missing:
+        raise RuntimeError(f"metrics.jsonl lacks {missing}")
+    return out
+
+
+def sections(out: str, cpu: bool, ngpu: int) -> list[dict]:
+    """[{name, cmds: [argv...], json: path | None, summary: callable | None, timeout}] in run order."""
+    py, j = sys.executable, lambda n: os.path.join(out, f"{n}.json")
+    s = []
+    lay = [[py, "-m", "tests.gpu.layout_nccl", "--cpu", "--bf16-sanity", "--json", j("layout")]] if cpu else \
+        [_torchrun(1) + ["-m", "tests.gpu.layout_nccl", "--bf16-sanity", "--json", j("layout")]] + \
+        [_torchrun(n) + ["-m", "tests.gpu.layout_nccl", "--json", j(f"layout_{n}")] for n in (2, 4, 8) if ngpu >= n]
+    s.append(dict(name="layout", cmds=lay, json=j("layout"), more=[j(f"layout_{n}") for n in (2, 4, 8)],
+                  timeout=150))
+    hf = [[py, "-m", "tests.gpu.hf_parity", "--cpu", "--json", j("hf_parity")]] if cpu else \
+        [_torchrun(1) + ["-m", "tests.gpu.hf_parity", "--json", j("hf_parity")]] + \
+        ([_torchrun(2) + ["-m", "tests.gpu.hf_parity", "--json", j("hf_parity_tp2")]] if ngpu >= 2 else [])
+    s.append(dict(name="hf_parity", cmds=hf, json=j("hf_parity"), more=[j("hf_parity_tp2")], timeout=90))
+    mfu = [py, "-m", "bench.bench_mfu"] + (["--cpu", "--steps", "2", "--warmup", "1"] if cpu else
+                                           ["--seq", "2048", "--mb", "4", "--steps", "10", "--warmup", "3"])
+    if not cpu and ngpu > 1:
+        mfu = _torchrun(ngpu) + mfu[1:]
+    s.append(dict(name="mfu_eager", cmds=[mfu + ["--json", j("mfu_eager")]], json=j("mfu_eager"), timeout=120))
+    dev = "cpu" if cpu else "cuda"
+    tiny = [f"train.device={dev}", "train.progress=false", "train.resume=false", "train.save_every=0"]
+    tiny += (["train.steps=2", "init.sft_steps=5", "rollout.prompts_per_step=8", "rollout.group_size=4"] if cpu
+             else ["train.steps=20"])
+    for name, cfg, extra in (
+            ("grpo_tiny", "grpo_tiny.yaml", tiny),
+            ("grpo_0p5b", "grpo_0p5b_gpu.yaml",
+             [f"train.device={dev}", "train.progress=false", "train.resume=false"] + (
+                 ["train.steps=2", "init.sft_steps=2", "rollout.prompts_per_step=4", "rollout.group_size=4",
+                  "rollout.max_new_tokens=8", "algo.micro_batch_size=4", "model.vocab_size=512",
+                  "model.hidden_size=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2",
+                  "model.intermediate_size=128"] if cpu else []))):
+        run_dir = os.path.join(out, name)
+        cmd = [py, "-m", "rl.train", "--config", os.path.join(REPO, "configs", cfg),
+               f"train.out_dir={run_dir}", f"init.sft_dir={run_dir}_init"] + extra
+        s.append(dict(name=name, cmds=[cmd], json=None, summary=lambda d=run_dir: grpo_summary(d),
+                      timeout=120 if cpu else 150))
+    kl = [py, "-m", "bench.bench_kl_device", "--device", "cpu" if cpu else "cuda", "--json", j("kl_head")]
+    kl += ["--tokens", "1024", "--hidden", "64", "--vocab", "4096", "--dtype", "fp32"] if cpu else []
+    s.append(dict(name="kl_head", cmds=[kl], json=j("kl_head"), timeout=150))
+    bk = [py, "-m", "bench.bench_bf16_kl", "--device", dev, "--json", j("bf16_kl")]
+    bk += ["--tokens", "128", "--vocab", "4096"] if cpu else []
+    s.append(dict(name="bf16_kl", cmds=[bk], json=j("bf16_kl"), timeout=60))
+    # last: compilation time is the least predictable, and the other sections must not wait on it
+    s.append(dict(name="mfu_compile", cmds=[mfu + ["--compile", "--json", j("mfu_compile")]],
+                  json=j("mfu_compile"), timeout=240))
+    return s
+
+
+def run_section(sec: dict, out: str, remaining: float, env: dict) -> dict:
+    t0 = time.perf_counter()
+    log = os.path.join(out, "logs", f"{sec['name']}.log")
+    rec = {"status": "ok", "log": log, "commands": [" ".join(c) for c in sec["cmds"]]}
+    with open(log, "w") as lf:
+        for cmd in sec["cmds"]:
+            left = min(sec["timeout"], remaining - (time.perf_counter() - t0))
+            if left < 5:
+                rec["status"] = "timeout"
+                break
+            lf.write(f"+ {' '.join(cmd)}\n")
+            lf.flush()
+            try:
+                rc = subprocess.run(cmd, cwd=REPO, env=env, stdout=lf, stderr=subprocess.STDOUT,
+                                    timeout=left).returncode
+            except subprocess.TimeoutExpired:
+                rec["status"] = "timeout"
+                break
+            if rc != 0:
+                rec["status"], rec["error"] = "failed", f"exit {rc}: {' '.join(cmd)}"
+                break
+    if rec["status"] == "ok":
+        try:
+            rec["result"] = sec["summary"]() if sec.get("summary") else _load(sec["json"])
+            for extra in sec.get("more", []):
+                if os.path.exists(extra):
+                    rec["result"][os.path.basename(extra)[:-5]] = _load(extra)
+        except Exception as e:  # noqa: BLE001 - a section without its result failed
+            rec["status"], rec["error"] = "failed", f"no result: {type(e).__name__}: {e}"
+    if rec["status"] != "ok":
+        with open(log) as lf:
+            rec["log_tail"] = lf.read()[-3000:]
+    rec["seconds"] = round(time.perf_counter() - t0, 1)
+    return rec
+
+
+def _load(path: str) -> dict:
+    with open(path) as f:
+        return json.load(f)
+
+
+def _mib(b) -> str:
+    return f"{b / 2**20:.0f}" if b else "-"
+
+
+def headline(name: str, r: dict) -> str:
+    """One line of the section's main numbers."""
+    if name == "layout":
+        ok = sum(c["ok"] for c in r["checks"])
+        return f"{ok}/{len(r['checks'])} checks pass ({r['backend']}, world {r['world']})"
+    if name == "hf_parity":
+        errs = [v.get("max_abs_err", float("nan")) for v in r["kinds"].values()]
+        return f"{', '.join(r['kinds'])} on {r['device']}: max |logits diff| {max(errs):.2e}"
+    if name.startswith("mfu"):
+        mfu = f"MFU {100 * r['mfu']:.1f}%" if r.get("mfu") is not None else "MFU n/a"
+        return (f"{r['model']} {r['dtype']}: {r['tokens_per_s']:,.0f} tok/s, {r['step_s'] * 1e3:.0f} ms/step, {mfu}, "
+                f"warm-up {r['compile_s']:.1f}s"
+                + (f", peak {r['peak_mem_gib']:.1f} GiB" if r.get("peak_mem_gib") else ""))
+    if name.startswith("grpo"):
+        t = "/".join(f"{r[f'time_{k}_s']:.2f}" for k in TIMES)
+        m = "/".join(_mib(r[f"peak_mem_{p}_bytes"]) for p in PHASES)
+        return (f"{r['step_time_s']:.2f} s/step (rollout/ref/old/update {t} s), peak MiB {m} "
+                f"[{r['peak_mem_kind']}], reward {r['reward_first']:.3f}->{r['reward_last']:.3f}")
+    if name == "kl_head":
+        rows = {m["method"]: m for m in r["methods"]}
+        parts = [f"{k}: " + (f"{_mib(v['peak_bytes'])} MiB {v['time_s'] * 1e3:.0f} ms" if v["status"] == "ok"
+                             else v["status"]) for k, v in rows.items()]
+        ratio = (f"; fused/gather memory {r['fused_over_gather_memory']:.3f}, time {r['fused_over_gather_time']:.2f}"
+                 if "fused_over_gather_memory" in r else "")
+        return f"T={r['tokens']} H={r['hidden']} V={r['vocab']} {r['dtype']}: " + ", ".join(parts) + ratio
+    if name == "bf16_kl":
+        return (f"KL max abs err: fused {r['fused']['max_abs_err']:.1e}, bf16 logits "
+                f"{r['bf16_logits']['max_abs_err']:.1e} (true KL {r['true_kl_mean']:.1e})")
+    return ""
+
+
+def print_table(report: dict) -> None:
+    print(f"\nkltron gpu_check ({report['mode']}, {report['device']}, {report['total_s']:.0f} s)")
+    print(f"| {'section':<11} | {'status':<7} | {'s':>6} | result")
+    print(f"|{'-' * 13}|{'-' * 9}|{'-' * 8}|{'-' * 40}")
+    for name, rec in report["sections"].items():
+        try:
+            line = headline(name, rec["result"]) if rec["status"] == "ok" else rec.get("error", "")
+        except (KeyError, TypeError, ValueError) as e:
+            line = f"(result unreadable: {e})"
+        print(f"| {name:<11} | {rec['status']:<7} | {rec.get('seconds', 0):>6.1f} | {line}")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m tests.gpu.gpu_check", description=__doc__.split("\n")[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--cpu", action="store_true", help="the tiny CPU version")
+    ap.add_argument("--budget", type=float, default=470.0, help="seconds for all sections together")
+    ap.add_argument("--only", default=None, help="comma-separated section names")
+    args = ap.parse_args(argv)
+    ngpu = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    cpu = args.cpu or ngpu == 0
+    os.makedirs(os.path.join(args.out, "logs"), exist_ok=True)
+    env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env.setdefault("OMP_NUM_THREADS", "1" if cpu else "8")
+    report = {"mode": "cpu" if cpu else "gpu", "device": torch.cuda.get_device_name(0) if ngpu else "cpu",
+              "gpus": ngpu, "torch": torch.__version__, "sections": {}}
+    t0 = time.perf_counter()
+    only = set(args.only.split(",")) if args.only else None
+    for sec in sections(args.out, cpu, ngpu):
+        if only and sec["name"] not in only:
+            continue
+        remaining = args.budget - (time.perf_counter() - t0)
+        rec = run_section(sec, args.out, remaining, env) if remaining > 5 else {"status": "timeout", "seconds": 0,
+                                                                                "error": "no time left in --budget"}
+        report["sections"][sec["name"]] = rec
+        print(f"[{rec['status']}] {sec['name']} ({rec.get('seconds', 0):.0f} s)", flush=True)
+    report["total_s"] = time.perf_counter() - t0
+    path = os.path.join(args.out, "gpu_check.json")
+    with open(path, "w") as f:
+        json.dump(report, f, indent=1)
+    print_table(report)
+    print(f"\nwritten: {path}")
+    return sum(r["status"] not in ("ok", "skipped") for r in report["sections"].values())
+
+
+if __name__ == "__main__":
+    sys.exit(main())
