@@ -52,7 +52,7 @@ def build_parser():
     ap.add_argument("--report", default=None, help="folder for rows.json, table.md and the PNG plots")
     ap.add_argument("--methods", default=",".join(DEFAULT), help=f"comma-separated subset of {list(METHODS)}")
     ap.add_argument("--peers", default="", help=f"comma-separated subset of {list(PEERS)} (tp = 1)")
-    ap.add_argument("--chunk-size", type=int, default=256)
+    ap.add_argument("--chunk-size", type=int, default=None, help="tokens per chunk (default min(256, T))")
     ap.add_argument("--pass", dest="pass_", choices=["forward", "forward+backward", "both"],
                     default="forward+backward")
     ap.add_argument("--project", action="store_true", help="projected rows (FakeTensorMode), nothing allocated")
@@ -110,6 +110,8 @@ def check_args(ap, a):
     names = _names(ap, a.methods, METHODS, "--methods")
     peers = _names(ap, a.peers, PEERS, "--peers")
     shapes, tps = _grid(ap, a)
+    if a.chunk_size is None:
+        a.chunk_size = min(256, min(T for T, _, _ in shapes))
     if a.chunk_size < 1:
         ap.error(f"--chunk-size must be positive, got {a.chunk_size}")
     if a.chunk_size > min(T for T, _, _ in shapes):
