@@ -38,6 +38,24 @@ def table(rows: list[dict]) -> str:
     return "\n".join(head + out)
 
 
+def pivot(rows: list[dict], pass_: str = "forward+backward") -> str:
+    """Peak GiB per (T, tp) line and method column for one pass, plus gather / fused_exact."""
+    rs = [r for r in rows if r["pass"] == pass_]
+    names = list(dict.fromkeys(r["name"] for r in rs))
+    cells = {(r["tokens"], r["tp"], r["name"]): r["peak_bytes"] for r in rs}
+    ratio = "gather / fused_exact" if {"gather", "fused_exact"} <= set(names) else None
+    out = ["| T | tp | " + " | ".join(names) + (f" | {ratio} |" if ratio else " |"),
+           "|---:|---:|" + "---:|" * (len(names) + bool(ratio))]
+    for T, tp in sorted({(r["tokens"], r["tp"]) for r in rs}):
+        vals = [cells.get((T, tp, n)) for n in names]
+        line = f"| {T} | {tp} | " + " | ".join("-" if v is None else f"{v / 2**30:.2f}" for v in vals)
+        if ratio:
+            g, f = cells.get((T, tp, "gather")), cells.get((T, tp, "fused_exact"))
+            line += f" | {g / f:.1f}" if g and f else " | -"
+        out.append(line + " |")
+    return "\n".join(out)
+
+
 def plot_peak_vs_tokens(rows: list[dict], path: str, title: str) -> None:
     """Peak bytes vs tokens per rank, one line per (method, tp), log-log, with capacity lines."""
     import matplotlib
@@ -54,8 +72,7 @@ def plot_peak_vs_tokens(rows: list[dict], path: str, title: str) -> None:
         ax.plot([p[0] for p in pts], [p[1] / 1e9 for p in pts], marker="o", label=f"{name} tp={tp}")
     for label, cap in GPU_CAPACITY.items():
         ax.axhline(cap / 1e9, linestyle="--", color="gray")
-        ax.text(ax.get_xlim()[0] if False else min(p[0] for v in series.values() for p in v), cap / 1e9 * 1.05,
-                label, fontsize=8, color="gray")
+        ax.text(min(p[0] for v in series.values() for p in v), cap / 1e9 * 1.05, label, fontsize=8, color="gray")
     ax.set(xscale="log", yscale="log", xlabel="tokens per rank", ylabel="peak GB (KL head only)", title=title)
     ax.legend(fontsize=7, ncol=2)
     fig.tight_layout()
@@ -94,6 +111,8 @@ def write_report(folder: str, rows: list[dict], notes: list[str], command: str) 
     written = [os.path.join(folder, "rows.json"), os.path.join(folder, "table.md")]
     atomic_write(written[0], json.dumps(rows, indent=1))
     md = [f"`{command}`", ""] + [f"- note: {n}" for n in notes] + ["", table(rows), ""]
+    for p in dict.fromkeys(r["pass"] for r in rows):
+        md += [f"Peak GiB per rank, {p}:", "", pivot(rows, p), ""]
     atomic_write(written[1], "\n".join(md))
     groups: dict[tuple, list] = {}
     for r in rows:
