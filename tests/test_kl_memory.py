@@ -76,6 +76,7 @@ def _reference_values(T, H, V, seed):
                 k3=(r - 1 - (lq - lp)).mean())
 
 
+@pytest.mark.slow
 def test_every_method_agrees_with_float64(tmp_path):
     out = tmp_path / "kl.json"
     peers = "verl_k3,trl_k3" if cli.unavailable("trl_k3", "cpu") is None else "verl_k3"
@@ -107,6 +108,7 @@ def test_projection_matches_measurement_tp1(name):
         assert abs(proj["peak_bytes"] - real["peak_bytes"]) <= 0.10 * real["peak_bytes"], (p, proj, real)
 
 
+@pytest.mark.slow
 def test_projected_rows_at_llama_scale_allocate_nothing(tmp_path):
     out = tmp_path / "p.json"
     rows = kl_memory.main(["--model", "llama3-8b", "--tokens", "8k", "--dtype", "bf16", "--project", "--json",
