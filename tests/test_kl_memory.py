@@ -33,7 +33,8 @@ def test_cli_tp2_rows_comm_and_projection(tmp_path):
     T, H, V, tp = 24, 8, 131, 2
     out = tmp_path / "kl.json"
     proc = _run_cli(["--tokens", str(T), "--hidden", str(H), "--vocab", str(V), "--tp", str(tp), "--json", str(out),
-                     "--chunk-size", "8", "--pass", "both", "--methods", ",".join(ALL), "--repeats", "1"])
+                     "--chunk-size", "8", "--pass", "both", "--methods", ",".join(ALL), "--repeats", "1",
+                     "--warmup", "0"], timeout=600)
     assert proc.returncode == 0, proc.stderr
     rows = json.loads(out.read_text())
     assert {(r["name"], r["pass"]) for r in rows} == {(n, p) for n in ALL for p in ("forward", "forward+backward")}
@@ -176,11 +177,12 @@ def test_killed_rank_is_named_and_the_tool_exits(tmp_path):
     """issue 12 defect 3: kill -9 one rank of --tp 2; the tool must exit non-zero within its timeout,
     naming that rank (the old code waited on the result queue forever)."""
     cmd = [sys.executable, "-m", "tools.kl_memory", "--tokens", "4096", "--hidden", "64", "--vocab", "4000",
-           "--tp", "2", "--json", str(tmp_path / "x.json"), "--repeats", "50", "--timeout", "120"]
+           "--tp", "2", "--json", str(tmp_path / "x.json"), "--methods", "fused_exact", "--repeats", "500",
+           "--timeout", "300"]
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         kids = []
-        deadline = time.monotonic() + 90
+        deadline = time.monotonic() + 240  # imports are slow on a loaded machine
         while len(kids) < 2 and time.monotonic() < deadline and proc.poll() is None:
             time.sleep(0.5)
             kids = _children(proc.pid)
@@ -188,7 +190,7 @@ def test_killed_rank_is_named_and_the_tool_exits(tmp_path):
         time.sleep(3)
         victim = max(kids)
         os.kill(victim, signal.SIGKILL)
-        _, err = proc.communicate(timeout=60)
+        _, err = proc.communicate(timeout=60)  # the old code never returned
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -17,8 +17,9 @@ import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from core.config import ModelConfig
 from tools.klcost.measure import describe, measure
-from tools.klcost.methods import CHUNKED, METHODS
+from tools.klcost.methods import CHUNKED, DTYPES, METHODS
 
 PROJECTABLE = set(METHODS) | {"verl_k3", "trl_k3"}  # plain torch code: runs under FakeTensorMode
 _FAKE_WORLD = 64  # ranks of the fake group; tp groups are its first tp ranks
@@ -82,7 +83,6 @@ def project_all(names, passes, shapes, tps, dtype, chunk, log=None) -> list[dict
 def input_bytes(T, H, V, tp, dtype) -> int:
     """Bytes of one rank's inputs (not in peak_bytes): hidden x2, head shards x2, targets, coefficients."""
     from core.config import ModelConfig
-    from tools.klcost.methods import DTYPES
 
     es = torch.empty((), dtype=DTYPES[dtype], device="cpu").element_size()
     width = ModelConfig(vocab_size=V).padded_vocab_size(tp) // tp
@@ -108,6 +108,9 @@ def refuse_if_too_big(ap, names, passes, shapes, tps, a):
         return
     for T, H, V in shapes:
         for tp in tps:
+            crude = (10 * T * ModelConfig(vocab_size=V).padded_vocab_size(1) * 4 + 4 * T * H * 4) * tp
+            if crude < 0.5 * free:
+                continue  # far below the free memory whatever the method: no need to project
             peaks = [project(n, p, T, H, V, tp, a.dtype, a.chunk_size)["peak_bytes"]
                      for n in names if n in PROJECTABLE for p in passes]
             need = (max(peaks, default=0) + input_bytes(T, H, V, tp, a.dtype)) * (tp if a.device == "cpu" else 1)
