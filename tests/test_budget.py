@@ -47,3 +47,22 @@ def test_param_counts_match_the_built_model():
     got = sum(p.numel() for p in model.parameters())
     pc = param_counts(cfg, 1)
     assert got == pc["total"] - 2 * (cfg.padded_vocab_size(1) - cfg.vocab_size) * cfg.hidden_size or got == pc["total"]
+
+
+def test_projected_peak_bytes_for_an_rl_config():
+    from core.budget import projected_peak_bytes
+    from core.config import load_config
+    from core.model import build_model
+    from rl.config import RLConfig
+
+    from tests.dist import REPO
+
+    path = f"{REPO}/configs/grpo_tiny.yaml"
+    cfg = load_config(RLConfig, path, ["parallel.tp=1"])
+    n = sum(p.numel() for p in build_model(cfg.model, seed=None, device="meta").parameters())
+    out = projected_peak_bytes(cfg, world_size=1, device="cpu")
+    assert out["parts"]["policy weights"] >= 4 * n  # fp32 master weights (padding rows included)
+    assert out["peak"] >= 4 * 4 * n  # weights + grads + AdamW's two moments, at least
+    assert out["placement"] == "tp" and out["layout"].dp == 1
+    with pytest.raises(ValueError, match="does not match world_size=3"):
+        projected_peak_bytes(load_config(RLConfig, path, ["parallel.tp=2", "parallel.dp=2"]), 3)
