@@ -54,7 +54,6 @@ def test_projected_peak_bytes_for_an_rl_config():
     from core.config import load_config
     from core.model import build_model
     from rl.config import RLConfig
-
     from tests.dist import REPO
 
     path = f"{REPO}/configs/grpo_tiny.yaml"
