@@ -6,10 +6,10 @@ here, and projected for Llama-3-8B and Llama-3-70B on 8 and 64 GPUs.
 
 `check`: a GRPO trainer (fp32, CPU, tp = dp = 1) on a model shaped like Qwen2.5-0.5B (H=896, 24
 layers, 14 heads / 2 KV heads, intermediate 4864, V=151936, tied embeddings, qkv bias; random
-weights) takes one step (so AdamW state exists); then each phase runs alone under MemTracker
-(bench/bench_rl_step.py's tracked_peak): the experience phase (rollout, reference and old
-log-probs), the policy's update forward+backward, the reference's no-grad pass; each peak is
-printed next to the budget's prediction.
+weights) takes one step (so AdamW state exists); then the policy's update forward+backward and the
+reference's no-grad pass run alone under MemTracker (bench/bench_rl_step.py's component_memory);
+each peak is printed next to the budget's prediction. The rollout is not tracked: MemTracker
+refuses a module called repeatedly, as generation does.
 """
 
 from __future__ import annotations
@@ -44,15 +44,13 @@ def check(json_path=None) -> dict:
                                        "algo.kl_chunk_size=256"])
     tr = bench.build_trainer(spec, "grpo")
     tr.step(0)
-    exp = bench.tracked_peak(lambda mt: tr.make_experience(1), tr.policy, tr.ref, tr.opt.opt)
     pol, ref = bench.component_memory(tr, 2)
     P = tr.make_experience(3).ro.prompt_len
     batch = Batch(rollout_rows=pol["rows"], update_rows=pol["rows"], seq_len=pol["seq_len"],
                   response_len=pol["seq_len"] - P, kl_chunk=256)
     b = step_budget(QWEN05B, Layout(), batch, placement="tp", kl_method="fused")
     parts = b["parts"]
-    rows = [("experience (rollout + ref/old log-probs)", exp["Total"], max(b["rollout_peak"], b["experience_peak"])),
-            ("policy update forward+backward", pol["peak_total"], b["update_peak"] - parts["reference"]),
+    rows = [("policy update forward+backward", pol["peak_total"], b["update_peak"] - parts["reference"]),
             ("reference forward (no grad)", ref["peak_total"], b["reference_forward_peak"])]
     print(f"Qwen2.5-0.5B shape, random weights, GRPO, {pol['rows']} rows x {pol['seq_len']} tokens, fp32 CPU")
     print("| phase | measured peak GB | budget GB | budget / measured |\n|---|---:|---:|---:|")
