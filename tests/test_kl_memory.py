@@ -1,62 +1,200 @@
-"""Smoke test of `python -m tools.kl_memory`: its CLI, its JSON rows, and communication volumes
-that follow from the algorithms (gather moves O(T*V), the vocab-parallel paths O(T))."""
+"""`python -m tools.kl_memory` (tools/klcost/): its CLI and JSON rows, the values every method computes
+against a float64 reference, communication volumes that follow from the algorithms, projections
+(FakeTensorMode) against measurements, bad arguments, and a rank killed mid-run."""
 
 import json
+import os
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
+import torch
 
+from core.config import ModelConfig
 from tests.dist import REPO
 from tools import kl_memory
+from tools.klcost import cli, methods
+from tools.klcost.project import project
 
-FIELDS = {"method", "pass", "mode", "tokens", "hidden", "vocab", "tp", "dtype", "peak_bytes", "time_s",
-          "comm_bytes"}
+FIELDS = {"name", "method", "mode", "pass", "source", "tokens", "hidden", "vocab", "tp", "dtype", "peak_bytes",
+          "time_s", "comm_bytes"}
+ALL = list(methods.METHODS)
+
+
+def _run_cli(args, timeout=240):
+    cmd = [sys.executable, "-m", "tools.kl_memory", *args]
+    return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout)
 
 
 @pytest.mark.slow
-def test_cli_tp2_rows_and_comm(tmp_path):
+def test_cli_tp2_rows_comm_and_projection(tmp_path):
     T, H, V, tp = 24, 8, 131, 2
     out = tmp_path / "kl.json"
-    cmd = [sys.executable, "-m", "tools.kl_memory", "--tokens", str(T), "--hidden", str(H), "--vocab", str(V),
-           "--tp", str(tp), "--dtype", "fp32", "--json", str(out), "--chunk-size", "8", "--pass", "both"]
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=240)
+    proc = _run_cli(["--tokens", str(T), "--hidden", str(H), "--vocab", str(V), "--tp", str(tp), "--json", str(out),
+                     "--chunk-size", "8", "--pass", "both", "--methods", ",".join(ALL), "--repeats", "1",
+                     "--warmup", "0"], timeout=600)
     assert proc.returncode == 0, proc.stderr
     rows = json.loads(out.read_text())
-    assert len(rows) == 2 * len(kl_memory.METHODS) == 12
-    assert {(r["name"], r["pass"]) for r in rows} == {(n, p) for n in kl_memory.METHODS
-                                                       for p in ("forward", "forward+backward")}
+    assert {(r["name"], r["pass"]) for r in rows} == {(n, p) for n in ALL for p in ("forward", "forward+backward")}
     for r in rows:
         assert FIELDS <= set(r), r
-        assert (r["tokens"], r["hidden"], r["vocab"], r["tp"], r["dtype"]) == (T, H, V, tp, "fp32")
+        assert (r["tokens"], r["hidden"], r["vocab"], r["tp"], r["source"]) == (T, H, V, tp, "measured")
         assert r["peak_bytes"] > 0 and r["time_s"] > 0
     by = {(r["name"], r["pass"]): r for r in rows}
     width = 192 // tp  # ModelConfig(vocab_size=131).padded_vocab_size(2) = 192
     grad_hidden = T * H * 4  # copy_to_tp's backward all-reduce, the same for every method
-    # gather: two all-gathers of the local [T, Vp/tp] fp32 logits
-    assert by["gather", "forward"]["comm_bytes"] == 2 * T * width * 4
+    assert by["gather", "forward"]["comm_bytes"] == 2 * T * width * 4  # two all-gathers of [T, Vp/tp] fp32
     assert by["gather", "forward+backward"]["comm_bytes"] == 2 * T * width * 4 + grad_hidden
     # fused exact: one MAX of [T, 2] and one gather of [T, 6] (sum-exp p/q, entropy, KL, 2 targets)
     assert by["fused_exact", "forward"]["comm_bytes"] == T * (2 + 6) * 4
-    assert by["fused_exact", "forward+backward"]["comm_bytes"] == T * (2 + 6) * 4 + grad_hidden
-    # fused exact with the loss inside: the same volume, in T / chunk = 3 calls of each collective
-    for p in ("forward", "forward+backward"):
+    for p in ("forward", "forward+backward"):  # the loss inside: the same volume, per chunk (T / 8 = 3 calls)
         assert by["fused_exact_loss", p]["comm_bytes"] == by["fused_exact", p]["comm_bytes"]
         assert by["fused_exact_loss", p]["comm_calls"] == by["fused_exact", p]["comm_calls"] + 2 * (3 - 1)
-    # fused k3: [T, 2] maxima, [T, 4] sums (sum-exp p/q and the two target logits)
+    # k3: [T, 2] maxima and [T, 4] sums; with the loss inside the reference's [T, 1] + [T, 2] come from
+    # its own no-grad call and the policy's [c, 1] + [c, 2] per chunk: the same bytes
     assert by["fused_k3", "forward"]["comm_bytes"] == T * (2 + 4) * 4
-    # the unfused vocab-parallel calls (logprobs, entropy, KL): O(T) each, chunking changes nothing
-    assert by["vp_chunked", "forward"]["comm_bytes"] == by["vp_materialized", "forward"]["comm_bytes"]
+    assert by["fused_k3_loss", "forward"]["comm_bytes"] == T * (2 + 4) * 4
     assert by["vp_chunked", "forward"]["comm_bytes"] == T * 4 * ((1 + 2) + (1 + 2) + (2 + 3))
+    assert by["matmul_floor", "forward"]["comm_bytes"] == 0
+    # the projection runs the same code on a fake group: the same comm, peaks within 10%
+    for (name, p), r in by.items():
+        pr = project(name, p, T, H, V, tp, "fp32", 8)
+        assert pr["comm_bytes"] == r["comm_bytes"], (name, p)
+        assert abs(pr["peak_bytes"] - r["peak_bytes"]) <= 0.10 * r["peak_bytes"], (name, p, pr, r)
 
 
-def test_in_process_tp1_and_bad_arguments(tmp_path, capsys):
+def _reference_values(T, H, V, seed):
+    """float64 log p(t), entropy, KL(p||q) and k3 of the tool's inputs (tp = 1), by hand."""
+    x = methods.Inputs(T, H, V, 1, 0, torch.float64, seed, False)
+    zp, zq = (x.h @ x.w.T)[:, :V], (x.hr @ x.wr.T)[:, :V]
+    logp, logq = zp.log_softmax(-1), zq.log_softmax(-1)
+    lp, lq = logp.gather(1, x.t[:, None])[:, 0], logq.gather(1, x.t[:, None])[:, 0]
+    p = logp.exp()
+    r = (lq - lp).exp()
+    return dict(logprob=lp.mean(), entropy=-(p * logp).sum(-1).mean(), kl=(p * (logp - logq)).sum(-1).mean(),
+                k3=(r - 1 - (lq - lp)).mean())
+
+
+@pytest.mark.slow
+def test_every_method_agrees_with_float64(tmp_path):
     out = tmp_path / "kl.json"
-    rows = kl_memory.main(["--tokens", "16", "--hidden", "4", "--vocab", "50", "--tp", "1", "--json", str(out),
-                           "--methods", "gather,fused_exact", "--chunk-size", "4"])
+    peers = "verl_k3,trl_k3" if cli.unavailable("trl_k3", "cpu") is None else "verl_k3"
+    rows = kl_memory.main(["--tokens", "32", "--hidden", "8", "--vocab", "131", "--json", str(out), "--methods",
+                           ",".join(ALL), "--peers", peers, "--chunk-size", "8", "--repeats", "1", "--warmup", "0"])
     assert json.loads(out.read_text()) == rows
-    assert [r["comm_bytes"] for r in rows] == [0, 0]  # tp=1: no collective at all
+    ref = _reference_values(32, 8, 131, 0)
+    for r in rows:
+        assert r["comm_bytes"] == 0 and r["source"] == "measured"  # tp = 1: no collective at all
+        if r["name"] == "matmul_floor":
+            assert r["time_vs_floor"] == 1.0
+            continue
+        assert r["logprob_mean"] == pytest.approx(float(ref["logprob"]), rel=1e-5), r["name"]
+        want = ref["kl"] if r["mode"] == "exact" else ref["k3"]
+        assert r["kl_mean"] == pytest.approx(float(want), rel=1e-5), r["name"]
+        if r["mode"] == "exact":
+            assert r["entropy_mean"] == pytest.approx(float(ref["entropy"]), rel=1e-5), r["name"]
+        assert r["time_vs_floor"] > 0
+
+
+@pytest.mark.parametrize("name", ["gather", "vp_chunked", "fused_exact", "fused_exact_loss", "fused_k3_loss"])
+def test_projection_matches_measurement_tp1(name):
+    from tools.klcost.measure import measure
+
+    for p in ("forward", "forward+backward"):
+        real = measure(name, p, 200, 24, 1000, "fp32", 64, repeats=0)
+        proj = project(name, p, 200, 24, 1000, 1, "fp32", 64)
+        assert proj["source"] == "projected" and proj["time_s"] is None
+        assert abs(proj["peak_bytes"] - real["peak_bytes"]) <= 0.10 * real["peak_bytes"], (p, proj, real)
+
+
+@pytest.mark.slow
+def test_projected_rows_at_llama_scale_allocate_nothing(tmp_path):
+    out = tmp_path / "p.json"
+    rows = kl_memory.main(["--model", "llama3-8b", "--tokens", "8k", "--dtype", "bf16", "--project", "--json",
+                           str(out), "--methods", "gather,fused_exact", "--chunk-size", "1024", "--sweep", "tp=1,8"])
+    by = {(r["name"], r["tp"]): r["peak_bytes"] for r in rows}
+    Vp = ModelConfig(vocab_size=128256).padded_vocab_size(1)
+    assert by["gather", 1] >= 2 * 8192 * 128256 * 4  # at least two fp32 [T, V] (log p, log q): 8 GiB
+    assert by["fused_exact", 1] < 8 * 1024 * Vp * 4  # a few [chunk, V] tensors
+    assert by["fused_exact", 8] < by["fused_exact", 1] / 4  # the chunk's logits shrink with the shard
+
+
+def test_sweep_parsing():
+    assert cli.parse_sweep("tokens=8k,16K,tp=1,2") == {"tokens": [8192, 16384], "tp": [1, 2]}
+    with pytest.raises(ValueError, match="unknown key 'depth'"):
+        cli.parse_sweep("depth=3")
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--methods", "gather,bogus"], "unknown ['bogus']"),
+    (["--peers", "nemo_k3"], "unknown ['nemo_k3']"),
+    (["--chunk-size", "64"], "--chunk-size 64 is larger than --tokens 16"),
+    (["--peers", "verl_k3", "--tp", "2"], "run at tp = 1 only"),
+    (["--json", "/nonexistent-dir/x.json"], "folder /nonexistent-dir does not exist"),
+    (["--sweep", "tp=0"], "--tp must be positive"),
+])
+def test_bad_arguments(tmp_path, capsys, args, message):
+    base = ["--tokens", "16", "--hidden", "4", "--vocab", "50", "--json", str(tmp_path / "x.json")]
     with pytest.raises(SystemExit):
-        kl_memory.main(["--tokens", "16", "--hidden", "4", "--vocab", "50", "--json", str(out),
-                        "--methods", "gather,bogus"])
-    assert "unknown ['bogus']" in capsys.readouterr().err
+        kl_memory.main(base + args)
+    assert message in capsys.readouterr().err
+
+
+def test_absurd_size_refused_before_allocating(tmp_path, capsys):
+    start = time.monotonic()
+    with pytest.raises(SystemExit):
+        kl_memory.main(["--tokens", "128k", "--hidden", "4096", "--vocab", "128256", "--dtype", "fp32",
+                        "--methods", "gather", "--chunk-size", "1024", "--json", str(tmp_path / "x.json")])
+    err = capsys.readouterr().err
+    assert "needs about" in err and "GiB" in err and "--project" in err
+    need = float(err.split("needs about ")[1].split(" GiB")[0])
+    assert need > 2 * 131072 * 128256 * 4 / 2**30  # more than two fp32 [T, V] tensors
+    assert time.monotonic() - start < 60 and not (tmp_path / "x.json").exists()
+
+
+def _children(pid):
+    """Spawned rank processes of `pid` (multiprocessing's spawn_main), from /proc."""
+    kids = []
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            with open(f"/proc/{d}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{d}/cmdline") as f:
+                cmd = f.read()
+        except OSError:
+            continue
+        if ppid == pid and "spawn_main" in cmd:
+            kids.append(int(d))
+    return kids
+
+
+@pytest.mark.slow
+def test_killed_rank_is_named_and_the_tool_exits(tmp_path):
+    """issue 12 defect 3: kill -9 one rank of --tp 2; the tool must exit non-zero within its timeout,
+    naming that rank (the old code waited on the result queue forever)."""
+    cmd = [sys.executable, "-m", "tools.kl_memory", "--tokens", "4096", "--hidden", "64", "--vocab", "4000",
+           "--tp", "2", "--json", str(tmp_path / "x.json"), "--methods", "fused_exact", "--repeats", "500",
+           "--timeout", "300"]
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        kids = []
+        deadline = time.monotonic() + 240  # imports are slow on a loaded machine
+        while len(kids) < 2 and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.5)
+            kids = _children(proc.pid)
+        assert len(kids) == 2, "the ranks did not start"
+        time.sleep(3)
+        victim = max(kids)
+        os.kill(victim, signal.SIGKILL)
+        _, err = proc.communicate(timeout=60)  # the old code never returned
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode != 0
+    assert f"(pid {victim})" in err and "SIGKILL" in err, err[-2000:]
+    assert not (tmp_path / "x.json").exists()

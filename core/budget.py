@@ -1,0 +1,163 @@
+"""The RL step's memory per rank as a stacked budget: pure arithmetic on a ModelConfig, a layout
+(tp x dp, FSDP, activation checkpointing), a batch and the dtypes. Nothing is allocated.
+
+| part             | bytes per rank                                                                      |
+|------------------|-------------------------------------------------------------------------------------|
+| policy weights   | fp32 master parameters, P_tp / dp (FSDP) or P_tp, P_tp = the rank's tensor-parallel |
+|                  | slice (heads, MLP columns, vocabulary rows Vp/tp); + 2 gathered bf16 layers (FSDP)  |
+| gradients        | like the weights (fp32)                                                             |
+| AdamW state      | exp_avg + exp_avg_sq, 2 x the weights (fp32)                                        |
+| activations      | saved per layer per token: A = 6H + 2 q + 4 kv + 4 I/tp elements (see `layer_act`); |
+|                  | L x A x rows x S, or with checkpointing L x H x rows x S + one layer's A x rows x S |
+| KL head          | by method: gather ~7 [T, Vp] fp32; vp_materialized ~6 [T, Vp/tp]; fused ~6 chunk    |
+|                  | x Vp/tp fp32 + grad hidden [T, H] (the tools.kl_memory projections, checked there)  |
+| rollout KV cache | 2 x L x rows x S x kv_local x hd in the compute dtype (alive in the rollout phase)  |
+| reference        | by placement: replicated P, tp P_tp, tp_fsdp P_tp / dp + 2 gathered layers,          |
+|                  | cpu_offload 2 layers on the device (+ a host->device copy of P_tp per forward)      |
+
+Three phases peak separately: rollout (weights, optimizer state, reference, KV cache), experience
+(weights, optimizer state, the reference's no-grad forward: its weights plus one layer's
+transients) and update (weights, optimizer state, reference, then the larger of activations + KL head + the head's
+gradient and all gradients: backward frees activations as it makes gradients); the
+step's peak is the largest. Checked against MemTracker peaks of bench/bench_rl_step.py in tests/test_budget.py.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from core.config import ModelConfig
+
+PLACEMENTS = ("replicated", "tp", "tp_fsdp", "cpu_offload")
+KL_METHODS = ("gather", "vp_materialized", "fused")
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+PCIE_BYTES_PER_S = 25e9  # host->device, PCIe 4 x16 in practice
+
+
+@dataclass
+class Layout:
+    tp: int = 1
+    dp: int = 1
+    fsdp: bool = True
+    compute_dtype: str = "fp32"  # "bf16": bf16 compute copies, fp32 master weights and optimizer
+    activation_checkpointing: bool = False
+
+
+@dataclass
+class Batch:
+    rollout_rows: int  # sequences generated on this rank at once
+    update_rows: int  # rows per forward+backward of the update (a micro-batch)
+    seq_len: int  # prompt + response tokens
+    response_len: int  # tokens the KL head sees per row
+    kl_chunk: int = 1024
+
+
+def param_counts(cfg: ModelConfig, tp: int) -> dict[str, int]:
+    """Parameters on one TP rank: 'layer' (one decoder layer), 'vocab' (embedding + head rows
+    Vp/tp each), 'total'."""
+    H, hd, I = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
+    q, kv = cfg.n_heads * hd // tp, max(cfg.n_kv_heads // tp, 1) * hd
+    layer = H * (q + 2 * kv) + q * H + 3 * H * I // tp + 2 * H + (q + 2 * kv if cfg.qkv_bias else 0)
+    vp = cfg.padded_vocab_size(tp) // tp
+    vocab = vp * H * (1 if cfg.tie_embeddings else 2)
+    return {"layer": layer, "vocab": vocab, "total": cfg.n_layers * layer + vocab + H}
+
+
+def layer_act(cfg: ModelConfig, tp: int) -> int:
+    """Elements saved for backward per token by one decoder layer: the two RMSNorms (input and its
+    fp32 normalised copy, 2H each), the projections' input (H) and the residual (H); q, k, v before
+    and after RoPE (2q + 4kv); the MLP's gate, up, silu(gate) and their product (4 I/tp)."""
+    hd = cfg.head_dim
+    q, kv = cfg.n_heads * hd // tp, max(cfg.n_kv_heads // tp, 1) * hd
+    return 6 * cfg.hidden_size + 2 * q + 4 * kv + 4 * cfg.intermediate_size // tp
+
+
+def kl_head_bytes(method: str, tokens: int, cfg: ModelConfig, tp: int, chunk: int, act_bytes: int) -> int:
+    """Extra bytes of the KL term's head on one rank (logits and their temporaries, grad hidden)."""
+    vp = cfg.padded_vocab_size(tp)
+    grad_hidden = tokens * cfg.hidden_size * act_bytes
+    if method == "gather":
+        return 7 * tokens * vp * 4 + grad_hidden
+    if method == "vp_materialized":
+        return 6 * tokens * vp // tp * 4 + grad_hidden
+    if method == "fused":
+        return 6 * min(chunk, tokens) * vp // tp * 4 + grad_hidden
+    raise ValueError(f"kl method {method!r}: choose from {KL_METHODS}")
+
+
+def reference_bytes(placement: str, cfg: ModelConfig, lay: Layout, ref_bytes: int) -> tuple[int, float]:
+    """(device bytes of the frozen reference, seconds of host->device copy per reference forward)."""
+    pc = param_counts(cfg, lay.tp)
+    gathered = 2 * pc["layer"] * ref_bytes  # FSDP / offload: the layer in use and the prefetched one
+    if placement == "replicated":
+        return param_counts(cfg, 1)["total"] * ref_bytes, 0.0
+    if placement == "tp":
+        return pc["total"] * ref_bytes, 0.0
+    if placement == "tp_fsdp":
+        return -(-pc["total"] // lay.dp) * ref_bytes + gathered, 0.0
+    if placement == "cpu_offload":
+        return gathered + pc["vocab"] * ref_bytes, pc["total"] * ref_bytes / PCIE_BYTES_PER_S
+    raise ValueError(f"reference placement {placement!r}: choose from {PLACEMENTS}")
+
+
+def step_budget(cfg: ModelConfig, lay: Layout, batch: Batch, placement: str = "tp", kl_method: str = "fused",
+                ref_dtype: str | None = None) -> dict:
+    """{'parts': {name: bytes}, 'rollout_peak', 'experience_peak', 'reference_forward_peak', 'update_peak',
+    'peak', 'offload_s_per_forward'} per rank."""
+    pc = param_counts(cfg, lay.tp)
+    act_b = DTYPE_BYTES[lay.compute_dtype]
+    shard = lay.dp if (lay.fsdp and lay.dp > 1) else 1
+    master = -(-pc["total"] // shard) * 4
+    gathered = 2 * pc["layer"] * act_b if (shard > 1 or act_b != 4) else 0
+    A = layer_act(cfg, lay.tp) * act_b
+    tok = batch.update_rows * batch.seq_len
+    if lay.activation_checkpointing:
+        acts = cfg.n_layers * cfg.hidden_size * act_b * tok + A * tok
+    else:
+        acts = cfg.n_layers * A * tok
+    kv = max(cfg.n_kv_heads // lay.tp, 1) * cfg.head_dim
+    kv_cache = 2 * cfg.n_layers * batch.rollout_rows * batch.seq_len * kv * act_b
+    ref, offload_s = reference_bytes(placement, cfg, lay, DTYPE_BYTES[ref_dtype or lay.compute_dtype])
+    head = kl_head_bytes(kl_method, batch.update_rows * batch.response_len, cfg, lay.tp, batch.kl_chunk, act_b)
+    parts = {"policy weights": master + gathered, "gradients": master, "AdamW state": 2 * master,
+             "activations": acts, "KL head": head, "rollout KV cache": kv_cache, "reference": ref}
+    rollout = parts["policy weights"] + parts["AdamW state"] + ref + kv_cache
+    # backward frees activations as it makes gradients: the head's transients meet the head's gradient
+    # only (the first made), the full gradients meet no activations; the larger of the two is the top
+    head_grad = -(-pc["vocab"] // shard) * 4 // (1 if cfg.tie_embeddings else 2)
+    update = master + gathered + 2 * master + ref + max(acts + head + head_grad, master)
+    # the reference's no-grad forward (experience phase): one layer's transients alive at a time
+    # and its log-probs by the fused head: ~3 [chunk, Vp/tp] fp32 logits tensors
+    ref_fwd = (ref + forward_transient(cfg, lay.tp, batch.update_rows * batch.seq_len, act_b)
+               + 3 * min(batch.kl_chunk, batch.update_rows * batch.response_len) * cfg.padded_vocab_size(lay.tp)
+               // lay.tp * 4)
+    experience = parts["policy weights"] + parts["AdamW state"] + ref_fwd
+    return {"parts": parts, "rollout_peak": rollout, "update_peak": update, "experience_peak": experience,
+            "reference_forward_peak": ref_fwd, "peak": max(rollout, update, experience),
+            "offload_s_per_forward": offload_s}
+
+
+def forward_transient(cfg: ModelConfig, tp: int, tokens: int, act_bytes: int) -> int:
+    """Bytes alive inside one layer of a no-grad forward: the MLP's gate, up and product (3 I/tp)
+    and three hidden-sized tensors (residual, normed input, output) per token."""
+    return tokens * (3 * cfg.intermediate_size // tp + 3 * cfg.hidden_size) * act_bytes
+
+
+def projected_peak_bytes(cfg, world_size: int, device: str = "cuda") -> dict:
+    """The projected peak per rank of one RL step for an RLConfig-shaped `cfg` (sections model,
+    parallel, rollout, algo, reference; duck-typed, so core does not import rl) on `world_size`
+    ranks: step_budget's dict plus 'layout', 'batch' and 'device'. `device` only labels the result."""
+    par, ro, algo = cfg.parallel, cfg.rollout, cfg.algo
+    tp = par.tp
+    dp = par.resolve_dp(world_size)
+    if tp < 1 or dp < 1 or tp * dp != world_size:
+        raise ValueError(f"parallel.tp={tp} x dp={dp} does not match world_size={world_size}")
+    lay = Layout(tp, dp, par.fsdp, "bf16" if par.mixed_precision == "bf16" else "fp32", par.activation_checkpointing)
+    rows = -(-ro.prompts_per_step * ro.group_size // dp)  # this rank's share of the step's samples
+    per_mb = -(-rows // algo.mini_batches)
+    update_rows = min(per_mb, algo.micro_batch_size) if algo.micro_batch_size else per_mb
+    seq = cfg.model.max_seq_len
+    batch = Batch(rows, update_rows, seq, ro.max_new_tokens, algo.kl_chunk_size)
+    placement = "cpu_offload" if cfg.reference.cpu_offload else ("tp_fsdp" if (par.fsdp and dp > 1) else "tp")
+    out = step_budget(cfg.model, lay, batch, placement, "fused")
+    return {**out, "layout": lay, "batch": batch, "placement": placement, "device": device}

@@ -1,0 +1,67 @@
+"""core/budget.py against MemTracker: the budget's parts add up to the measured peak of the policy's
+update pass and the reference's pass of a tiny GRPO step (bench/bench_rl_step.py) within 15%."""
+
+import pytest
+
+from bench import bench_rl_step as bench
+from core.budget import Batch, Layout, param_counts, step_budget
+from core.config import ModelConfig
+
+SHAPES = {  # one where the parameters dominate, one where the activations do
+    "params": bench.BenchConfig(ModelConfig(vocab_size=2048, hidden_size=16, n_layers=1, n_heads=2, n_kv_heads=1,
+                                            intermediate_size=32, max_seq_len=32),
+                                ["rollout.prompts_per_step=2", "rollout.group_size=2", "rollout.max_new_tokens=16",
+                                 "algo.epochs=1", "algo.mini_batches=2", "algo.kl_chunk_size=4"]),
+    "activations": bench.BenchConfig(ModelConfig(vocab_size=256, hidden_size=64, n_layers=2, n_heads=4,
+                                                 n_kv_heads=2, intermediate_size=176, max_seq_len=64),
+                                     ["rollout.prompts_per_step=8", "rollout.group_size=4",
+                                      "rollout.max_new_tokens=24", "algo.epochs=1", "algo.mini_batches=1",
+                                      "algo.kl_chunk_size=64"]),
+}
+
+
+@pytest.mark.parametrize("shape", sorted(SHAPES))
+def test_budget_adds_up_to_the_measured_peak(shape):
+    spec = SHAPES[shape]
+    tr = bench.build_trainer(spec, "grpo")
+    tr.step(0)  # AdamW state exists from here on
+    pol, ref = bench.component_memory(tr, 1)
+    cfg = spec.model
+    batch = Batch(rollout_rows=0, update_rows=pol["rows"], seq_len=pol["seq_len"],
+                  response_len=pol["seq_len"] - tr.make_experience(2).ro.prompt_len, kl_chunk=tr.cfg.algo.kl_chunk_size)
+    full = step_budget(cfg, Layout(), batch, placement="tp", kl_method="fused")
+    b = full["parts"]
+    want = full["update_peak"] - b["reference"]  # the reference is measured in its own pass
+    assert b["policy weights"] == pol["param_bytes"]  # exact: counted from the shape
+    assert abs(want - pol["peak_total"]) <= 0.15 * pol["peak_total"], (shape, want, pol)
+    got = full["reference_forward_peak"]
+    assert abs(got - ref["peak_total"]) <= 0.15 * ref["peak_total"], (shape, got, ref)
+
+
+def test_param_counts_match_the_built_model():
+    from core.model import build_model
+
+    cfg = ModelConfig(vocab_size=131, hidden_size=32, n_layers=3, n_heads=4, n_kv_heads=2, intermediate_size=48,
+                      qkv_bias=True)
+    model = build_model(cfg, seed=None, device="meta")
+    got = sum(p.numel() for p in model.parameters())
+    pc = param_counts(cfg, 1)
+    assert got == pc["total"] - 2 * (cfg.padded_vocab_size(1) - cfg.vocab_size) * cfg.hidden_size or got == pc["total"]
+
+
+def test_projected_peak_bytes_for_an_rl_config():
+    from core.budget import projected_peak_bytes
+    from core.config import load_config
+    from core.model import build_model
+    from rl.config import RLConfig
+    from tests.dist import REPO
+
+    path = f"{REPO}/configs/grpo_tiny.yaml"
+    cfg = load_config(RLConfig, path, ["parallel.tp=1"])
+    n = sum(p.numel() for p in build_model(cfg.model, seed=None, device="meta").parameters())
+    out = projected_peak_bytes(cfg, world_size=1, device="cpu")
+    assert out["parts"]["policy weights"] >= 4 * n  # fp32 master weights (padding rows included)
+    assert out["peak"] >= 4 * 4 * n  # weights + grads + AdamW's two moments, at least
+    assert out["placement"] == "tp" and out["layout"].dp == 1
+    with pytest.raises(ValueError, match="does not match world_size=3"):
+        projected_peak_bytes(load_config(RLConfig, path, ["parallel.tp=2", "parallel.dp=2"]), 3)

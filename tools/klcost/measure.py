@@ -1,0 +1,123 @@
+"""Measured rows: run one KL path on this rank's inputs (tools/klcost/methods.py), `warmup` untimed
+runs, one run for the peak and the communication, then `repeats` timed runs (median and min).
+
+peak_bytes is the peak of tensor memory allocated inside one run above what existed before it (the
+inputs are not counted; the gradients produced are): on CPU MemTracker's peak
+(torch.distributed._tools.mem_tracker), on CUDA the caching allocator's
+torch.cuda.max_memory_allocated() minus torch.cuda.memory_allocated() before the run. The timed
+runs are not tracked (MemTracker's hooks would inflate them); on CUDA they are bracketed by
+torch.cuda.synchronize(). comm_bytes / comm_calls are this rank's payload to kltron's collectives
+in one run (parallel.comm.count_comm), copy_to_tp's backward all-reduce included.
+"""
+
+from __future__ import annotations
+
+import gc
+import statistics
+import time
+
+import torch
+
+from parallel import comm
+from tools.klcost.methods import CHUNKED, DTYPES, METHODS, Inputs, outputs
+from tools.klcost.peers import PEERS, peer_outputs
+
+
+def describe(name: str) -> tuple[str, str]:
+    """(method, mode) of a built-in method or a peer."""
+    return METHODS[name] if name in METHODS else PEERS[name]
+
+
+def _run(name, x: Inputs, group, chunk, backward):
+    """One forward (or forward+backward) of `name`; returns its per-token outputs, detached."""
+    x.h.grad = x.w.grad = None
+    with torch.set_grad_enabled(backward):
+        outs, loss = (outputs(name, x, group, chunk, backward) if name in METHODS
+                      else peer_outputs(name, x, chunk, backward))
+        if backward and loss is not None:
+            loss.backward()
+    return tuple(None if o is None else o.detach() for o in outs)
+
+
+def _sync(device):
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def _tracked_peak(name, x, group, chunk, backward, device):
+    """(peak bytes above the start, outputs, CommCounter) of one run."""
+    gc.collect()
+    if device == "cuda":
+        _sync(device)
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        with comm.count_comm() as counter:
+            outs = _run(name, x, group, chunk, backward)
+        _sync(device)
+        return torch.cuda.max_memory_allocated() - base, outs, counter
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    total = lambda snap: int(sum(d["Total"] for d in snap.values()))
+    tracker = MemTracker()
+    tracker.track_external(*x.tensors())  # known from the start, so views of them are not new
+    with comm.count_comm() as counter, tracker:
+        base = total(tracker.get_tracker_snapshot("current"))
+        outs = _run(name, x, group, chunk, backward)
+    return total(tracker.get_tracker_snapshot("peak")) - base, outs, counter
+
+
+def _mean(t):
+    return None if t is None else float(t.double().mean())
+
+
+def measure(name, pass_, T, H, V, dtype, chunk, group=None, seed=0, device="cpu", warmup=1, repeats=3) -> dict:
+    """One measured row for `name` at this shape on this rank (see the module docstring)."""
+    tp, rank = comm.group_size(group), comm.group_rank(group)
+    backward = pass_ == "forward+backward"
+    x = Inputs(T, H, V, tp, rank, DTYPES[dtype], seed, backward, device)
+    for _ in range(warmup):
+        _run(name, x, group, chunk, backward)
+    peak, outs, counter = _tracked_peak(name, x, group, chunk, backward, device)
+    times = []
+    for _ in range(repeats):
+        gc.collect()
+        _sync(device)
+        start = time.perf_counter()
+        _run(name, x, group, chunk, backward)
+        _sync(device)
+        times.append(time.perf_counter() - start)
+    method, mode = describe(name)
+    row = dict(name=name, method=method, mode=mode, source="measured", tokens=T, hidden=H, vocab=V, tp=tp,
+               dtype=dtype, device=device, chunk_size=chunk if name in CHUNKED else None, peak_bytes=int(peak),
+               time_s=round(statistics.median(times), 5) if times else None,
+               time_min_s=round(min(times), 5) if times else None, repeats=repeats, warmup=warmup,
+               comm_bytes=counter.bytes, comm_calls=counter.calls,
+               logprob_mean=_mean(outs[0]), entropy_mean=_mean(outs[1]), kl_mean=_mean(outs[2]),
+               **{"pass": pass_})
+    del x, outs
+    gc.collect()
+    return row
+
+
+def add_floor_ratios(rows: list[dict]) -> list[dict]:
+    """time_vs_floor = time_s / the matmul floor's time_s at the same shape, pass, tp and dtype (same run)."""
+    key = lambda r: (r["pass"], r["tokens"], r["hidden"], r["vocab"], r["tp"], r["dtype"])
+    floors = {key(r): r["time_s"] for r in rows if r["name"] == "matmul_floor" and r.get("time_s")}
+    for r in rows:
+        f = floors.get(key(r))
+        r["time_vs_floor"] = round(r["time_s"] / f, 4) if f and r.get("time_s") else None
+    return rows
+
+
+def run_all(names, passes, shapes, dtype, chunk, group=None, seed=0, device="cpu", warmup=1, repeats=3,
+            log=None) -> list[dict]:
+    """Measured rows for every (shape (T, H, V), pass, name) on this rank."""
+    rows = []
+    for T, H, V in shapes:
+        for pass_ in passes:
+            for name in names:
+                row = measure(name, pass_, T, H, V, dtype, chunk, group, seed, device, warmup, repeats)
+                rows.append(row)
+                if log:
+                    log(row)
+    return add_floor_ratios(rows)
