@@ -73,16 +73,22 @@ class TaskPrompts:
     def __init__(self, task, tokenizer):
         self.task, self.tok = task, tokenizer
 
+    def _encode(self, texts: list[str]) -> list[list[int]]:
+        """Ids of `texts` with bos prepended when the tokenizer has one (one batched call where it can)."""
+        bos = [] if self.tok.bos_id is None else [self.tok.bos_id]
+        batch = getattr(self.tok, "encode_batch", None)
+        return [bos + ids for ids in (batch(texts) if batch else [self.tok.encode(t) for t in texts])]
+
     def rank_prompts(self, n_global: int, seed: int, step: int, dp_rank: int, dp_size: int):
         """(global index of the first local prompt, [prompt ids], [meta]) for this rank."""
         first, prompts = step_prompts(self.task, n_global, seed, step, dp_rank, dp_size)
-        ids = self.tok.encode_batch([p for p, _ in prompts], bos=self.tok.bos_id is not None)
+        ids = self._encode([p for p, _ in prompts])
         return first, ids, [m for _, m in prompts]
 
     def eval_prompts(self, n: int, seed: int) -> list[tuple[list[int], dict]]:
         """`n` fixed prompts (a generator no training step uses) as [(ids, meta)]."""
         prompts = self.task.sample_prompts(n, random.Random(f"eval-{seed}"))
-        ids = self.tok.encode_batch([p for p, _ in prompts], bos=self.tok.bos_id is not None)
+        ids = self._encode([p for p, _ in prompts])
         return [(i, m) for i, (_, m) in zip(ids, prompts)]
 
 
