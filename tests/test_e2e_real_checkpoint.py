@@ -132,3 +132,29 @@ def test_qwen2_checkpoint_grpo_tp2_export_transformers(tmp_path):
     padded = list(range(tok.vocab_size, MODEL_VOCAB))  # ids the tokenizer does not have: kltron never samples them
     assert _kltron_greedy(str(model_dir), prompts, 12, tok.vocab_size) == _hf_greedy(str(back), prompts, 12, padded)
     assert _kltron_greedy(str(model_dir), prompts, 12, None) == _hf_greedy(str(back), prompts, 12, None)
+
+
+def test_data_run_resumes_and_refuses_another_prompt_order(tmp_path, capsys):
+    """One process: a data-set run stopped after step 0 resumes at step 1 with the same metrics as an
+    uninterrupted run; resuming with another data.seed (another prompt order) is refused by name."""
+    from rl.train import main
+
+    hf, ck = tmp_path / "hf", tmp_path / "ckpt"
+    hf.mkdir()
+    _hf_checkpoint(hf)
+    assert convert_main(["import", "--hf-dir", str(hf), "--out", str(ck)]) == 0
+
+    def args(out, *extra):
+        ov = [o for o in _rl_overrides(str(ck), str(out)) if not o.startswith(("parallel.", "rollout.eval"))]
+        return ["parallel.tp=1", "rollout.eval_every=0", *ov, *extra]
+
+    assert main(args(tmp_path / "straight")) == 0
+    assert main(args(tmp_path / "resumed", "train.stop_after=1")) == 0
+    capsys.readouterr()
+    assert main(args(tmp_path / "resumed", "data.seed=7")) == 2
+    assert "prompt order" in capsys.readouterr().err
+    assert main(args(tmp_path / "resumed")) == 0
+    rows = [[json.loads(line) for line in open(tmp_path / d / "metrics.jsonl")] for d in ("straight", "resumed")]
+    keys = ("step", "reward_mean", "kl_mean", "pg_loss", "grad_norm", "entropy")
+    assert [{k: r[k] for k in keys} for r in rows[0]] == [{k: r[k] for k in keys} for r in rows[1]]
+    assert os.path.isfile(tmp_path / "resumed" / "model" / "tokenizer.json")
