@@ -165,8 +165,8 @@ def _score(reward_fn, metas, responses, G, where: str, world_group):
     error, scores = None, None
     try:
         scores = score_responses(reward_fn, metas, responses, G)
-    except (ValueError, KeyError) as e:  # name the global prompt, not the local index
-        error = f"{e} [{where}; prompts: {[m.get('prompt') for m in metas][:4]}...]"
+    except Exception as e:  # noqa: BLE001 - any reward failure is raised on every rank, never a silent 0
+        error = f"{type(e).__name__}: {e} [{where}; prompts: {[m.get('prompt') for m in metas][:4]}...]"
     raise_everywhere(error, world_group)
     return scores
 
