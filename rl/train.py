@@ -76,7 +76,7 @@ def tokenizer_path(cfg: RLConfig) -> str | None:
     return start if any(os.path.isfile(os.path.join(start, n)) for n in ("tokenizer.json", "tokenizer.model")) else None
 
 
-def prompt_sources(cfg: RLConfig, tokenizer, task, data=None):
+def prompt_sources(cfg: RLConfig, tokenizer, task, data=None, max_seq_len: int | None = None):
     """(training prompt source, held-out [(ids, meta)] or None). `data`: load_prompt_data's (train, eval)
     when `cfg.data` is set (read here if not given); else the task's prompts and `rollout.eval_prompts`
     fixed task prompts."""
@@ -92,6 +92,11 @@ def prompt_sources(cfg: RLConfig, tokenizer, task, data=None):
         raise ConfigError(f"train.steps={cfg.train.steps} is past the data: {train_set.summary()} give "
                           f"{sampler.num_steps} steps of rollout.prompts_per_step={ro.prompts_per_step} in "
                           f"data.epochs={d.epochs}")
+    longest = max(len(p.ids) for ps in (train_set, eval_set) if ps is not None for p in ps.prompts)
+    if max_seq_len is not None and longest + ro.max_new_tokens > max_seq_len:
+        raise ConfigError(f"data: the longest prompt has {longest} tokens; with rollout.max_new_tokens="
+                          f"{ro.max_new_tokens} that passes the model's max_seq_len={max_seq_len} (set "
+                          f"data.max_prompt_tokens <= {max_seq_len - ro.max_new_tokens})")
     evals = None
     if eval_set is not None:
         evals = [(p.ids, p.meta) for p in eval_set.prompts]
@@ -117,7 +122,7 @@ def assemble(cfg: RLConfig, state, model_cfg, tokenizer, policy, ref, critic=Non
         copt = replace(cfg.optim, lr=cfg.critic.lr, min_lr=cfg.critic.lr * 0.1, warmup_steps=cfg.critic.warmup_steps)
         critic_opt = build_optimizer(critic, copt, model_cfg, total, state.tp_group, state.dp_group)
     task, reward_fn, reward_norm = build_reward(cfg.reward)
-    source, evals = prompt_sources(cfg, tokenizer, task, data)
+    source, evals = prompt_sources(cfg, tokenizer, task, data, model_cfg.max_seq_len)
     return RLTrainer(cfg, state, policy, ref, opt, tokenizer, source, reward_fn, reward_norm, critic, critic_opt,
                      eval_prompts=evals)
 

@@ -132,3 +132,29 @@ def test_bad_short_name_is_named():
 def test_data_section_or_task_required():
     with pytest.raises(ValueError, match="reward.task is null and there is no data section"):
         load_config(RLConfig, None, ["reward.task=null", "reward.fns=[math]"])
+
+
+def _data_cfg(*extra):
+    data = "core/data/arith_word_train.jsonl"
+    return load_config(RLConfig, None, ["reward.task=null", "reward.fns=[math]", f"data.train_file={data}",
+                                        "data.prompt_field=question", "data.apply_chat_template=false",
+                                        "rollout.prompts_per_step=8", "train.steps=4", *extra])
+
+
+def test_data_prompts_checked_at_start_and_split_over_dp():
+    from core.config import ConfigError
+    from rl.train import prompt_sources
+
+    tok = load_tokenizer(None)
+    with pytest.raises(ConfigError, match="max_seq_len=20"):
+        prompt_sources(_data_cfg(), tok, None, max_seq_len=20)
+    with pytest.raises(ConfigError, match="train.steps=40 is past the data"):
+        prompt_sources(_data_cfg("train.steps=40"), tok, None, max_seq_len=4096)
+    source, evals = prompt_sources(_data_cfg(), tok, None, max_seq_len=4096)
+    assert evals is None
+    whole = source.rank_prompts(8, 0, 3, 0, 1)
+    halves = [source.rank_prompts(8, 0, 3, r, 2) for r in range(2)]
+    assert halves[0][0] == 0 and halves[1][0] == 4
+    assert halves[0][1] + halves[1][1] == whole[1] and halves[0][2] + halves[1][2] == whole[2]
+    texts = [m["prompt"] for m in whole[2]]
+    assert whole[1] == [[tok.bos_id] + tok.encode(t) for t in texts]  # bos once, from rl.prompts
