@@ -35,6 +35,7 @@ def _trainer(tp=1, dp=1):
     return assemble(cfg, state, mc, load_tokenizer(None), policy, ref)
 
 
+@pytest.mark.slow  # a rollout and the float64 reference on a 320-row model
 def test_heads_use_the_tokenizer_vocabulary():
     trainer = _trainer()
     V = trainer.tok.vocab_size
@@ -83,6 +84,7 @@ def _eval(dp):
     return trainer.evaluate(0), trainer.evaluate(1)
 
 
+@pytest.mark.slow  # two ranks, generation by hand per prompt
 def test_eval_equals_scoring_each_prompt_alone(dist_pools):
     trainer = _trainer()
     got = trainer.evaluate(0)
