@@ -5,7 +5,7 @@ setup(
     version="0.1.0",
     description="Megatron-style RL fine-tuning trainer with a correct, cheap KL penalty",
     packages=["core", "parallel", "rl", "tools"],
-    package_data={"core": ["data/*.txt", "data/*.model"]},
+    package_data={"core": ["data/*.txt", "data/*.model", "data/*.jsonl"]},
     include_package_data=True,
     license="Apache-2.0",
     python_requires=">=3.10",
@@ -15,9 +15,13 @@ setup(
         "sentencepiece>=0.2",
         "numpy",
         "pyyaml",
+        "tokenizers>=0.19",  # HF tokenizer.json (byte-level BPE) checkpoints
+        "jinja2>=3.1.6",  # chat templates
     ],
     extras_require={
-        "dev": ["pytest>=8", "ruff>=0.6", "transformers>=4.45", "matplotlib"],
+        "dev": ["pytest>=8", "ruff>=0.6", "transformers>=4.45", "matplotlib", "hypothesis"],
         "plot": ["matplotlib"],
+        "data": ["pyarrow"],  # Parquet prompt sets
+        "math": ["math-verify"],  # symbolic answer equality in rl.math_reward
     },
 )

@@ -8,6 +8,7 @@ from core.config import ModelConfig, OptimConfig, ParallelConfig, TrainConfig
 from rl.controller import MAX_N_OVER_HORIZON, KLControllerConfig
 from rl.kl import KLConfig
 from rl.losses import PolicyLossConfig
+from rl.prompts import PromptDataConfig
 from rl.rewards import RewardConfig
 
 
@@ -21,8 +22,9 @@ class RolloutConfig:
     top_p: float = 1.0  # nucleus: keep tokens while the mass of strictly larger logits is below top_p
     min_p: float = 0.0  # keep tokens with p >= min_p * max p
     stop: list[str] = field(default_factory=list)  # stop strings (beside the tokenizer's EOS ids)
-    eval_prompts: int = 0  # >0: also score this many fixed prompts greedily each eval_every steps
-    eval_every: int = 10
+    eval_prompts: int = 0  # task prompts: >0 scores this many fixed prompts; data set: caps the eval set (0: all)
+    eval_every: int = 10  # held-out eval before steps 0, K, 2K, ... and after the last step (0: never)
+    eval_k: int = 0  # >0: also sample k responses per eval prompt (rollout temperature): eval_mean_at_k
 
     def __post_init__(self):
         for k in ("prompts_per_step", "group_size", "max_new_tokens"):
@@ -34,6 +36,9 @@ class RolloutConfig:
             raise ValueError(f"rollout.top_p must be in (0, 1], got {self.top_p}")
         if not 0.0 <= self.min_p < 1.0:
             raise ValueError(f"rollout.min_p must be in [0, 1), got {self.min_p}")
+        if self.eval_every < 0 or self.eval_prompts < 0 or self.eval_k < 0:
+            raise ValueError(f"rollout.eval_every, eval_prompts and eval_k must be >= 0, got {self.eval_every}, "
+                             f"{self.eval_prompts}, {self.eval_k}")
         if self.top_k < 0:
             raise ValueError(f"rollout.top_k must be >= 0, got {self.top_k}")
         if any(not isinstance(s, str) or not s for s in self.stop):
@@ -129,9 +134,15 @@ class RLConfig:
     guard: GuardConfig = field(default_factory=GuardConfig)
     init: InitConfig = field(default_factory=InitConfig)
     train: TrainConfig = field(default_factory=lambda: TrainConfig(steps=40, out_dir="runs/grpo"))
-    tokenizer: str | None = None  # sentencepiece model; None: the shipped tiny tokenizer
+    data: PromptDataConfig | None = None  # prompts from a JSONL/Parquet file (then reward.task may be null)
+    # a tokenizer file or checkpoint folder; None: the start checkpoint's folder when it holds tokenizer
+    # files (a converted HF checkpoint), else the shipped sentencepiece model
+    tokenizer: str | None = None
 
     def __post_init__(self):
+        if self.data is None and self.reward.task is None:
+            raise ValueError("reward.task is null and there is no data section: set one of them (prompts come from "
+                             "the built-in task or from data.train_file)")
         n = self.rollout.prompts_per_step * self.rollout.group_size  # samples per step: the controller's clock
         if self.kl_ctl.mode == "adaptive" and not n / self.kl_ctl.horizon < MAX_N_OVER_HORIZON:
             raise ValueError(f"kl_ctl.horizon={self.kl_ctl.horizon} is in samples and a step has "

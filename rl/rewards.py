@@ -1,11 +1,12 @@
 """Rewards: plug-in reward functions, their combination, checking, and running normalisation.
 
 A reward function has the signature of `Task.reward`: `fn(meta: dict, response: str) -> float`.
-Plug-ins are named "package.module:function" and imported with importlib; several are combined
-by their mean or their min. `score_responses` evaluates one function over a rollout of N prompts
-x G samples and refuses a NaN or infinite reward with a ValueError naming the prompt and the
-sample -- never zeroed silently. `RunningRewardNorm` z-scores rewards with running statistics
-(global over DP given dp_group) and clips them.
+Plug-ins are named "package.module:function" and imported with importlib, or by a short name of
+`SHORT_NAMES` ("math", "format", ...: rl.math_reward's functions); several are combined by their
+mean, their min, or a weighted sum (`reward.weights`, one per function, task reward first).
+`score_responses` evaluates one function over a rollout of N prompts x G samples and refuses a
+NaN or infinite reward with a ValueError naming the prompt and the sample -- never zeroed silently.
+`RunningRewardNorm` z-scores rewards with running statistics (global over DP given dp_group) and clips them.
 """
 
 from __future__ import annotations
@@ -23,38 +24,57 @@ from rl.tasks import make_task
 
 RewardFn = Callable[[dict, str], float]
 
+# short names for the verifiable math rewards (rl/math_reward.py), usable in reward.fns
+SHORT_NAMES = {"math": "rl.math_reward:math_reward", "math_strict": "rl.math_reward:math_reward_strict",
+               "format": "rl.math_reward:format_reward", "gsm8k_format": "rl.math_reward:gsm8k_format_reward",
+               "boxed_format": "rl.math_reward:boxed_format_reward"}
+
 
 @dataclass
 class RewardConfig:
     """The `reward` section."""
 
-    task: str = "arithmetic"  # a built-in task (rl.tasks.make_task)
+    task: str | None = "arithmetic"  # a built-in task (rl.tasks.make_task); null with a data section
     task_args: dict = field(default_factory=dict)  # e.g. {"max_operand": 9, "partial_credit": 0.1}
-    fns: list = field(default_factory=list)  # extra "module:function" reward plug-ins
-    use_task_reward: bool = True  # include the task's own exact-match reward
-    combine: str = "mean"  # "mean" | "min" over the task reward and the plug-ins
+    fns: list = field(default_factory=list)  # extra "module:function" plug-ins or SHORT_NAMES ("math", "format")
+    use_task_reward: bool = True  # include the task's own exact-match reward (when reward.task is set)
+    combine: str = "mean"  # "mean" | "min" | "weighted" over the task reward and the plug-ins
+    weights: list = field(default_factory=list)  # combine="weighted": one weight per function, task reward first
     normalize: bool = False  # running z-score (RunningRewardNorm)
     clip: float | None = None  # clip (normalised) rewards to [-clip, clip]
 
     def __post_init__(self):
-        if self.combine not in ("mean", "min"):
-            raise ValueError(f"reward.combine must be 'mean' or 'min', got {self.combine!r}")
-        if not self.use_task_reward and not self.fns:
-            raise ValueError("reward: use_task_reward=false needs at least one plug-in in reward.fns")
+        if self.combine not in ("mean", "min", "weighted"):
+            raise ValueError(f"reward.combine must be 'mean', 'min' or 'weighted', got {self.combine!r}")
+        if not self.uses_task_reward and not self.fns:
+            raise ValueError("reward: without the task's reward (use_task_reward=false or task=null) reward.fns "
+                             "needs at least one plug-in (e.g. [math])")
+        n = int(self.uses_task_reward) + len(self.fns)
+        if (self.combine == "weighted") != bool(self.weights) or (self.weights and len(self.weights) != n):
+            raise ValueError(f"reward.weights: combine='weighted' needs one weight per reward function ({n}: task "
+                             f"reward first, then reward.fns); got combine={self.combine!r}, weights={self.weights}")
+        if any(isinstance(w, bool) or not isinstance(w, (int, float)) for w in self.weights):
+            raise ValueError(f"reward.weights must be numbers, got {self.weights}")
+
+    @property
+    def uses_task_reward(self) -> bool:
+        return self.use_task_reward and self.task is not None
 
 
 def build_reward(cfg: RewardConfig):
     """(task, reward_fn, RunningRewardNorm) from a `RewardConfig`; plug-ins are imported here."""
-    task = make_task(cfg.task, **cfg.task_args)
-    fns = ([task.reward] if cfg.use_task_reward else []) + list(cfg.fns)
-    fn = fns[0] if len(fns) == 1 and not isinstance(fns[0], str) else CombinedReward(fns, cfg.combine)
+    task = None if cfg.task is None else make_task(cfg.task, **cfg.task_args)
+    fns = ([task.reward] if cfg.uses_task_reward else []) + list(cfg.fns)
+    fn = fns[0] if len(fns) == 1 and not isinstance(fns[0], str) else CombinedReward(fns, cfg.combine, cfg.weights)
     return task, fn, RunningRewardNorm(clip=cfg.clip, normalize=cfg.normalize)
 
 
 def load_reward_fn(spec: str) -> RewardFn:
-    """Import "module.path:function"; ValueError naming `spec` on any failure."""
+    """Import "module.path:function" (or a key of SHORT_NAMES); ValueError naming `spec` on any failure."""
+    spec = SHORT_NAMES.get(spec, spec) if isinstance(spec, str) else spec
     if not isinstance(spec, str) or spec.count(":") != 1 or not all(spec.split(":")):
-        raise ValueError(f"reward function spec {spec!r} must look like 'package.module:function'")
+        raise ValueError(f"reward function spec {spec!r} must look like 'package.module:function' or be one of "
+                         f"{sorted(SHORT_NAMES)}")
     mod_name, fn_name = spec.split(":")
     try:
         mod = importlib.import_module(mod_name)
@@ -70,18 +90,23 @@ def load_reward_fn(spec: str) -> RewardFn:
 
 
 class CombinedReward:
-    """Mean or min of several reward functions (each a callable or a "module:function" spec)."""
+    """Mean, min or weighted sum (`weights`, one per function) of several reward functions (each a
+    callable, a "module:function" spec or a SHORT_NAMES key)."""
 
-    def __init__(self, fns: Sequence[RewardFn | str], combine: str = "mean"):
+    def __init__(self, fns: Sequence[RewardFn | str], combine: str = "mean", weights: Sequence[float] = ()):
         if not fns:
             raise ValueError("CombinedReward needs at least one reward function")
-        if combine not in ("mean", "min"):
-            raise ValueError(f"CombinedReward: combine must be 'mean' or 'min', got {combine!r}")
+        if combine not in ("mean", "min", "weighted"):
+            raise ValueError(f"CombinedReward: combine must be 'mean', 'min' or 'weighted', got {combine!r}")
+        if combine == "weighted" and len(weights) != len(fns):
+            raise ValueError(f"CombinedReward: {len(fns)} functions but {len(weights)} weights")
         self.fns = [load_reward_fn(f) if isinstance(f, str) else f for f in fns]
-        self.combine = combine
+        self.combine, self.weights = combine, [float(w) for w in weights]
 
     def __call__(self, meta: dict, response: str) -> float:
         vals = [float(f(meta, response)) for f in self.fns]
+        if self.combine == "weighted":
+            return sum(w * v for w, v in zip(self.weights, vals))
         return sum(vals) / len(vals) if self.combine == "mean" else min(vals)
 
 

@@ -1,14 +1,20 @@
 """`torchrun --nproc_per_node N -m rl.train --config configs/X.yaml [key=value ...]`
 
 Builds the policy from `init.checkpoint` (training it first by supervised learning on the task if
-it is absent and `init.build_if_missing`), the frozen reference (default: the same checkpoint),
-the critic for PPO, then runs `train.steps` RL steps, writing `metrics.jsonl` and checkpoints to
-`train.out_dir` and resuming from its latest checkpoint when `train.resume`.
+it is absent), the frozen reference (default: the same checkpoint), the critic for PPO, then runs
+`train.steps` RL steps, writing `metrics.jsonl` and checkpoints to `train.out_dir` and resuming from
+its latest checkpoint when `train.resume`. The tokenizer is `tokenizer`, else the start checkpoint's
+own (a converted HF checkpoint carries its files), else the shipped one. Prompts come from `data`
+(rl.prompts: read and tokenized once, in PromptSampler's order, whose state the checkpoints carry)
+or from `reward.task`. A finished run writes `{out_dir}/model`: the policy's weights plus the
+tokenizer files, ready for `python -m tools.convert_hf export`.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import shutil
 import sys
 from dataclasses import replace
 
@@ -16,17 +22,20 @@ import torch
 import torch.distributed as dist
 
 import core.ckpt as ckpt
-from core.config import ConfigError, ModelConfig, from_dict, load_config
+from core.ckpt.model_weights import model_items, stream_to_file
+from core.config import ConfigError, ModelConfig, from_dict, load_config, to_dict
 from core.metrics import ProgressBar
 from core.model import Transformer
 from core.optim import build_optimizer
 from core.run import Run, start_run
-from core.tokenizer import load_tokenizer
+from core.tokenizer import TOKENIZER_FILES, load_tokenizer
 from parallel.dims import ParallelDims, launch_world_size, resolve_device
 from parallel.fsdp import FSDPOptions, freeze, parallelize
 from rl.config import RLConfig
 from rl.critic import Critic
+from rl.prompts import PromptSampler, load_prompt_data
 from rl.rewards import build_reward
+from rl.rollout import DataPrompts, TaskPrompts
 from rl.trainer import RLTrainer
 from rl.warmstart import ensure_start_checkpoint
 
@@ -59,9 +68,46 @@ def _load(module_cls, model_cfg, path, state, kv_group, device, tokenizer_fp, wh
     return m
 
 
-def assemble(cfg: RLConfig, state, model_cfg, tokenizer, policy, ref, critic=None) -> RLTrainer:
+def tokenizer_path(cfg: RLConfig) -> str | None:
+    """`tokenizer`, else the start checkpoint's folder when it holds tokenizer files, else None (shipped)."""
+    if cfg.tokenizer is not None:
+        return cfg.tokenizer
+    start = cfg.init.start_checkpoint
+    return start if any(os.path.isfile(os.path.join(start, n)) for n in ("tokenizer.json", "tokenizer.model")) else None
+
+
+def prompt_sources(cfg: RLConfig, tokenizer, task, data=None, max_seq_len: int | None = None):
+    """(training prompt source, held-out [(ids, meta)] or None). `data`: load_prompt_data's (train, eval)
+    when `cfg.data` is set (read here if not given); else the task's prompts and `rollout.eval_prompts`
+    fixed task prompts."""
+    ro = cfg.rollout
+    if cfg.data is None:
+        source = TaskPrompts(task, tokenizer)
+        return source, (source.eval_prompts(ro.eval_prompts, cfg.train.seed) if ro.eval_prompts else None)
+    train_set, eval_set = data if data is not None else load_prompt_data(cfg.data, tokenizer)
+    d = cfg.data
+    sampler = PromptSampler(len(train_set.prompts), ro.prompts_per_step, seed=d.seed, shuffle=d.shuffle,
+                            epochs=d.epochs)
+    if cfg.train.steps > sampler.num_steps:
+        raise ConfigError(f"train.steps={cfg.train.steps} is past the data: {train_set.summary()} give "
+                          f"{sampler.num_steps} steps of rollout.prompts_per_step={ro.prompts_per_step} in "
+                          f"data.epochs={d.epochs}")
+    longest = max(len(p.ids) for ps in (train_set, eval_set) if ps is not None for p in ps.prompts)
+    if max_seq_len is not None and longest + ro.max_new_tokens > max_seq_len:
+        raise ConfigError(f"data: the longest prompt has {longest} tokens; with rollout.max_new_tokens="
+                          f"{ro.max_new_tokens} that passes the model's max_seq_len={max_seq_len} (set "
+                          f"data.max_prompt_tokens <= {max_seq_len - ro.max_new_tokens})")
+    evals = None
+    if eval_set is not None:
+        evals = [(p.ids, p.meta) for p in eval_set.prompts]
+        evals = evals[:ro.eval_prompts] if ro.eval_prompts else evals
+    return DataPrompts(train_set, sampler), evals
+
+
+def assemble(cfg: RLConfig, state, model_cfg, tokenizer, policy, ref, critic=None, data=None) -> RLTrainer:
     """Shard the (plain, TP-local) policy, reference and critic over DP as configured, build their
-    optimizers, the reward and the trainer. Used by `build` and by tests with seeded models."""
+    optimizers, the reward, the prompt sources and the trainer. Used by `build` and by tests with
+    seeded models."""
     p = cfg.parallel
     opts = FSDPOptions(fsdp=p.fsdp, mixed_precision=p.mixed_precision,
                        activation_checkpointing=p.activation_checkpointing, cpu_offload=False)
@@ -82,14 +128,22 @@ def assemble(cfg: RLConfig, state, model_cfg, tokenizer, policy, ref, critic=Non
         copt = replace(cfg.optim, lr=cfg.critic.lr, min_lr=cfg.critic.lr * 0.1, warmup_steps=cfg.critic.warmup_steps)
         critic_opt = build_optimizer(critic, copt, model_cfg, total, state.tp_group, state.dp_group)
     task, reward_fn, reward_norm = build_reward(cfg.reward)
-    return RLTrainer(cfg, state, policy, ref, opt, tokenizer, task, reward_fn, reward_norm, critic, critic_opt)
+    source, evals = prompt_sources(cfg, tokenizer, task, data, model_cfg.max_seq_len)
+    return RLTrainer(cfg, state, policy, ref, opt, tokenizer, source, reward_fn, reward_norm, critic, critic_opt,
+                     eval_prompts=evals)
 
 
 def build(cfg: RLConfig) -> tuple[RLTrainer, Run, object]:
     """Check the config, make sure the starting checkpoint exists (SFT builds it when asked), set up
     the run and load policy, reference (and critic) into the trainer -> (trainer, run, tokenizer)."""
     dims = check_rl_config(cfg, launch_world_size())
-    tokenizer = load_tokenizer(cfg.tokenizer)
+    tokenizer = load_tokenizer(tokenizer_path(cfg))
+    data = None
+    if cfg.data is not None:  # read, checked and tokenized on every rank before any collective
+        data = load_prompt_data(cfg.data, tokenizer)
+        if cfg.init.checkpoint is None:
+            raise ConfigError("data: prompts from a data set need init.checkpoint (a converted checkpoint); the "
+                              "supervised warm start only knows the built-in tasks")
     start = ensure_start_checkpoint(cfg, tokenizer, resolve_device(cfg.train.device))
     model_cfg = from_dict(ModelConfig, ckpt.read_manifest(start)["model_config"])
     run = start_run(cfg, dims, model_cfg)
@@ -100,7 +154,7 @@ def build(cfg: RLConfig) -> tuple[RLTrainer, Run, object]:
     critic = None
     if cfg.algo.name == "ppo":
         critic = _load(Critic, model_cfg, start, what="critic", **load)
-    return assemble(cfg, state, model_cfg, tokenizer, policy, ref, critic), run, tokenizer
+    return assemble(cfg, state, model_cfg, tokenizer, policy, ref, critic, data), run, tokenizer
 
 
 def _modules(trainer: RLTrainer) -> dict:
@@ -112,9 +166,16 @@ def _modules(trainer: RLTrainer) -> dict:
     return mods
 
 
+def _sampler(trainer: RLTrainer):
+    return getattr(trainer.task, "sampler", None)
+
+
 def _extra_state(trainer: RLTrainer) -> dict:
-    return {"kl_controller": trainer.controller.state_dict(), "ref_sync": trainer.ref_sync.state_dict(),
-            "reward_norm": trainer.reward_norm.state_dict()}
+    extra = {"kl_controller": trainer.controller.state_dict(), "ref_sync": trainer.ref_sync.state_dict(),
+             "reward_norm": trainer.reward_norm.state_dict()}
+    if _sampler(trainer) is not None:
+        extra["prompt_sampler"] = _sampler(trainer).state_dict()
+    return extra
 
 
 def _resume(trainer: RLTrainer, run: Run) -> int:
@@ -125,7 +186,36 @@ def _resume(trainer: RLTrainer, run: Run) -> int:
     trainer.controller.load_state_dict(extra["kl_controller"])
     trainer.ref_sync.load_state_dict(extra["ref_sync"])
     trainer.reward_norm.load_state_dict(extra["reward_norm"])
+    if _sampler(trainer) is not None or "prompt_sampler" in extra:
+        if _sampler(trainer) is None or "prompt_sampler" not in extra:
+            raise ConfigError(f"resume: the checkpoint under {run.ckpt_root} was "
+                              f"{'' if 'prompt_sampler' in extra else 'not '}trained on a data set and this run is "
+                              f"{'' if _sampler(trainer) is not None else 'not'}; set data as that run did")
+        _sampler(trainer).check_state(extra["prompt_sampler"])
     return int(extra["step"]) + 1
+
+
+def save_final_model(trainer: RLTrainer, run: Run, tokenizer, step: int) -> str:
+    """Write `{out_dir}/model`: the policy's full weights (gathered over TP and DP, the checkpoint's dtype)
+    and the tokenizer files found beside the tokenizer (core.tokenizer.TOKENIZER_FILES), all hashed in
+    the manifest, so `tools.convert_hf export` gives a folder `transformers` loads. Collective."""
+    policy, state = trainer.policy, run.state
+    items = model_items(policy, policy.cfg, state)
+    info = {"kind": "model", "model_config": to_dict(policy.cfg), "tp": state.dims.tp,
+            "dtype": ",".join(sorted({ckpt.dtype_name(dt) for dt, _, _ in items.values()})),
+            "tokenizer_fingerprint": tokenizer.fingerprint}
+    is_writer = state.rank == 0
+    folder = os.path.dirname(os.path.abspath(tokenizer.path))
+
+    def write(tmp: str) -> None:
+        stream_to_file(tmp, "model", items, is_writer, None)
+        if is_writer:
+            for n in TOKENIZER_FILES:
+                if os.path.isfile(os.path.join(folder, n)):
+                    shutil.copyfile(os.path.join(folder, n), os.path.join(tmp, n))
+
+    return ckpt.save_checkpoint_at(os.path.join(run.out_dir, "model"), step, write, info=info,
+                                   group=ckpt.world_group(state), all_ranks_write=True)
 
 
 def _report(rec: dict, step: int, cfg: RLConfig, is_main: bool) -> str | None:
@@ -158,6 +248,8 @@ def run(cfg: RLConfig) -> list[dict]:
             run.save(step, _modules(trainer), _extra_state(trainer), tokenizer.fingerprint)
         if stop or pause:
             break
+    if not stop and records and records[-1]["step"] == t.steps - 1:
+        save_final_model(trainer, run, tokenizer, t.steps)
     run.close()
     if stop:
         raise SystemExit(stop)

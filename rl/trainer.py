@@ -29,7 +29,7 @@ from rl.kl import HEAD_DIRECTION, kl_by_position, kl_from_config, kl_quantiles, 
 from rl.logprobs import critic_values, logprobs_from_hidden, policy_fused_loss, policy_token_stats, reference_hidden
 from rl.losses import TokenPolicyLoss, aggregate, clipped_value_loss, loss_scale, token_weights
 from rl.reference import ReferenceSync
-from rl.rollout import Rollout, collect_rollout
+from rl.rollout import Rollout, collect_rollout, evaluate
 
 
 def _max_abs(x: torch.Tensor, mask: torch.Tensor) -> float:
@@ -125,14 +125,20 @@ class RLTrainer:
     """
 
     def __init__(self, cfg: RLConfig, state, policy, reference, optimizer, tokenizer, task, reward_fn,
-                 reward_norm, critic=None, critic_optimizer=None):
+                 reward_norm, critic=None, critic_optimizer=None, eval_prompts=None):
+        """`task`: a prompt source (rl.rollout.TaskPrompts / DataPrompts) or a built-in task; `eval_prompts`:
+        the held-out [(ids, meta)] scored every `rollout.eval_every` steps (None: no eval)."""
         self.cfg, self.state = cfg, state
         self.policy, self.ref, self.opt = policy, reference, optimizer
         self.critic, self.critic_opt = critic, critic_optimizer
         self.tok, self.task, self.reward_fn, self.reward_norm = tokenizer, task, reward_fn, reward_norm
         self.controller = KLController(cfg.kl_ctl)
         self.ref_sync = ReferenceSync(cfg.reference, cfg.kl_ctl.target)
-        self.vocab = policy.cfg.vocab_size
+        # log-probs, entropy and the exact KL (policy and reference alike) are taken over the ids the
+        # tokenizer has, the same vocabulary the sampler draws from: a padded embedding's extra rows are
+        # never read, so the update is exactly on-policy
+        self.vocab = min(policy.cfg.vocab_size, getattr(tokenizer, "vocab_size", None) or policy.cfg.vocab_size)
+        self.eval_prompts = eval_prompts or None
         self.tp_group, self.dp_group = state.tp_group, state.dp_group
         self.world_group = None if state.mesh is None else torch.distributed.group.WORLD
         self.timer = PhaseTimer(state.device, memory={"rollout": "rollout", "ref_logprobs": "ref",
@@ -309,9 +315,22 @@ class RLTrainer:
     # -----------------------------------------------------------------------------------------
     # 7: one whole step
 
+    def evaluate(self, step: int) -> dict:
+        """The held-out eval (rl.rollout.evaluate) when it is due before `step` ({} otherwise): every
+        `rollout.eval_every` steps and before the run's last step."""
+        ro, st = self.cfg.rollout, self.state
+        due = ro.eval_every and (step % ro.eval_every == 0 or step == self.cfg.train.steps - 1)
+        if not self.eval_prompts or not due:
+            return {}
+        with self.timer("eval"):
+            return evaluate(self.policy, self.tok, self.eval_prompts, self.reward_fn, ro, seed=self.cfg.train.seed,
+                            step=step, dp_rank=st.dp_rank, dp_size=st.dims.dp, tp_group=self.tp_group,
+                            dp_group=self.dp_group, device=st.device, world_group=self.world_group)
+
     def step(self, step: int) -> dict:
         cfg = self.cfg
         reset_peak_memory(self.state.device)
+        evals = self.evaluate(step)  # the policy before this step's update, outside the step's clock
         t0 = time.perf_counter()
         data = self.make_experience(step)
         with self.timer("update"):
@@ -352,6 +371,7 @@ class RLTrainer:
                **times, **peak_memory(self.state.device)}
         if "critic_grad_norm" in upd:
             rec["critic_grad_norm"] = upd["critic_grad_norm"]
+        rec.update(evals)
         rec["kl_warning"] = kl_mean > cfg.guard.kl_warn
         if kl_mean > cfg.guard.kl_stop:
             rec["kl_stop"] = True
