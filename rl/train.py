@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
 import sys
 from dataclasses import replace
 
@@ -22,8 +21,7 @@ import torch
 import torch.distributed as dist
 
 import core.ckpt as ckpt
-from core.ckpt.model_weights import model_items, stream_to_file
-from core.config import ConfigError, ModelConfig, from_dict, load_config, to_dict
+from core.config import ConfigError, ModelConfig, from_dict, load_config
 from core.metrics import ProgressBar
 from core.model import Transformer
 from core.optim import build_optimizer
@@ -196,26 +194,13 @@ def _resume(trainer: RLTrainer, run: Run) -> int:
 
 
 def save_final_model(trainer: RLTrainer, run: Run, tokenizer, step: int) -> str:
-    """Write `{out_dir}/model`: the policy's full weights (gathered over TP and DP, the checkpoint's dtype)
-    and the tokenizer files found beside the tokenizer (core.tokenizer.TOKENIZER_FILES), all hashed in
-    the manifest, so `tools.convert_hf export` gives a folder `transformers` loads. Collective."""
-    policy, state = trainer.policy, run.state
-    items = model_items(policy, policy.cfg, state)
-    info = {"kind": "model", "model_config": to_dict(policy.cfg), "tp": state.dims.tp,
-            "dtype": ",".join(sorted({ckpt.dtype_name(dt) for dt, _, _ in items.values()})),
-            "tokenizer_fingerprint": tokenizer.fingerprint}
-    is_writer = state.rank == 0
+    """Write `{out_dir}/model`: the policy's full weights (gathered over TP and DP) and the tokenizer
+    files found beside the tokenizer (core.tokenizer.TOKENIZER_FILES), all hashed in the manifest, so
+    `tools.convert_hf export` gives a folder `transformers` loads. Collective."""
     folder = os.path.dirname(os.path.abspath(tokenizer.path))
-
-    def write(tmp: str) -> None:
-        stream_to_file(tmp, "model", items, is_writer, None)
-        if is_writer:
-            for n in TOKENIZER_FILES:
-                if os.path.isfile(os.path.join(folder, n)):
-                    shutil.copyfile(os.path.join(folder, n), os.path.join(tmp, n))
-
-    return ckpt.save_checkpoint_at(os.path.join(run.out_dir, "model"), step, write, info=info,
-                                   group=ckpt.world_group(state), all_ranks_write=True)
+    files = [os.path.join(folder, n) for n in TOKENIZER_FILES if os.path.isfile(os.path.join(folder, n))]
+    return ckpt.save_model_weights(trainer.policy, os.path.join(run.out_dir, "model"), run.state,
+                                   tokenizer_fingerprint=tokenizer.fingerprint, step=step, extra_files=files)
 
 
 def _report(rec: dict, step: int, cfg: RLConfig, is_main: bool) -> str | None:

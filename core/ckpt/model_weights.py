@@ -20,6 +20,8 @@ is replicated over tp and its full shape is its TP-local shape.
 
 from __future__ import annotations
 
+import os
+import shutil
 import sys
 from collections.abc import Callable
 from typing import NamedTuple
@@ -281,14 +283,17 @@ def model_items(module: nn.Module, cfg: ModelConfig, state, dtype: torch.dtype |
 
 
 def save_model_weights(model: nn.Module, path: str, state, *, tokenizer_fingerprint: str | None = None,
-                       dtype: torch.dtype | None = None, step: int = 0, max_shard_bytes: int | None = None) -> str:
+                       dtype: torch.dtype | None = None, step: int = 0, max_shard_bytes: int | None = None,
+                       extra_files: list[str] | None = None) -> str:
     """Write a kind="model" checkpoint folder exactly at `path` (atomic: a temporary sibling renamed
     into place; an existing checkpoint there is replaced only once the new one is complete; a
     non-empty folder that is no checkpoint is refused). Collective: every rank calls it.
 
     One parameter at a time: gathered over dp (FSDP) and tp, cast to `dtype` (default: the
     parameter's), written by global rank 0 into model.safetensors (or shards of at most
-    `max_shard_bytes` plus an index). Returns `path` on every rank once the folder is complete.
+    `max_shard_bytes` plus an index). `extra_files`: paths of files (e.g. the tokenizer's) copied in
+    beside the tensors, under their own names, and hashed in the manifest like them. Returns `path`
+    on every rank once the folder is complete.
     """
     cfg: ModelConfig = model.cfg
     _, tp, _ = tp_info(state)
@@ -300,5 +305,8 @@ def save_model_weights(model: nn.Module, path: str, state, *, tokenizer_fingerpr
 
     def write(tmp: str) -> None:
         stream_to_file(tmp, "model", items, is_writer, max_shard_bytes)
+        if is_writer:
+            for f in extra_files or ():
+                shutil.copyfile(f, os.path.join(tmp, os.path.basename(f)))
 
     return save_checkpoint_at(path, step, write, info=info, group=world_group(state), all_ranks_write=True)
