@@ -111,3 +111,31 @@ def test_real_run_beta_zero_high_lr_has_a_high_kl(tmp_path):
     rows = _real_run(tmp_path, ["kl_ctl.mode=fixed", "kl_ctl.beta=0", "kl_ctl.beta_min=0", "optim.lr=1e-2",
                                 "optim.min_lr=1e-2"], 10)
     assert "kl_high" in [f.name for f in diagnose(rows, window=6)]
+
+
+def _playbook_names(rows, window):
+    from tools.symptoms import CHECKS
+
+    return [f.name for f in (c(rows, window) for c in CHECKS) if f is not None]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("coef,name", [(-1.0, "entropy_collapse"), (2.0, "entropy_max")])
+def test_real_run_entropy_pushed_to_its_ends(tmp_path, coef, name):
+    """A negative entropy coefficient with a high lr drives the entropy to 0; a large positive one to log V."""
+    rows = _real_run(tmp_path, [f"loss.entropy_coef={coef}", "optim.lr=1e-2", "optim.min_lr=1e-2"], 10)
+    assert name in _playbook_names(rows, 6)
+
+
+@pytest.mark.slow
+def test_real_default_job_raises_no_playbook_symptom(tmp_path):
+    """The README's GRPO job (its own batch size), first 12 steps: none of the playbook's detectors fires."""
+    from core.config import load_config
+    from rl.config import RLConfig
+    from rl.train import run as rl_run
+
+    sft = os.environ.get("KLTRON_TINY_SFT", "runs/tiny_sft")
+    cfg = load_config(RLConfig, "configs/grpo_tiny.yaml", [f"init.sft_dir={sft}", f"train.out_dir={tmp_path}",
+                                                           "train.steps=12", "train.progress=false",
+                                                           "train.save_every=0"])
+    assert _playbook_names(rl_run(cfg), 20) == []

@@ -1,0 +1,64 @@
+"""The playbook's hooks in a real (tiny, single-process) trainer: grad_ratio sets each step's beta
+from the logged gradient norms; the entropy target moves the coefficient by its rule; the new
+metrics are in every record; kl.where=auto puts PPO's KL in the reward."""
+
+import math
+
+import pytest
+import torch
+
+from core.config import ModelConfig, load_config
+from core.model import build_model
+from core.tokenizer import load_tokenizer
+from parallel.dims import ParallelDims, init_parallel, kv_replica_group
+from rl.config import RLConfig
+from rl.critic import Critic
+
+MODEL = dict(vocab_size=256, hidden_size=32, n_layers=2, n_heads=4, n_kv_heads=2, intermediate_size=64,
+             max_seq_len=64)
+BASE = ["rollout.prompts_per_step=4", "rollout.group_size=4", "rollout.max_new_tokens=6",
+        "reward.use_task_reward=false", "reward.fns=[tests.test_playbook_trainer:digit_reward]", "optim.lr=1e-2",
+        "optim.warmup_steps=0", "optim.grad_clip=0.5", "train.progress=false"]
+
+
+def digit_reward(meta, response):
+    return sum(c.isdigit() for c in response) / 6.0
+
+
+def _trainer(overrides):
+    from rl.train import assemble
+
+    torch.set_num_threads(1)
+    cfg = load_config(RLConfig, None, BASE + list(overrides))
+    mc = ModelConfig(**MODEL)
+    state = init_parallel(ParallelDims(1, 1), "cpu", mc.n_heads, mc.n_kv_heads)
+    kv = kv_replica_group(state, mc.n_kv_heads)
+    policy, ref = build_model(mc, state.tp_group, kv, seed=11), build_model(mc, state.tp_group, kv, seed=12)
+    critic = None
+    if cfg.algo.name == "ppo":
+        critic = Critic(mc, state.tp_group, kv)
+        critic.body.init_weights(11)
+    return assemble(cfg, state, mc, load_tokenizer(None), policy, ref, critic)
+
+
+def test_grad_ratio_and_entropy_target_through_the_trainer(capsys):
+    tr = _trainer(["kl_ctl.preset=grad_ratio", "loss.entropy_target=3.0", "loss.entropy_lr=0.01",
+                   "loss.entropy_coef_max=0.5"])
+    assert "kl_ctl.preset=grad_ratio: set mode=grad_ratio" in capsys.readouterr().out
+    coef = 0.0
+    for s in range(3):
+        rec = tr.step(s)
+        assert rec["beta"] == pytest.approx(min(0.1 * rec["pg_grad_norm"] / rec["kl_grad_norm"], 10.0), rel=1e-9)
+        assert rec["entropy_coef"] == pytest.approx(coef)
+        coef = min(max(coef + 0.01 * (3.0 - rec["entropy"]), 0.0), 0.5)
+        assert rec["entropy_max"] == pytest.approx(math.log(256))
+        assert 0.0 <= rec["repetition_rate"] <= 1.0
+    assert -1.0 <= rec["reward_kl_corr"] <= 1.0
+    assert tr.ent_ctl.coef == pytest.approx(coef)
+
+
+def test_ppo_auto_puts_the_kl_in_the_reward():
+    tr = _trainer(["algo.name=ppo", "kl_ctl.beta=0.5"])
+    assert tr.cfg.kl.where == "reward"
+    rec = tr.step(0)
+    assert math.isfinite(rec["kl_mean"]) and rec["kl_mean"] > 0  # the reference differs: a KL to pay in the reward
