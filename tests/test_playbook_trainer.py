@@ -62,3 +62,27 @@ def test_ppo_auto_puts_the_kl_in_the_reward():
     assert tr.cfg.kl.where == "reward"
     rec = tr.step(0)
     assert math.isfinite(rec["kl_mean"]) and rec["kl_mean"] > 0  # the reference differs: a KL to pay in the reward
+
+
+def _names_after(overrides, steps=14, window=10, same_ref=False):
+    from tools.diagnose import diagnose
+
+    tr = _trainer(overrides)
+    if same_ref:
+        with torch.no_grad():
+            for (_, p), (_, q) in zip(tr.policy.named_parameters(), tr.ref.named_parameters()):
+                q.copy_(p)
+    rows = [tr.step(s) for s in range(steps)]
+    return [f.name for f in diagnose(rows, window)]
+
+
+@pytest.mark.slow
+def test_real_run_huge_beta_keeps_the_reward_flat():
+    """beta 5 against a reference the policy does not start at: the reward stays flat at a normal KL."""
+    assert "reward_flat_kl_normal" in _names_after(["kl_ctl.beta=5", "kl_ctl.beta_max=10", "optim.lr=1e-3"])
+
+
+@pytest.mark.slow
+def test_real_run_without_a_penalty_buys_reward_with_kl():
+    """beta 0, lr 1e-2 on a dense reward: reward and KL climb together (reward_hacking)."""
+    assert "reward_hacking" in _names_after(["kl_ctl.beta=0", "kl_ctl.beta_min=0", "optim.lr=1e-2"])

@@ -139,3 +139,8 @@ def test_real_default_job_raises_no_playbook_symptom(tmp_path):
                                                            "train.steps=12", "train.progress=false",
                                                            "train.save_every=0"])
     assert _playbook_names(rl_run(cfg), 20) == []
+
+
+def outlier_reward(meta, response):
+    """The share of digits, and a rare outlier of 30 for a response with two 7s: spikes in the advantages."""
+    return 30.0 if response.count("7") >= 2 else sum(c.isdigit() for c in response) / 6.0

@@ -147,12 +147,14 @@ def check_kl_adv_spike(rows, window: int) -> Finding | None:
     if len(recent) < 8:
         return None
     kl, adv = [r["kl_mean"] for r in recent], [r["adv_abs_mean"] for r in recent]
-    both = _spikes(kl) & _spikes(adv)
-    corr = pearson(kl, adv)
-    if both and (corr or 0.0) >= 0.5:
+    # the KL of step s is measured before step s's update, so a huge advantage shows in the KL at s or s + 1
+    ks, advs = _spikes(kl), _spikes(adv)
+    both = {i for i in ks if i in advs or i - 1 in advs}
+    corr = max(pearson(kl, adv) or 0.0, pearson(kl[1:], adv[:-1]) or 0.0)
+    if both and corr >= 0.5:
         steps = [recent[i].get("step") for i in sorted(both)]
-        return Finding("kl_adv_spike", f"the KL spikes at the same steps as the mean |advantage| (steps {steps}; "
-                                       f"correlation {corr:.2f} over {len(recent)} steps)",
+        return Finding("kl_adv_spike", f"the KL spikes with the mean |advantage| (at or one step after it; KL "
+                                       f"spikes at steps {steps}; correlation {corr:.2f} over {len(recent)} steps)",
                        "a few outlier rewards (or a critic off scale) give huge advantages, and the update they "
                        "drive moves the policy far in one step",
                        "reward.clip and reward.normalize=fixed; algo.whiten_advantages / algo.adv_std_norm; a "
