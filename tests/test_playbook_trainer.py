@@ -86,3 +86,23 @@ def test_real_run_huge_beta_keeps_the_reward_flat():
 def test_real_run_without_a_penalty_buys_reward_with_kl():
     """beta 0, lr 1e-2 on a dense reward: reward and KL climb together (reward_hacking)."""
     assert "reward_hacking" in _names_after(["kl_ctl.beta=0", "kl_ctl.beta_min=0", "optim.lr=1e-2"])
+
+
+@pytest.mark.slow
+def test_real_run_repetitive_reference_repeats_at_a_low_kl():
+    """Policy = reference, a head that only ever picks token 40 or 41: responses repeat their 3-grams while
+    the KL stays near 0 (the penalty holds the policy on a degenerate reference)."""
+    from tools.diagnose import diagnose
+
+    tr = _trainer(["rollout.max_new_tokens=12", "kl_ctl.beta=1", "optim.lr=1e-4"])
+    u = torch.randn(32, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        for (_, p), (_, q) in zip(tr.policy.named_parameters(), tr.ref.named_parameters()):
+            q.copy_(p)
+        for mod in (tr.policy, tr.ref):
+            w = dict(mod.named_parameters())["lm_head.weight"]
+            w.zero_()
+            w[40], w[41] = 3 * u, -3 * u
+    rows = [tr.step(s) for s in range(10)]
+    names = [f.name for f in diagnose(rows, 10)]
+    assert "repetition_low_kl" in names and "kl_adv_spike" not in names

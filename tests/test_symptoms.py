@@ -142,5 +142,5 @@ def test_real_default_job_raises_no_playbook_symptom(tmp_path):
 
 
 def outlier_reward(meta, response):
-    """The share of digits, and a rare outlier of 30 for a response with two 7s: spikes in the advantages."""
-    return 30.0 if response.count("7") >= 2 else sum(c.isdigit() for c in response) / 6.0
+    """The share of digits, and a rare outlier of 30 for a response with a 7: spikes in the advantages."""
+    return 30.0 if "7" in response else sum(c.isdigit() for c in response) / 6.0

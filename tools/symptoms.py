@@ -25,6 +25,7 @@ BETA_STRONG = 0.5  # a per-token KL coefficient this large dominates a reward in
 KL_HIGH = 1.0  # nats per token: high for RL fine-tuning, though far below the default guard (kl_warn 20)
 KL_HACK = 0.5  # the KL level a reward-hacking climb reaches
 ENTROPY_ZERO = 0.05  # nats per token
+KL_SPIKE = 0.05  # a KL spike below this (nats/token) is noise around a near-zero KL
 REPEAT = 0.3  # share of repeated 3-grams per response
 
 
@@ -149,7 +150,7 @@ def check_kl_adv_spike(rows, window: int) -> Finding | None:
     kl, adv = [r["kl_mean"] for r in recent], [r["adv_abs_mean"] for r in recent]
     # the KL of step s is measured before step s's update, so a huge advantage shows in the KL at s or s + 1
     ks, advs = _spikes(kl), _spikes(adv)
-    both = {i for i in ks if i in advs or i - 1 in advs}
+    both = {i for i in ks if (i in advs or i - 1 in advs) and kl[i] >= KL_SPIKE}
     corr = max(pearson(kl, adv) or 0.0, pearson(kl[1:], adv[:-1]) or 0.0)
     if both and corr >= 0.5:
         steps = [recent[i].get("step") for i in sorted(both)]
