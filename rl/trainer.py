@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from core.metrics import PhaseTimer, peak_memory, reset_peak_memory
+from core.monitor import Monitor
 from parallel import comm
 from parallel.fsdp import set_gradient_sync, sync_replicated_grads
 from rl.advantages import broadcast_to_tokens, gae, grpo_advantages, kl_shaped_rewards, whiten
@@ -138,8 +139,6 @@ class RLTrainer:
         self.reward_kl = WindowCorr(cfg.monitor.corr_window)
         self.monitor = None
         if state.is_main and (cfg.monitor.tensorboard or cfg.monitor.wandb != "off"):
-            from core.monitor import Monitor
-
             self.monitor = Monitor(cfg.train.out_dir, cfg.monitor.tensorboard, cfg.monitor.wandb)
         if cfg.kl_ctl.preset and state.is_main:
             print(f"kltron: {cfg.kl_ctl.preset_summary}", flush=True)

@@ -22,15 +22,10 @@ import json
 import math
 import os
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 
-
-@dataclass
-class Finding:
-    name: str
-    evidence: str
-    causes: str
-    first_try: str
+from tools.symptoms import CHECKS as PLAYBOOK_CHECKS
+from tools.symptoms import Finding
 
 
 def _series(rows: list[dict], key: str) -> list[float]:
@@ -167,9 +162,7 @@ def check_reward_swings(rows, window: int) -> Finding | None:
 def diagnose(rows: list[dict], window: int = 20) -> list[Finding]:
     checks = [check_non_finite(rows), check_kl_climbing(rows, window), check_kl_flat_reward(rows, window),
               check_kl_concentrated(rows, window), check_reward_swings(rows, window)]
-    from tools.symptoms import CHECKS  # the playbook's detectors (imported here: they import this module)
-
-    checks += [check(rows, window) for check in CHECKS]
+    checks += [check(rows, window) for check in PLAYBOOK_CHECKS]  # the playbook's detectors (tools/symptoms.py)
     return [f for f in checks if f is not None]
 
 

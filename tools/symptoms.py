@@ -17,8 +17,30 @@ the likely cause, the first fix) or None:
 from __future__ import annotations
 
 import statistics
+from dataclasses import dataclass
 
-from tools.diagnose import Finding, _series, _slope
+
+@dataclass
+class Finding:
+    """One diagnosis (tools.diagnose prints these): the symptom's name, what was seen, causes, first fix."""
+
+    name: str
+    evidence: str
+    causes: str
+    first_try: str
+
+
+def _series(rows: list[dict], key: str) -> list[float]:
+    return [float(r[key]) for r in rows if isinstance(r.get(key), (int, float)) and not isinstance(r.get(key), bool)]
+
+
+def _slope(ys: list[float]) -> float:
+    """Least-squares slope per step."""
+    n = len(ys)
+    if n < 2:
+        return 0.0
+    mx, my = (n - 1) / 2, sum(ys) / n
+    return sum((i - mx) * (y - my) for i, y in enumerate(ys)) / sum((i - mx) ** 2 for i in range(n))
 
 KL_NORMAL = 1e-3  # a mean per-token KL above this is "not near zero"
 BETA_STRONG = 0.5  # a per-token KL coefficient this large dominates a reward in [0, 1]
