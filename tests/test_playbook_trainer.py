@@ -13,6 +13,8 @@ from core.tokenizer import load_tokenizer
 from parallel.dims import ParallelDims, init_parallel, kv_replica_group
 from rl.config import RLConfig
 from rl.critic import Critic
+from rl.train import assemble
+from tools.diagnose import diagnose
 
 MODEL = dict(vocab_size=256, hidden_size=32, n_layers=2, n_heads=4, n_kv_heads=2, intermediate_size=64,
              max_seq_len=64)
@@ -26,8 +28,6 @@ def digit_reward(meta, response):
 
 
 def _trainer(overrides):
-    from rl.train import assemble
-
     torch.set_num_threads(1)
     cfg = load_config(RLConfig, None, BASE + list(overrides))
     mc = ModelConfig(**MODEL)
@@ -65,8 +65,6 @@ def test_ppo_auto_puts_the_kl_in_the_reward():
 
 
 def _names_after(overrides, steps=14, window=10, same_ref=False):
-    from tools.diagnose import diagnose
-
     tr = _trainer(overrides)
     if same_ref:
         with torch.no_grad():
@@ -92,8 +90,6 @@ def test_real_run_without_a_penalty_buys_reward_with_kl():
 def test_real_run_repetitive_reference_repeats_at_a_low_kl():
     """Policy = reference, a head that only ever picks token 40 or 41: responses repeat their 3-grams while
     the KL stays near 0 (the penalty holds the policy on a degenerate reference)."""
-    from tools.diagnose import diagnose
-
     tr = _trainer(["rollout.max_new_tokens=12", "kl_ctl.beta=1", "optim.lr=1e-4"])
     u = torch.randn(32, generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
