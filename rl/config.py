@@ -82,16 +82,35 @@ class ReferenceConfig:
     sync_patience: int = 3  # ... for this many consecutive steps
     sync_mode: str = "hard"  # "hard" copy or "ema" mix
     ema_alpha: float = 0.1  # ref <- (1 - alpha) * ref + alpha * policy
-    reset_optimizer: bool = False  # reset the policy's AdamW state after a sync
+    # reset the policy's AdamW state after a sync; null: yes after a hard sync (the guides' advice: the
+    # moments were built against the old reference), no after an EMA mix
+    reset_optimizer: bool | None = None
     dtype: str = "fp32"  # "bf16": the reference's weights are stored and computed in bf16 (its KL stays fp32)
 
     def __post_init__(self):
         if self.dtype not in ("fp32", "bf16"):
             raise ValueError(f"reference.dtype must be 'fp32' or 'bf16', got {self.dtype!r}")
+        if self.reset_optimizer is None:
+            self.reset_optimizer = self.sync_mode == "hard"
         if self.sync_mode not in ("hard", "ema"):
             raise ValueError(f"reference.sync_mode must be 'hard' or 'ema', got {self.sync_mode!r}")
         if not 0.0 < self.ema_alpha <= 1.0:
             raise ValueError(f"reference.ema_alpha must be in (0, 1], got {self.ema_alpha}")
+
+
+@dataclass
+class MonitorConfig:
+    """The `monitor` section: where metrics go beside metrics.jsonl (rank 0; core/monitor.py)."""
+
+    tensorboard: bool = False  # TensorBoard event files in {train.out_dir}/tensorboard (extra `tensorboard`)
+    wandb: str = "off"  # "off" | "offline": a Weights & Biases offline run in {train.out_dir}/wandb
+    corr_window: int = 20  # steps in the trainer's reward_kl_corr
+
+    def __post_init__(self):
+        if self.wandb not in ("off", "offline"):
+            raise ValueError(f"monitor.wandb must be 'off' or 'offline', got {self.wandb!r}")
+        if self.corr_window < 3:
+            raise ValueError(f"monitor.corr_window must be >= 3, got {self.corr_window}")
 
 
 @dataclass
@@ -132,6 +151,7 @@ class RLConfig:
     reward: RewardConfig = field(default_factory=RewardConfig)
     critic: CriticConfig = field(default_factory=CriticConfig)
     guard: GuardConfig = field(default_factory=GuardConfig)
+    monitor: MonitorConfig = field(default_factory=MonitorConfig)
     init: InitConfig = field(default_factory=InitConfig)
     train: TrainConfig = field(default_factory=lambda: TrainConfig(steps=40, out_dir="runs/grpo"))
     data: PromptDataConfig | None = None  # prompts from a JSONL/Parquet file (then reward.task may be null)
@@ -144,8 +164,21 @@ class RLConfig:
             raise ValueError("reward.task is null and there is no data section: set one of them (prompts come from "
                              "the built-in task or from data.train_file)")
         n = self.rollout.prompts_per_step * self.rollout.group_size  # samples per step: the controller's clock
+        self._resolve_algo_defaults()
+        if self.kl_ctl.horizon_steps is not None:  # a horizon in steps, converted to Ziegler's samples
+            self.kl_ctl.horizon = self.kl_ctl.horizon_steps * n
         if self.kl_ctl.mode == "adaptive" and not n / self.kl_ctl.horizon < MAX_N_OVER_HORIZON:
             raise ValueError(f"kl_ctl.horizon={self.kl_ctl.horizon} is in samples and a step has "
                              f"rollout.prompts_per_step x rollout.group_size = {n}: n / horizon must be < "
                              f"{MAX_N_OVER_HORIZON:g} (else beta can be driven to 0); use kl_ctl.horizon > "
                              f"{n / MAX_N_OVER_HORIZON:g}")
+
+    def _resolve_algo_defaults(self):
+        """kl.where='auto' (the default): PPO puts the KL in the reward per token (Ziegler et al., InstructGPT,
+        TRL's PPOTrainer), GRPO in the loss (DeepSeekMath) with the default estimator k3+."""
+        if getattr(self.kl, "where_auto", False):
+            self.kl.where = "reward" if self.algo.name == "ppo" else "loss"
+        if self.kl_ctl.mode == "grad_ratio" and (self.kl.where != "loss" or self.kl.exact):
+            raise ValueError(f"kl_ctl.mode='grad_ratio' balances the KL term of the loss against the policy "
+                             f"gradient: it needs kl.where='loss' and a sampled estimator (kl.exact=false), got "
+                             f"kl.where={self.kl.where!r}, kl.exact={self.kl.exact}")

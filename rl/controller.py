@@ -9,6 +9,14 @@ Every mode works on `recent`, the mean of the last `window` KL values passed to 
 | `adaptive`   | Ziegler et al. 2019: e = clip(recent/target - 1, -0.2, 0.2); beta *= 1 + e * n / horizon |
 | `threshold`  | beta *= up if recent > target * band_high; beta *= down if recent < target * band_low |
 | `normalized` | beta = min(target / recent, normalized_max); unchanged if recent <= 0           |
+| `grad_ratio` | beta = grad_fraction * |grad pg| / |grad KL| (per unit beta), set before each update |
+
+With `every` = N > 1 the rule acts only on every N-th call of `update` (on the mean of the last
+`window` values); the calls in between only record the KL.
+
+`grad_ratio` needs the two gradient norms, measured by the trainer on each step's on-policy batch
+(`set_from_grad_norms`); `update` then only records the KL. Presets (`kl_ctl.preset`, see PRESETS and
+docs/kl_playbook.md) fill the rule's keys with a published recipe.
 
 The adaptive clock is Ziegler et al.'s: `n` is the number of samples (responses) the KL value was
 measured on -- the trainer passes the step's global rollout.prompts_per_step * rollout.group_size --
@@ -24,8 +32,29 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-MODES = ("fixed", "adaptive", "threshold", "normalized")
+MODES = ("fixed", "adaptive", "threshold", "normalized", "grad_ratio")
 MAX_N_OVER_HORIZON = 5.0  # 1 + e * n / horizon > 0 for every e >= -0.2
+
+# name -> (the keys it sets, where the recipe comes from). A preset always sets `mode`; it fills its other
+# keys only where the config left them at their defaults: a key the user set wins (the summary says so).
+PRESETS: dict[str, tuple[dict, str]] = {
+    "band": (dict(mode="threshold", band_high=1.5, band_low=0.5, up=1.2, down=0.8, every=10, window=10),
+             "the multiplicative band rule of PPO's adaptive KL penalty (Schulman et al. 2017, sec. 4: act when "
+             "the KL leaves [target/1.5, 1.5 target]) with the gentler factors x1.2 / x0.8 of the RLHF guides, "
+             "on a 10-step window mean every 10 steps"),
+    "band_tight": (dict(mode="threshold", band_high=1.2, band_low=0.8, up=1.2, down=0.8, every=10, window=10),
+                   "the band rule with bands at 1.2x / 0.8x target, x1.2 / x0.8, every 10 steps on a 10-step mean"),
+    "ziegler": (dict(mode="adaptive", horizon_steps=10.0),
+                "Ziegler et al. 2019 (Fine-Tuning LMs from Human Preferences; TRL's AdaptiveKLController): "
+                "e = clip(KL/target - 1, +-0.2), beta *= 1 + e n / horizon, n = samples in the step, horizon "
+                "= 10 steps' samples, so beta moves by about e^0.2 every 10 steps"),
+    "target_over_kl": (dict(mode="normalized", normalized_max=1.0, beta_min=1e-3),
+                       "beta = target / KL (the penalty's weight scaled so beta * KL stays at target), bounded "
+                       "to [1e-3, 1]"),
+    "grad_ratio": (dict(mode="grad_ratio", grad_fraction=0.1, beta_max=10.0),
+                   "gradient balancing: beta set each step so the KL term's gradient norm is 0.1 of the "
+                   "policy-gradient term's (measured at the sampled tokens' log-probs, all DP ranks summed)"),
+}
 
 
 @dataclass
@@ -44,8 +73,13 @@ class KLControllerConfig:
     beta_max: float = 1.0e6
     window: int = 1  # number of recent KL values averaged into `recent`
     normalized_max: float = 10.0  # normalized: beta <= this, so a tiny KL (1e-6) cannot blow beta up
+    every: int = 1  # apply the rule on every `every`-th update only (the others just record the KL)
+    horizon_steps: float | None = None  # adaptive: if set, horizon = this x samples per step (set by RLConfig)
+    grad_fraction: float = 0.1  # grad_ratio: |beta grad KL| = grad_fraction |grad pg|
+    preset: str | None = None  # one of PRESETS: fills the keys above with a published recipe
 
     def __post_init__(self):
+        self.preset_summary = apply_preset(self) if self.preset is not None else ""
         if self.mode not in MODES:
             raise ValueError(f"kl_ctl.mode must be one of {MODES}, got {self.mode!r}")
         if not 0.0 <= self.beta_min <= self.beta_max:
@@ -64,8 +98,33 @@ class KLControllerConfig:
             raise ValueError(f"kl_ctl needs up >= 1 and 0 < down <= 1, got up={self.up}, down={self.down}")
         if not self.normalized_max > 0:
             raise ValueError(f"kl_ctl.normalized_max must be positive, got {self.normalized_max}")
-        if self.window < 1:
-            raise ValueError(f"kl_ctl.window must be >= 1, got {self.window}")
+        if self.window < 1 or self.every < 1:
+            raise ValueError(f"kl_ctl.window and kl_ctl.every must be >= 1, got {self.window}, {self.every}")
+        if self.horizon_steps is not None and not self.horizon_steps > 0:
+            raise ValueError(f"kl_ctl.horizon_steps must be positive or null, got {self.horizon_steps}")
+        if not self.grad_fraction > 0:
+            raise ValueError(f"kl_ctl.grad_fraction must be positive, got {self.grad_fraction}")
+
+
+def apply_preset(cfg: KLControllerConfig) -> str:
+    """Fill `cfg`'s rule keys from PRESETS[cfg.preset] where they are still at their defaults;
+    return a one-paragraph summary of what was set (and what the user's own values kept)."""
+    if cfg.preset not in PRESETS:
+        raise ValueError(f"kl_ctl.preset must be one of {sorted(PRESETS)}, got {cfg.preset!r}")
+    keys, source = PRESETS[cfg.preset]
+    default = KLControllerConfig.__dataclass_fields__
+    set_, kept = [], []
+    for k, v in keys.items():
+        cur = getattr(cfg, k)
+        if k == "mode" or cur == default[k].default or cur == v:
+            setattr(cfg, k, v)
+            set_.append(f"{k}={v}")
+        else:
+            kept.append(f"{k}={cur}")
+    msg = f"kl_ctl.preset={cfg.preset}: set {', '.join(set_)}"
+    if kept:
+        msg += f"; kept your {', '.join(kept)}"
+    return msg + f". Source: {source}."
 
 
 class KLController:
@@ -94,6 +153,9 @@ class KLController:
         self._history = (self._history + [kl])[-c.window:]
         recent = sum(self._history) / len(self._history)
         beta = self._beta
+        self._n_updates += 1
+        if self._n_updates % c.every:
+            return self._beta
         if c.mode == "adaptive":
             error = min(max(recent / c.target - 1.0, -0.2), 0.2)
             beta = beta * (1.0 + error * n_samples / c.horizon)
@@ -106,7 +168,17 @@ class KLController:
             if recent > 0:
                 beta = min(c.target / recent, c.normalized_max)
         self._beta = min(max(beta, c.beta_min), c.beta_max)
-        self._n_updates += 1
+        return self._beta
+
+    def set_from_grad_norms(self, pg_norm: float, kl_norm: float) -> float:
+        """grad_ratio: beta = grad_fraction * pg_norm / kl_norm, clipped to [beta_min, beta_max]; kl_norm
+        is the KL term's gradient norm per unit beta. Unchanged when kl_norm is 0 (nothing to balance)
+        or a norm is not finite. Both norms must be global (the same on every rank)."""
+        c = self.config
+        if c.mode != "grad_ratio":
+            raise ValueError(f"KLController.set_from_grad_norms needs kl_ctl.mode='grad_ratio', not {c.mode!r}")
+        if kl_norm > 0 and math.isfinite(pg_norm) and math.isfinite(kl_norm):
+            self._beta = min(max(c.grad_fraction * pg_norm / kl_norm, c.beta_min), c.beta_max)
         return self._beta
 
     def state_dict(self) -> dict:
@@ -120,3 +192,27 @@ class KLController:
         self._beta = float(state["beta"])
         self._history = [float(x) for x in state["history"]][-self.config.window:]
         self._n_updates = int(state["n_updates"])
+
+
+class EntropyController:
+    """An adaptive entropy coefficient (`loss.entropy_target`): after each step with mean entropy H,
+    coef <- clip(coef + entropy_lr * (entropy_target - H), entropy_coef_min, entropy_coef_max), an
+    integral controller (as SAC's temperature) that raises the bonus while the entropy is under the
+    target and lowers it above. With `entropy_target` None the coefficient stays `entropy_coef`."""
+
+    def __init__(self, loss_cfg):
+        self.cfg = loss_cfg
+        self.coef = float(loss_cfg.entropy_coef)
+
+    def update(self, entropy: float) -> float:
+        c = self.cfg
+        if c.entropy_target is not None and math.isfinite(entropy):
+            self.coef = min(max(self.coef + c.entropy_lr * (c.entropy_target - entropy), c.entropy_coef_min),
+                            c.entropy_coef_max)
+        return self.coef
+
+    def state_dict(self) -> dict:
+        return {"coef": self.coef}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.coef = float(state["coef"])

@@ -98,7 +98,9 @@ class KLConfig:
     estimator: str = "k3+"  # one of ESTIMATORS (ignored when exact=True); k3+: gradient of KL(pi||ref)
     exact: bool = False  # use the exact full-vocab KL from the vocab-parallel head instead
     direction: str = "pi_ref"  # "pi_ref": KL(pi||ref) | "ref_pi": KL(ref||pi)
-    where: str = "loss"  # "loss": beta * KL term in the policy loss; "reward": -beta * KL per token
+    # "loss": beta * KL term in the policy loss; "reward": -beta * KL per token; "auto" (resolved by
+    # rl.config.RLConfig): reward for PPO, loss for GRPO (a bare KLConfig treats "auto" as "loss")
+    where: str = "auto"
     log_ratio_clamp: float | None = None  # clip log(pi/ref) to [-c, c] before the estimator
     value_clamp: float | None = None  # clip the estimate to [-v, v]; k1+/k3+: also d/dlogp to [-v, v]
     fp32: bool = True  # upcast to fp32 before computing (fp64 inputs stay fp64)
@@ -112,8 +114,11 @@ class KLConfig:
         if self.estimator not in ESTIMATORS:
             raise ValueError(f"kl.estimator must be one of {ESTIMATORS}, got {self.estimator!r}")
         check_direction(self.direction, "kl.direction")
-        if self.where not in ("loss", "reward"):
-            raise ValueError(f"kl.where must be 'loss' or 'reward', got {self.where!r}")
+        if self.where not in ("loss", "reward", "auto"):
+            raise ValueError(f"kl.where must be 'loss', 'reward' or 'auto', got {self.where!r}")
+        self.where_auto = self.where == "auto"  # RLConfig then picks the place by algorithm
+        if self.where_auto:
+            self.where = "loss"
         if self.direction == "ref_pi" and not self.exact and self.estimator not in REVERSE_ESTIMATORS:
             raise ValueError(f"kl.direction='ref_pi' with a sampled estimator needs kl.estimator in "
                              f"{REVERSE_ESTIMATORS}, got {self.estimator!r}")

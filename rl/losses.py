@@ -191,7 +191,11 @@ class PolicyLossConfig:
     dual_clip: float | None = None  # e.g. 3.0
     agg: str = "token-mean"  # one of AGG_MODES
     norm_len: float | None = None  # seq-mean-token-sum-norm: the constant (max response length)
-    entropy_coef: float = 0.0  # loss -= entropy_coef * entropy
+    entropy_coef: float = 0.0  # loss -= entropy_coef * entropy (the start value when entropy_target is set)
+    entropy_target: float | None = None  # adapt the coefficient to hold the mean entropy here (nats/token)
+    entropy_lr: float = 0.01  # coefficient change per step per nat of entropy error
+    entropy_coef_min: float = 0.0
+    entropy_coef_max: float = 0.1
     log_ratio_clamp: float = 20.0
 
     def __post_init__(self):
@@ -199,6 +203,11 @@ class PolicyLossConfig:
             raise ValueError(f"loss.agg must be one of {AGG_MODES}, got {self.agg!r}")
         if self.agg == "seq-mean-token-sum-norm" and not (self.norm_len and self.norm_len > 0):
             raise ValueError("loss.agg='seq-mean-token-sum-norm' needs a positive loss.norm_len")
+        if self.entropy_target is not None and not (self.entropy_target >= 0 and self.entropy_lr > 0 and
+                                                    self.entropy_coef_min <= self.entropy_coef_max):
+            raise ValueError(f"loss.entropy_target needs entropy_target >= 0, entropy_lr > 0 and entropy_coef_min <= "
+                             f"entropy_coef_max, got {self.entropy_target}, {self.entropy_lr}, "
+                             f"{self.entropy_coef_min}, {self.entropy_coef_max}")
         if not self.clip_low > 0 or (self.clip_high is not None and not self.clip_high > 0):
             raise ValueError(f"loss.clip_low/clip_high must be positive, got {self.clip_low}, "
                              f"{self.clip_high}")
@@ -293,8 +302,9 @@ class TokenPolicyLoss:
 
     def __init__(self, cfg: PolicyLossConfig, weights: torch.Tensor, mask: torch.Tensor, old_logp: torch.Tensor,
                  advantages: torch.Tensor, *, kl_cfg: KLConfig | None = None, beta: float = 0.0,
-                 ref_logp: torch.Tensor | None = None, on_policy: bool = False):
+                 ref_logp: torch.Tensor | None = None, on_policy: bool = False, entropy_coef: float | None = None):
         self.cfg, self.kl_cfg, self.beta, self.on_policy = cfg, kl_cfg, beta, on_policy
+        self.ent_coef = cfg.entropy_coef if entropy_coef is None else entropy_coef  # adaptive: the controller's
         self.m = mask.reshape(-1).bool()
         self.w = sanitize(weights.reshape(-1), self.m).detach()
         self.old = sanitize(old_logp.reshape(-1), self.m).detach()
@@ -329,10 +339,10 @@ class TokenPolicyLoss:
         if entropy is not None:
             entropy = sanitize(entropy, mm)
             rec["entropy"], self.seen["entropy"] = entropy, True
-        if c.entropy_coef != 0.0:
+        if self.ent_coef != 0.0:
             if entropy is None:
                 raise ValueError("TokenPolicyLoss: loss.entropy_coef != 0 needs the per-token entropy")
-            total = total - c.entropy_coef * entropy
+            total = total - self.ent_coef * entropy
         for k, v in rec.items():
             self.rec[k][tokens] = v.detach().to(torch.float64)
         w = self.w[tokens].to(total.dtype)

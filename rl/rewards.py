@@ -40,12 +40,16 @@ class RewardConfig:
     use_task_reward: bool = True  # include the task's own exact-match reward (when reward.task is set)
     combine: str = "mean"  # "mean" | "min" | "weighted" over the task reward and the plug-ins
     weights: list = field(default_factory=list)  # combine="weighted": one weight per function, task reward first
-    normalize: bool = False  # running z-score (RunningRewardNorm)
+    # true / "running": running z-score (RunningRewardNorm); "fixed": mean and std from the first step's
+    # batch, then frozen; false: off
+    normalize: bool | str = False
     clip: float | None = None  # clip (normalised) rewards to [-clip, clip]
 
     def __post_init__(self):
         if self.combine not in ("mean", "min", "weighted"):
             raise ValueError(f"reward.combine must be 'mean', 'min' or 'weighted', got {self.combine!r}")
+        if self.normalize not in (True, False, "running", "fixed"):
+            raise ValueError(f"reward.normalize must be true, false, 'running' or 'fixed', got {self.normalize!r}")
         if not self.uses_task_reward and not self.fns:
             raise ValueError("reward: without the task's reward (use_task_reward=false or task=null) reward.fns "
                              "needs at least one plug-in (e.g. [math])")
@@ -66,7 +70,8 @@ def build_reward(cfg: RewardConfig):
     task = None if cfg.task is None else make_task(cfg.task, **cfg.task_args)
     fns = ([task.reward] if cfg.uses_task_reward else []) + list(cfg.fns)
     fn = fns[0] if len(fns) == 1 and not isinstance(fns[0], str) else CombinedReward(fns, cfg.combine, cfg.weights)
-    return task, fn, RunningRewardNorm(clip=cfg.clip, normalize=cfg.normalize)
+    return task, fn, RunningRewardNorm(clip=cfg.clip, normalize=cfg.normalize not in (False, None),
+                                       fixed=cfg.normalize == "fixed")
 
 
 def load_reward_fn(spec: str) -> RewardFn:
@@ -149,7 +154,9 @@ class RunningRewardNorm:
     `normalize_(rewards, dp_group)` first folds the batch -- all DP ranks' rewards, given dp_group --
     into the running count/mean/M2 (Chan et al.'s parallel update, population variance), then
     normalises with the updated statistics; every rank keeps identical state. `normalize=False`
-    only clips. State round-trips through `state_dict`/`load_state_dict` as plain floats.
+    only clips. `fixed=True` (reward.normalize=fixed): the statistics come from the first batch only
+    and are frozen after it (a fixed estimate, as in Ziegler et al.'s reward-model normalisation).
+    State round-trips through `state_dict`/`load_state_dict` as plain floats.
     """
 
     clip: float | None = None
@@ -158,6 +165,7 @@ class RunningRewardNorm:
     count: float = field(default=0.0)
     mean: float = field(default=0.0)
     m2: float = field(default=0.0)
+    fixed: bool = False  # freeze the statistics after the first batch
 
     def update(self, rewards: torch.Tensor, dp_group=None) -> None:
         x = rewards.detach().double().flatten().to(_comm_device(dp_group, rewards))
@@ -184,7 +192,8 @@ class RunningRewardNorm:
         clipped, fp32, on the device of `rewards`."""
         out = rewards.detach().float()
         if self.normalize:
-            self.update(rewards, dp_group)
+            if not (self.fixed and self.count > 0 and self.m2 > 0):  # frozen once it has a spread
+                self.update(rewards, dp_group)
             out = (out - self.mean) / (self.std + self.eps)
         if self.clip is not None:
             out = out.clamp(-self.clip, self.clip)

@@ -170,7 +170,7 @@ def _sampler(trainer: RLTrainer):
 
 def _extra_state(trainer: RLTrainer) -> dict:
     extra = {"kl_controller": trainer.controller.state_dict(), "ref_sync": trainer.ref_sync.state_dict(),
-             "reward_norm": trainer.reward_norm.state_dict()}
+             "reward_norm": trainer.reward_norm.state_dict(), "entropy_ctl": trainer.ent_ctl.state_dict()}
     if _sampler(trainer) is not None:
         extra["prompt_sampler"] = _sampler(trainer).state_dict()
     return extra
@@ -184,6 +184,8 @@ def _resume(trainer: RLTrainer, run: Run) -> int:
     trainer.controller.load_state_dict(extra["kl_controller"])
     trainer.ref_sync.load_state_dict(extra["ref_sync"])
     trainer.reward_norm.load_state_dict(extra["reward_norm"])
+    if "entropy_ctl" in extra:  # checkpoints written before the entropy target existed have none
+        trainer.ent_ctl.load_state_dict(extra["entropy_ctl"])
     if _sampler(trainer) is not None or "prompt_sampler" in extra:
         if _sampler(trainer) is None or "prompt_sampler" not in extra:
             raise ConfigError(f"resume: the checkpoint under {run.ckpt_root} was "
@@ -236,6 +238,8 @@ def run(cfg: RLConfig) -> list[dict]:
     if not stop and records and records[-1]["step"] == t.steps - 1:
         save_final_model(trainer, run, tokenizer, t.steps)
     run.close()
+    if trainer.monitor is not None:
+        trainer.monitor.close()
     if stop:
         raise SystemExit(stop)
     return records

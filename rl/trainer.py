@@ -14,22 +14,25 @@ One `RLTrainer.step()`:
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 
 import torch
 
 from core.metrics import PhaseTimer, peak_memory, reset_peak_memory
+from core.monitor import Monitor
 from parallel import comm
 from parallel.fsdp import set_gradient_sync, sync_replicated_grads
 from rl.advantages import broadcast_to_tokens, gae, grpo_advantages, kl_shaped_rewards, whiten
 from rl.config import RLConfig
-from rl.controller import KLController
+from rl.controller import EntropyController, KLController
 from rl.kl import HEAD_DIRECTION, kl_by_position, kl_from_config, kl_quantiles, masked_mean, sanitize
 from rl.logprobs import critic_values, logprobs_from_hidden, policy_fused_loss, policy_token_stats, reference_hidden
 from rl.losses import TokenPolicyLoss, aggregate, clipped_value_loss, loss_scale, token_weights
 from rl.reference import ReferenceSync
 from rl.rollout import Rollout, collect_rollout, evaluate
+from rl.signals import WindowCorr, loss_term_grad_norms, repetition_rate
 
 
 def _max_abs(x: torch.Tensor, mask: torch.Tensor) -> float:
@@ -133,6 +136,13 @@ class RLTrainer:
         self.critic, self.critic_opt = critic, critic_optimizer
         self.tok, self.task, self.reward_fn, self.reward_norm = tokenizer, task, reward_fn, reward_norm
         self.controller = KLController(cfg.kl_ctl)
+        self.ent_ctl = EntropyController(cfg.loss)
+        self.reward_kl = WindowCorr(cfg.monitor.corr_window)
+        self.monitor = None
+        if state.is_main and (cfg.monitor.tensorboard or cfg.monitor.wandb != "off"):
+            self.monitor = Monitor(cfg.train.out_dir, cfg.monitor.tensorboard, cfg.monitor.wandb)
+        if cfg.kl_ctl.preset and state.is_main:
+            print(f"kltron: {cfg.kl_ctl.preset_summary}", flush=True)
         self.ref_sync = ReferenceSync(cfg.reference, cfg.kl_ctl.target)
         # log-probs, entropy and the exact KL (policy and reference alike) are taken over the ids the
         # tokenizer has, the same vocabulary the sampler draws from: a padded embedding's extra rows are
@@ -288,10 +298,11 @@ class RLTrainer:
         exact = cfg.kl.exact and cfg.kl.where == "loss"
         kw = dict(kl=HEAD_DIRECTION[cfg.kl.direction] if exact else None,
                   ref_hidden=data.ref_hidden[r] if exact else None, ref_weight=data.ref_weight if exact else None,
-                  entropy=cfg.loss.entropy_coef != 0.0)
+                  entropy=self.ent_ctl.coef != 0.0)
         fn = TokenPolicyLoss(cfg.loss, token_weights(data.mask[r], cfg.loss.agg, scale, cfg.loss.norm_len),
                              data.mask[r], data.old_logp[r], data.advantages[r], kl_cfg=cfg.kl,
-                             beta=self.controller.beta, ref_logp=data.ref_logp[r], on_policy=on_policy)
+                             beta=self.controller.beta, ref_logp=data.ref_logp[r], on_policy=on_policy,
+                             entropy_coef=self.ent_ctl.coef)
         if cfg.algo.fused_loss:
             loss, cur = self._fused_loss(sub, fn, **kw)
         else:
@@ -333,6 +344,8 @@ class RLTrainer:
         evals = self.evaluate(step)  # the policy before this step's update, outside the step's clock
         t0 = time.perf_counter()
         data = self.make_experience(step)
+        grads = self._balance_beta(data)
+        ent_coef = self.ent_ctl.coef
         with self.timer("update"):
             upd = self.update(data, step)
         mask, dpg = data.mask, self.dp_group
@@ -354,10 +367,13 @@ class RLTrainer:
         tokens = stats[3].item()
         elapsed = time.perf_counter() - t0
         times = self.timer.pop()
+        entropy = float(masked_mean(data.entropy, mask, dp_group=dpg))
+        self.ent_ctl.update(entropy)
         rec = {"step": step, "reward_mean": r_mean, "reward_std": r_std, "kl_mean": kl_mean,
                "kl_p50": q["p50"], "kl_p90": q["p90"], "kl_p99": q["p99"], "kl_max": q["max"],
                "kl_by_position": [float(x) for x in pos_mean], "beta": beta, "beta_next": new_beta,
-               "entropy": float(masked_mean(data.entropy, mask, dp_group=dpg)),
+               "entropy": entropy, "entropy_max": math.log(self.vocab), "entropy_coef": ent_coef, **grads,
+               "repetition_rate": repetition_rate(data.ro.responses_ids, mask, 3, dpg),
                "clipfrac": upd.get("clipfrac", 0.0), "ratio_mean": upd.get("ratio_mean", 1.0),
                "ratio_min": upd.get("ratio_min", 1.0), "ratio_max": upd.get("ratio_max", 1.0),
                "approx_kl_old": upd.get("approx_kl_old", 0.0), "pg_loss": upd.get("pg_loss", 0.0),
@@ -372,7 +388,22 @@ class RLTrainer:
         if "critic_grad_norm" in upd:
             rec["critic_grad_norm"] = upd["critic_grad_norm"]
         rec.update(evals)
+        corr = self.reward_kl.add(r_mean, kl_mean)
+        if corr is not None:
+            rec["reward_kl_corr"] = corr
         rec["kl_warning"] = kl_mean > cfg.guard.kl_warn
         if kl_mean > cfg.guard.kl_stop:
             rec["kl_stop"] = True
+        if self.monitor is not None:
+            self.monitor.log(rec, step)
         return rec
+
+    def _balance_beta(self, data: StepData) -> dict:
+        """kl_ctl.mode=grad_ratio: beta for this step's update from the two loss terms' gradient norms
+        (global over DP, rl/signals.py); returns them as metrics ({} in other modes)."""
+        if self.cfg.kl_ctl.mode != "grad_ratio":
+            return {}
+        g_pg, g_kl = loss_term_grad_norms(self.cfg.loss, self.cfg.kl, data.old_logp, data.ref_logp, data.advantages,
+                                          data.mask, self.dp_group)
+        self.controller.set_from_grad_norms(g_pg, g_kl)
+        return {"pg_grad_norm": g_pg, "kl_grad_norm": g_kl}

@@ -10,6 +10,9 @@ says what it saw (with the numbers), the likely causes, and the first thing to t
 | kl_flat_reward     | mean KL near zero while the reward does not move                |
 | kl_concentrated    | low mean KL but a heavy tail (p99/max) or late-position spikes  |
 | reward_swings      | step-to-step reward changes large against its trend             |
+
+and the KL playbook's detectors of tools/symptoms.py (reward flat at a normal KL, a high KL level,
+reward hacking, entropy collapse / maximum, KL spiking with the advantages, repetition at a low KL).
 """
 
 from __future__ import annotations
@@ -19,15 +22,10 @@ import json
 import math
 import os
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 
-
-@dataclass
-class Finding:
-    name: str
-    evidence: str
-    causes: str
-    first_try: str
+from tools.symptoms import CHECKS as PLAYBOOK_CHECKS
+from tools.symptoms import Finding
 
 
 def _series(rows: list[dict], key: str) -> list[float]:
@@ -164,6 +162,7 @@ def check_reward_swings(rows, window: int) -> Finding | None:
 def diagnose(rows: list[dict], window: int = 20) -> list[Finding]:
     checks = [check_non_finite(rows), check_kl_climbing(rows, window), check_kl_flat_reward(rows, window),
               check_kl_concentrated(rows, window), check_reward_swings(rows, window)]
+    checks += [check(rows, window) for check in PLAYBOOK_CHECKS]  # the playbook's detectors (tools/symptoms.py)
     return [f for f in checks if f is not None]
 
 

@@ -4,6 +4,7 @@
   reward.png        reward mean with a +-std band
   kl_quantiles.png  KL p50 / p90 / p99 / max per step (log scale)
   kl_heatmap.png    mean KL by response-position bucket (rows) and step (columns)
+  reward_kl_corr.png  the correlation of reward and KL over the trainer's window (monitor.corr_window)
 """
 
 from __future__ import annotations
@@ -75,6 +76,17 @@ def plot_run(rows: list[dict], out: str) -> list[str]:
     ax.legend()
     ax.set_title("KL quantiles")
     save(fig, "kl_quantiles.png")
+
+    xs, ys = _col(rows, "reward_kl_corr")
+    if xs:
+        fig, ax = plt.subplots(figsize=(7, 3))
+        ax.plot(xs, ys, color="tab:purple")
+        ax.axhline(0.0, color="grey", lw=0.5)
+        ax.set_ylim(-1.05, 1.05)
+        ax.set_xlabel("step")
+        ax.set_ylabel("corr(reward, KL)")
+        ax.set_title("Reward-KL correlation over a window (near 1 while both climb: look for reward hacking)")
+        save(fig, "reward_kl_corr.png")
 
     heat = [r.get("kl_by_position") for r in rows if isinstance(r.get("kl_by_position"), list)]
     if heat:

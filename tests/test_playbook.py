@@ -1,0 +1,135 @@
+"""The KL playbook: each controller preset against its formula written out by hand, per-algorithm
+defaults, reward normalisation from a fixed estimate, the entropy target, the repetition and
+correlation signals, and the grad_ratio norms against a float64 hand computation."""
+
+import math
+
+import pytest
+import torch
+
+from core.config import load_config
+from rl.config import RLConfig
+from rl.controller import PRESETS, EntropyController, KLController
+from rl.kl import KLConfig
+from rl.losses import PolicyLossConfig
+from rl.rewards import RewardConfig, RunningRewardNorm, build_reward
+from rl.signals import WindowCorr, loss_term_grad_norms, repetition_rate
+
+
+def _ctl(*over):
+    return KLController(load_config(RLConfig, None, list(over)).kl_ctl)
+
+
+@pytest.mark.parametrize("preset,hi,lo", [("band", 1.5, 0.5), ("band_tight", 1.2, 0.8)])
+def test_band_presets_follow_the_rule(preset, hi, lo):
+    """Every 10 steps, on the mean of the last 10 KLs: x1.2 above hi * target, x0.8 below lo * target."""
+    c = _ctl(f"kl_ctl.preset={preset}", "kl_ctl.beta=0.1", "kl_ctl.target=0.1")
+    kls = [0.3] * 10 + [0.01] * 10 + [0.1] * 10 + [0.14] * 10
+    beta, hist = 0.1, []
+    for i, k in enumerate(kls, 1):
+        hist = (hist + [k])[-10:]
+        if i % 10 == 0:
+            m = sum(hist) / len(hist)
+            beta *= 1.2 if m > hi * 0.1 else (0.8 if m < lo * 0.1 else 1.0)
+        assert c.update(k, n_samples=256) == pytest.approx(beta, rel=1e-12)
+    assert beta == pytest.approx(0.1 * 1.2 * 0.8 * (1.2 if preset == "band_tight" else 1.0))
+
+
+def test_ziegler_preset_acts_at_the_default_settings():
+    """grpo_tiny's 32 x 8 samples per step: horizon = 10 steps' samples, beta *= 1 + e * 256 / 2560."""
+    cfg = load_config(RLConfig, "configs/grpo_tiny.yaml", ["kl_ctl.preset=ziegler", "kl_ctl.horizon=10000"])
+    assert cfg.kl_ctl.horizon == 2560.0
+    c, beta = KLController(cfg.kl_ctl), cfg.kl_ctl.beta
+    for k in (2.0, 0.0, 0.25):  # e clipped to 0.2, -0.2, then 0.25/0.2 - 1
+        e = min(max(k / 0.2 - 1, -0.2), 0.2)
+        beta = max(beta * (1 + e * 256 / 2560), 0.001)
+        assert c.update(k, n_samples=256) == pytest.approx(beta, rel=1e-12)
+    # 10 steps at 10x the target multiply beta by (1.02)^10, about e^0.2
+    for _ in range(10):
+        c.update(2.0, n_samples=256)
+    assert c.beta == pytest.approx(beta * 1.02 ** 10, rel=1e-12)
+
+
+def test_target_over_kl_preset_is_bounded():
+    c = _ctl("kl_ctl.preset=target_over_kl", "kl_ctl.target=0.1")
+    assert c.update(0.5) == pytest.approx(0.2)
+    assert c.update(1e-6) == 1.0  # not 1e5
+    assert c.update(1e3) == pytest.approx(1e-3)  # floor
+
+
+def test_preset_keeps_a_users_key_and_says_so():
+    cfg = load_config(RLConfig, None, ["kl_ctl.preset=band", "kl_ctl.every=3"]).kl_ctl
+    assert (cfg.mode, cfg.every, cfg.up, cfg.down) == ("threshold", 3, 1.2, 0.8)
+    assert "kept your every=3" in cfg.preset_summary and "Schulman" in cfg.preset_summary
+    with pytest.raises(ValueError, match="kl_ctl.preset must be one of"):
+        load_config(RLConfig, None, ["kl_ctl.preset=nope"])
+    assert set(PRESETS) == {"band", "band_tight", "ziegler", "target_over_kl", "grad_ratio"}
+
+
+def test_grad_ratio_norms_and_beta_against_float64():
+    """Gradient w.r.t. the sampled log-probs: pg at ratio 1 is -A w; k3+'s is the k2 gradient log(pi/ref) w."""
+    g = torch.Generator().manual_seed(0)
+    B, N = 3, 5
+    old, ref = -torch.rand(B, N, generator=g) * 2, -torch.rand(B, N, generator=g) * 2
+    adv = torch.randn(B, N, generator=g)
+    mask = torch.ones(B, N, dtype=torch.bool)
+    mask[0, 3:] = False
+    gp, gk = loss_term_grad_norms(PolicyLossConfig(), KLConfig(), old, ref, adv, mask)
+    w = mask.double() / mask.sum()
+    want_pg = float((adv.double() * w).norm())
+    want_kl = float(((old.double() - ref.double()) * w).norm())
+    assert gp == pytest.approx(want_pg, rel=1e-5) and gk == pytest.approx(want_kl, rel=1e-5)
+    c = _ctl("kl_ctl.preset=grad_ratio")
+    assert c.set_from_grad_norms(gp, gk) == pytest.approx(min(0.1 * want_pg / want_kl, 10.0), rel=1e-5)
+    assert c.update(0.3) == c.beta  # update only records the KL in this mode
+    with pytest.raises(ValueError, match="grad_ratio"):
+        load_config(RLConfig, None, ["kl_ctl.preset=grad_ratio", "algo.name=ppo"])
+
+
+def test_defaults_per_algorithm():
+    assert load_config(RLConfig, None, ["algo.name=ppo"]).kl.where == "reward"
+    grpo = load_config(RLConfig, None, [])
+    assert (grpo.kl.where, grpo.kl.estimator) == ("loss", "k3+")
+    assert load_config(RLConfig, None, ["algo.name=ppo", "kl.where=loss"]).kl.where == "loss"
+    assert load_config(RLConfig, None, []).reference.reset_optimizer is True
+    assert load_config(RLConfig, None, ["reference.sync_mode=ema"]).reference.reset_optimizer is False
+    assert load_config(RLConfig, None, ["reference.reset_optimizer=false"]).reference.reset_optimizer is False
+    assert KLConfig().where == "loss"  # a bare section: the loss
+
+
+def test_fixed_reward_normalisation_freezes_after_the_first_batch():
+    _, _, norm = build_reward(RewardConfig(normalize="fixed"))
+    first = torch.tensor([0.0, 1.0, 1.0, 0.0, 1.0])
+    m, s = 0.6, math.sqrt(0.24)
+    torch.testing.assert_close(norm.normalize_(first), (first - m) / (s + 1e-8))
+    second = torch.tensor([1.0, 1.0, 1.0, 1.0])
+    torch.testing.assert_close(norm.normalize_(second), (second - m) / (s + 1e-8))  # frozen
+    running = RunningRewardNorm()
+    running.normalize_(first)
+    assert running.normalize_(second)[0] != pytest.approx(float((1 - m) / s))
+    with pytest.raises(ValueError, match="reward.normalize"):
+        RewardConfig(normalize="sometimes")
+
+
+def test_entropy_controller_formula():
+    cfg = PolicyLossConfig(entropy_target=0.8, entropy_lr=0.05, entropy_coef_max=0.02)
+    ec, coef = EntropyController(cfg), 0.0
+    for h in (0.5, 0.6, 0.9, 1.5, 0.1):
+        coef = min(max(coef + 0.05 * (0.8 - h), 0.0), 0.02)
+        assert ec.update(h) == pytest.approx(coef)
+    assert EntropyController(PolicyLossConfig(entropy_coef=0.01)).update(0.1) == 0.01  # no target: fixed
+
+
+def test_repetition_rate_and_window_correlation():
+    ids = torch.tensor([[5, 6, 7, 5, 6, 7, 5, 0], [1, 2, 3, 4, 5, 6, 7, 8], [9, 9, 9, 9, 0, 0, 0, 0]])
+    mask = torch.tensor([[1] * 7 + [0], [1] * 8, [1] * 4 + [0] * 4], dtype=torch.bool)
+    # row 0: 3-grams 567 675 756 567 675 -> 3 distinct of 5; row 1: 6 distinct of 6; row 2: 1 of 2
+    assert repetition_rate(ids, mask, 3) == pytest.approx(((1 - 3 / 5) + 0 + (1 - 1 / 2)) / 3)
+    xs, ys = [0.1, 0.4, 0.2, 0.8, 0.5], [1.0, 2.5, 1.1, 3.9, 3.0]
+    wc = WindowCorr(4)
+    got = [wc.add(x, y) for x, y in zip(xs, ys)]
+    import numpy as np
+
+    assert got[:2] == [None, None]
+    assert got[2] == pytest.approx(np.corrcoef(xs[:3], ys[:3])[0, 1])
+    assert got[4] == pytest.approx(np.corrcoef(xs[1:], ys[1:])[0, 1])
