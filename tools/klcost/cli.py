@@ -7,8 +7,13 @@ import json
 import os
 import sys
 
+from core.config import ModelConfig
+from tools.klcost.measure import run_all
 from tools.klcost.methods import DEFAULT, DTYPES, METHODS
 from tools.klcost.peers import PEERS, unavailable
+from tools.klcost.project import PROJECTABLE, project_all, refuse_if_too_big
+from tools.klcost.report import atomic_write, write_report
+from tools.klcost.spawn import RankFailure, run_spawned
 
 MODELS = {"llama3-8b": (4096, 128256), "qwen2.5-7b": (3584, 152064), "llama3-70b": (8192, 128256),
           "qwen2.5-0.5b": (896, 151936)}  # name -> (hidden, vocab) of the LM head
@@ -118,7 +123,6 @@ def check_args(ap, a):
         ap.error(f"--chunk-size {a.chunk_size} is larger than --tokens {min(T for T, _, _ in shapes)}")
     if a.warmup < 0 or a.repeats < 1:
         ap.error(f"--warmup must be >= 0 and --repeats >= 1, got {a.warmup} and {a.repeats}")
-    from core.config import ModelConfig
 
     for V in {V for _, _, V in shapes}:
         for tp in tps:
@@ -136,7 +140,6 @@ def check_args(ap, a):
         if max(tps) > 1:
             ap.error("--device cuda runs tp = 1 here (the spawned ranks use gloo on CPU)")
     if a.project:
-        from tools.klcost.project import PROJECTABLE
 
         notes += [f"{p}: not projected (compiled or Triton kernels; measured rows only)" for p in peers
                   if p not in PROJECTABLE]
@@ -164,11 +167,9 @@ def main(argv=None) -> list[dict]:
     for n in notes:
         print(f"note: {n}", file=sys.stderr, flush=True)
     if a.project:
-        from tools.klcost.project import project_all
 
         rows = project_all(names, passes, shapes, tps, a.dtype, a.chunk_size, log=_log)
     else:
-        from tools.klcost.project import refuse_if_too_big
 
         refuse_if_too_big(ap, names, passes, shapes, tps, a)
         rows = measure_grid(names, passes, shapes, tps, a)
@@ -177,8 +178,6 @@ def main(argv=None) -> list[dict]:
 
 
 def measure_grid(names, passes, shapes, tps, a) -> list[dict]:
-    from tools.klcost.measure import run_all
-    from tools.klcost.spawn import RankFailure, run_spawned
 
     rows = []
     kw = dict(names=names, passes=passes, dtype=a.dtype, chunk=a.chunk_size, seed=a.seed, device=a.device,
@@ -200,7 +199,6 @@ def measure_grid(names, passes, shapes, tps, a) -> list[dict]:
 
 
 def write_outputs(rows, notes, a, argv):
-    from tools.klcost.report import atomic_write, write_report
 
     if a.json:
         atomic_write(a.json, json.dumps(rows, indent=1))

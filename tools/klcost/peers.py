@@ -14,8 +14,6 @@ tools/klcost/methods.py. Optional packages that are not installed are skipped wi
 
 from __future__ import annotations
 
-import importlib.util
-
 import torch
 
 from tools.klcost.methods import Inputs, k3, linear_loss
@@ -25,10 +23,26 @@ PEERS = {"verl_k3": ("verl", "k3"), "trl_k3": ("trl", "k3"), "cce_k3": ("cce", "
 _NEEDS = {"trl_k3": "trl", "cce_k3": "cut_cross_entropy", "liger_jsd": "liger_kernel"}
 
 
+def _installed(name: str) -> bool:
+    """Whether the optional package peer `name` needs imports (a missing one is skipped, not an error)."""
+    try:
+        if name == "trl_k3":
+            import trl  # noqa: F401
+        elif name == "cce_k3":
+            import cut_cross_entropy  # noqa: F401
+        elif name == "liger_jsd":
+            import liger_kernel  # noqa: F401
+    except ImportError:
+        return False
+    except Exception:  # noqa: BLE001 - installed but broken here: unavailable() says why for cce
+        return name == "cce_k3"
+    return True
+
+
 def unavailable(name: str, device: str) -> str | None:
     """Why peer `name` cannot run here (a note for the report), or None when it can."""
     mod = _NEEDS.get(name)
-    if mod is not None and importlib.util.find_spec(mod) is None:
+    if mod is not None and not _installed(name):
         return f"{name}: skipped, package {mod!r} is not installed"
     if name == "liger_jsd" and device != "cuda":
         return "liger_jsd: skipped, Liger's Triton kernels run on CUDA only"

@@ -82,8 +82,6 @@ def project_all(names, passes, shapes, tps, dtype, chunk, log=None) -> list[dict
 
 def input_bytes(T, H, V, tp, dtype) -> int:
     """Bytes of one rank's inputs (not in peak_bytes): hidden x2, head shards x2, targets, coefficients."""
-    from core.config import ModelConfig
-
     es = torch.empty((), dtype=DTYPES[dtype], device="cpu").element_size()
     width = ModelConfig(vocab_size=V).padded_vocab_size(tp) // tp
     return 2 * T * H * es + 2 * width * H * es + 8 * T + 4 * 3 * T

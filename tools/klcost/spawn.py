@@ -15,6 +15,8 @@ import signal
 import socket
 import time
 
+from tools.klcost.measure import add_floor_ratios, run_all
+
 
 class RankFailure(RuntimeError):
     """A rank died, raised, or missed the deadline; the message names it."""
@@ -23,8 +25,6 @@ class RankFailure(RuntimeError):
 def _rank_main(rank, tp, port, kwargs, out):
     import torch
     import torch.distributed as dist
-
-    from tools.klcost.measure import run_all
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // tp))
@@ -103,8 +103,6 @@ def run_spawned(tp: int, timeout: float = 1800.0, log=None, **kwargs) -> list[di
     """run_all(**kwargs) on `tp` gloo ranks; merged rows: the largest peak and time over the ranks,
     rank 0's communication (every rank sends the same amount). Raises RankFailure naming the rank."""
     import torch.multiprocessing as mp
-
-    from tools.klcost.measure import add_floor_ratios
 
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
