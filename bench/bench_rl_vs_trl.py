@@ -283,9 +283,10 @@ def _trl_rows(times: dict, marks: list, a) -> dict:
     """Per generation g: the step is the 4 optimizer steps it serves (between on_step_end marks)."""
     k = EPOCHS * MINI_BATCHES
     n = a.warmup + a.steps
-    if len(times["experience"]) != n or len(marks) != n * k + 1 or len(times["old_logprobs"]) != n:
-        raise RuntimeError(f"TRL ran {len(times['experience'])} generations / {len(marks) - 1} optimizer steps / "
-                           f"{len(times['old_logprobs'])} old log-prob passes; expected {n} / {n * k} / {n}")
+    counts = (len(times["experience"]), len(marks) - 1, len(times["old_logprobs"]), len(times["ref_logprobs"]))
+    if counts != (n, n * k, n, n):
+        raise RuntimeError(f"TRL ran {counts} generations / optimizer steps / old log-prob passes / reference "
+                           f"log-prob passes; expected {(n, n * k, n, n)}")
     row = {"step": [], "rollout": [], "ref_logprobs": [], "old_logprobs": [], "update": [], "other": []}
     for g in range(a.warmup, n):
         step = marks[(g + 1) * k] - marks[g * k]
@@ -367,17 +368,19 @@ def table(results: list[dict], command: str, a, load: tuple) -> str:
            f"{a.steps} steps after {a.warmup} warm-up; 1-min load average {load[0]:.2f} at start, {load[1]:.2f} at end "
            f"({os.cpu_count()} CPUs)", "",
            "| model | side | step s | rollout s | ref log-probs s | old log-probs s | update s | other s "
-           "| peak RSS MiB |",
-           "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+           "| RSS after set-up MiB | peak RSS MiB |",
+           "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for res in results:
         sides = [s for s in (res.get("kltron"), res.get("trl")) if s is not None]
         for s in sides:
             out.append(f"| {res['size']} ({res['params'] / 1e6:.2f}M) | {s['side']} | {s['step']:.3f} | "
-                       + " | ".join(f"{s[p]:.3f}" for p in PHASES) + f" | {s['peak_rss'] / 2**20:.0f} |")
+                       + " | ".join(f"{s[p]:.3f}" for p in PHASES)
+                       + f" | {s['rss_after_setup'] / 2**20:.0f} | {s['peak_rss'] / 2**20:.0f} |")
         if len(sides) == 2:
             k, t = sides
             out.append(f"| {res['size']} | TRL / kltron | {t['step'] / k['step']:.2f}x | "
                        + " | ".join(f"{t[p] / k[p]:.2f}x" if k[p] > 0 else "-" for p in PHASES)
+                       + f" | {t['rss_after_setup'] / k['rss_after_setup']:.2f}x"
                        + f" | {t['peak_rss'] / k['peak_rss']:.2f}x |")
     out += ["", f"Generation alone ({PROMPTS * GROUP} rows, {NEW_TOKENS} new tokens, full-vocabulary sampling, median "
             f"of {a.gen_reps}):", "", "| model | kltron generate tok/s | transformers generate tok/s | kltron / HF "
