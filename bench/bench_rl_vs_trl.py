@@ -3,38 +3,29 @@ prompts and work; and generation alone against transformers' `generate`. fp32, C
 
     python -m bench.bench_rl_vs_trl [--sizes tiny,60m] [--steps 3] [--warmup 1] [--threads 2] [--json OUT]
 
-Set-up (in this process): a seeded kltron model is saved as a kltron checkpoint and exported with
-tools.convert_hf.export_hf, so transformers/TRL load the identical weights. The tokenizer is the shipped
-sentencepiece model (core/data/tokenizer.model, BPE, 256 pieces) rebuilt as a Hugging Face
-tokenizer.json (the `tokenizers` BPE model with the pieces' ids and the merges implied by their ranks;
-the vocabulary padded with never-produced `<extra_i>` pieces up to the model's, so every sampled id
-decodes); both sides load that one file, and every benchmark prompt's ids are checked against
-sentencepiece's. Prompts are the built-in arithmetic task's ('a+b=', one digit), bos prepended.
+Same weights: a seeded kltron model saved as a kltron checkpoint, exported with tools.convert_hf.export_hf.
+Same tokenizer: the shipped sentencepiece BPE model (256 pieces) rebuilt as one tokenizer.json (its ids,
+the merges its ranks imply, padded with never-produced `<extra_i>` pieces to the model's vocabulary),
+loaded by both sides; each prompt's ids are checked against sentencepiece's. Same work: the arithmetic
+task's prompts, 32 x 8 samples, 6 new tokens (EOS stops both), reference and old log-probs, 2 epochs x 2
+mini-batches of 128 rows (AdamW lr 1e-4 constant, betas (0.9, 0.999), no decay, clip 1.0), k3 KL in the
+loss at beta 0.02, token-mean loss (TRL "dapo"). TRL: per_device_train_batch_size=128,
+gradient_accumulation_steps=1, steps_per_generation=2, num_iterations=2: one generation serves 4
+optimizer steps, and TRL computes old log-probs. Each side runs in a fresh subprocess (ru_maxrss is its
+own peak); medians over `--steps` after `--warmup`.
 
-Each side then runs in a fresh subprocess (so ru_maxrss is that side's own peak RSS), `--threads`
-torch threads, `--warmup` + `--steps` steps, medians over the timed ones. One step = 32 prompts x 8
-samples, 6 new tokens (both stop on EOS), reference and old log-probs, 2 epochs x 2 mini-batches of
-128 rows (4 AdamW steps, lr 1e-4 constant, no weight decay, betas (0.9, 0.999), clip 1.0), k3 KL in
-the loss with beta 0.02, token-mean loss (TRL: loss_type="dapo"). TRL: per_device_train_batch_size=128,
-gradient_accumulation_steps=1, steps_per_generation=2, num_iterations=2, so one generation serves
-2 x 2 optimizer steps and TRL computes old log-probs (its rule: gradient_accumulation_steps is not a
-multiple of steps_per_generation x num_iterations).
-
-Phases. kltron: RLTrainer's own timers. TRL, by wrapping its methods: rollout = `_generate`
-(tokenize, model.generate, decode) + `_calculate_rewards`; ref / old = `_get_per_token_logps_and_entropies`
-on the reference / on the policy without grad; step = the wall time of the 4 optimizer steps that
-share one generation (between TrainerCallback.on_step_end events); update = step minus
-`_generate_and_score_completions`; other = the rest of that method (advantages, metrics). kltron's
-other = step minus its four phases (metrics, KL controller).
-
-Generation alone: kltron's core.generate.generate and transformers' model.generate(do_sample=True,
-top_k=0, top_p=1) on the same model and the same 256-row batch, alternating, median of `--gen-reps`;
-the two models' prompt logits are compared first (max |diff|, reported).
+Phases. kltron: RLTrainer's timers; other = step minus them. TRL, by wrapping its methods: rollout =
+`_generate` + `_calculate_rewards`; ref / old = `_get_per_token_logps_and_entropies` on the reference /
+on the policy without grad; step = the 4 optimizer steps of one generation (TrainerCallback.on_step_end
+marks); update = step minus `_generate_and_score_completions`, other = the rest of that method.
+Generation alone: core.generate.generate vs transformers' generate(do_sample=True, top_k=0, top_p=1),
+same model and 256-row batch, alternating; the two models' prompt logits are compared first.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import resource
@@ -47,7 +38,14 @@ import time
 
 import torch
 
-from core.config import ModelConfig
+from core.config import ModelConfig, load_config
+from core.generate import generate
+from core.model import Transformer, build_model
+from core.tokenizer import load_tokenizer
+from parallel.dims import ParallelDims, init_parallel
+from rl.config import RLConfig
+from rl.rollout import left_pad, step_prompts
+from rl.tasks import make_task
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SEED = 1234
@@ -65,11 +63,7 @@ PHASES = ("rollout", "ref_logprobs", "old_logprobs", "update", "other")
 
 
 def trl_available() -> bool:
-    try:
-        import trl  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    return importlib.util.find_spec("trl") is not None
 
 
 def peak_rss() -> int:
@@ -77,18 +71,13 @@ def peak_rss() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-# ---------------------------------------------------------------------------------------------
 # set-up: tokenizer.json, prompts, checkpoint, HF export
-
-
 def write_hf_tokenizer(folder: str, vocab_size: int) -> None:
     """The shipped sentencepiece BPE model as tokenizer.json (+ tokenizer_config.json), padded to
     `vocab_size` ids. Merges: every split of a piece into two pieces, ranked by the piece's id
     (sentencepiece BPE ranks pieces by score = -id)."""
     from tokenizers import AddedToken, Tokenizer, decoders, normalizers, pre_tokenizers, processors
     from tokenizers.models import BPE
-
-    from core.tokenizer import load_tokenizer
 
     sp = load_tokenizer(None)
     pieces = [sp.id_to_piece(i) for i in range(sp.vocab_size)]
@@ -104,24 +93,19 @@ def write_hf_tokenizer(folder: str, vocab_size: int) -> None:
     tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
     os.makedirs(folder, exist_ok=True)
     tok.save(os.path.join(folder, "tokenizer.json"))
-    with open(os.path.join(folder, "tokenizer_config.json"), "w") as f:
+    with open(os.path.join(folder, "tokenizer_config.json"), "w") as f:  # what AutoTokenizer reads
         json.dump({"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>",
                    "pad_token": "<pad>", "unk_token": "<unk>", "padding_side": "left"}, f)
 
 
 def all_prompts(n_steps: int) -> list[list[tuple[str, dict]]]:
     """The arithmetic prompts of steps 0..n_steps-1, exactly as kltron's rollout draws them."""
-    from rl.rollout import step_prompts
-    from rl.tasks import make_task
-
     task = make_task("arithmetic", max_operand=9, ops="+", partial_credit=0.0)
     return [step_prompts(task, PROMPTS, SEED, s, 0, 1)[1] for s in range(n_steps)]
 
 
 def check_prompt_ids(hf_dir: str, n_steps: int) -> int:
     """Every prompt: sentencepiece ids (with bos) == kltron's load_tokenizer(hf_dir) == AutoTokenizer's."""
-    from core.tokenizer import load_tokenizer
-
     sp, ours = load_tokenizer(None), load_tokenizer(hf_dir)
     try:
         from transformers import AutoTokenizer
@@ -136,19 +120,14 @@ def check_prompt_ids(hf_dir: str, n_steps: int) -> int:
             got["AutoTokenizer"] = hf(t)["input_ids"]
         for who, ids in got.items():
             if ids != want:
-                raise RuntimeError(f"{hf_dir}/tokenizer.json: {who} ids {ids} for prompt {t!r} differ from "
-                                   f"sentencepiece's {want}")
+                raise RuntimeError(f"{hf_dir}/tokenizer.json: {who} gives {ids} for {t!r}, sentencepiece {want}")
     return len(texts)
 
 
 def prepare(size: str, folder: str, n_steps: int) -> dict:
     """Seeded model -> kltron checkpoint -> HF export (weights, config, tokenizer) under `folder`."""
-    from core.ckpt import save_model_weights
-    from core.model import build_model
-    from core.tokenizer import load_tokenizer
-    from parallel.dims import ParallelDims, init_parallel
+    from core.ckpt import save_model_weights  # core.ckpt costs ~44 MiB RSS: kept out of the TRL child
     from tools.convert_hf import export_hf
-
     mc = SIZES[size]
     tok_dir, ckpt, hf_dir = (os.path.join(folder, n) for n in ("tokenizer", "ckpt", "hf"))
     write_hf_tokenizer(tok_dir, mc.vocab_size)
@@ -161,52 +140,34 @@ def prepare(size: str, folder: str, n_steps: int) -> dict:
     return {"ckpt": ckpt, "hf_dir": hf_dir, "params": sum(p.numel() for p in model.parameters()), "prompts_checked": n}
 
 
-# ---------------------------------------------------------------------------------------------
 # the kltron side
-
-
 def kltron_side(a) -> dict:
     from core.ckpt import load_model_weights
-    from core.config import load_config
-    from core.model import Transformer
-    from core.tokenizer import load_tokenizer
-    from parallel.dims import ParallelDims, init_parallel
-    from rl.config import RLConfig
     from rl.train import assemble
-
     mc = SIZES[a.size]
-    over = [f"rollout.prompts_per_step={PROMPTS}", f"rollout.group_size={GROUP}",
-            f"rollout.max_new_tokens={NEW_TOKENS}",
-            "rollout.temperature=1.0", "rollout.top_k=0", f"algo.epochs={EPOCHS}", f"algo.mini_batches={MINI_BATCHES}",
+    over = [f"rollout.prompts_per_step={PROMPTS}", f"rollout.group_size={GROUP}", "rollout.temperature=1.0",
+            f"rollout.max_new_tokens={NEW_TOKENS}", f"algo.epochs={EPOCHS}", f"algo.mini_batches={MINI_BATCHES}",
             "algo.name=grpo", "kl.estimator=k3+", "kl.where=loss", "loss.agg=token-mean", "kl_ctl.mode=fixed",
-            f"kl_ctl.beta={BETA}", f"optim.lr={LR}", f"optim.min_lr={LR}", "optim.schedule=constant",
+            f"kl_ctl.beta={BETA}", f"optim.lr={LR}", f"optim.min_lr={LR}", "optim.schedule=constant", "rollout.top_k=0",
             "optim.warmup_steps=0", "optim.weight_decay=0.0", "optim.betas=[0.9, 0.999]", "optim.grad_clip=1.0",
             "reward.task=arithmetic", "reward.task_args={max_operand: 9, ops: '+', partial_credit: 0.0}",
             f"train.seed={SEED}", "train.steps=100", "train.progress=false", f"tokenizer={a.hf_dir}"]
     cfg = load_config(RLConfig, None, over)
     state = init_parallel(ParallelDims(1, 1), "cpu", mc.n_heads, mc.n_kv_heads)
     tok = load_tokenizer(a.hf_dir)
-    models = []
-    for _ in range(2):  # policy, reference: both from the checkpoint
-        m = Transformer(mc, state.tp_group, device="meta").to_empty(device="cpu")
+    models = [Transformer(mc, state.tp_group, device="meta").to_empty(device="cpu") for _ in range(2)]
+    for m in models:  # policy, reference: both from the checkpoint
         load_model_weights(m, a.ckpt, state, tokenizer_fingerprint=tok.fingerprint)
-        models.append(m)
     tr = assemble(cfg, state, mc, tok, models[0], models[1])
     rss_setup = peak_rss()
     recs = [tr.step(s) for s in range(a.warmup + a.steps)][a.warmup:]
-    row = {"rollout": [r["time_rollout_s"] for r in recs], "ref_logprobs": [r["time_ref_logprobs_s"] for r in recs],
-           "old_logprobs": [r["time_old_logprobs_s"] for r in recs], "update": [r["time_update_s"] for r in recs],
-           "step": [r["step_time_s"] for r in recs]}
+    row = {p: [r[f"time_{p}_s"] for r in recs] for p in PHASES[:4]} | {"step": [r["step_time_s"] for r in recs]}
     row["other"] = [s - sum(row[p][i] for p in PHASES[:4]) for i, s in enumerate(row["step"])]
     return {"side": "kltron", **{k: statistics.median(v) for k, v in row.items()}, "steps_s": row["step"],
-            "response_tokens": statistics.median(r["response_len"] * r["samples"] for r in recs),
             "reward_mean": recs[-1]["reward_mean"], "rss_after_setup": rss_setup, "peak_rss": peak_rss()}
 
 
-# ---------------------------------------------------------------------------------------------
 # the TRL side
-
-
 def _timed(obj, name: str, sink):
     """Replace bound method obj.name by a wrapper calling sink(seconds, args, kwargs) after each call."""
     fn = getattr(obj, name)
@@ -239,8 +200,6 @@ def trl_side(a) -> dict:
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOTrainer
-
-    from rl.tasks import make_task
 
     task = make_task("arithmetic", max_operand=9, ops="+", partial_credit=0.0)
     rows = [{"prompt": p, "answer": m["answer"]} for step in all_prompts(a.warmup + a.steps) for p, m in step]
@@ -301,20 +260,11 @@ def _trl_rows(times: dict, marks: list, a) -> dict:
     return {**{p: statistics.median(v) for p, v in row.items()}, "steps_s": row["step"]}
 
 
-# ---------------------------------------------------------------------------------------------
 # generation alone
-
-
 def generate_side(a) -> dict:
     from transformers import AutoModelForCausalLM
 
     from core.ckpt import load_model_weights
-    from core.generate import generate
-    from core.model import Transformer
-    from core.tokenizer import load_tokenizer
-    from parallel.dims import ParallelDims, init_parallel
-    from rl.rollout import left_pad
-
     mc = SIZES[a.size]
     state = init_parallel(ParallelDims(1, 1), "cpu", mc.n_heads, mc.n_kv_heads)
     tok = load_tokenizer(a.hf_dir)
@@ -336,8 +286,8 @@ def generate_side(a) -> dict:
                                eos_token_id=tok.eos_ids, disable_compile=True)
         dt = time.perf_counter() - t0
         resp = seqs[:, ids.shape[1]:]
-        ended = torch.isin(resp, torch.tensor(tok.eos_ids, device="cpu")).long().cumsum(1)
-        n_hf = int(((ended == 0) | ((ended == 1) & torch.isin(resp, torch.tensor(tok.eos_ids, device="cpu")))).sum())
+        is_eos = torch.isin(resp, torch.tensor(tok.eos_ids, device="cpu")).long()
+        n_hf = int((is_eos.cumsum(1) - is_eos == 0).sum())  # tokens up to and including the first EOS
         if rep > 0:  # rep 0 warms up both
             k_tps.append(out.tokens_per_s)
             h_tps.append(n_hf / dt)
@@ -345,10 +295,7 @@ def generate_side(a) -> dict:
             "kltron_tokens_per_s": statistics.median(k_tps), "hf_tokens_per_s": statistics.median(h_tps)}
 
 
-# ---------------------------------------------------------------------------------------------
 # driver
-
-
 def run_side(side: str, size: str, setup: dict, a) -> dict:
     """One side in a fresh interpreter; its JSON is the last line of its stdout."""
     cmd = [sys.executable, "-m", "bench.bench_rl_vs_trl", "--side", side, "--size", size, "--ckpt", setup["ckpt"],
