@@ -1,0 +1,398 @@
+"""One GRPO step of kltron against TRL's GRPOTrainer, side by side, on the same weights, tokenizer,
+prompts and work; and generation alone against transformers' `generate`. fp32, CPU, one process.
+
+    python -m bench.bench_rl_vs_trl [--sizes tiny,60m] [--steps 3] [--warmup 1] [--threads 2] [--json OUT]
+
+Same weights: a seeded kltron model saved as a kltron checkpoint, exported with tools.convert_hf.export_hf.
+Same tokenizer: the shipped sentencepiece BPE model (256 pieces) rebuilt as one tokenizer.json (its ids,
+the merges its ranks imply, padded with never-produced `<extra_i>` pieces to the model's vocabulary),
+loaded by both sides; each prompt's ids are checked against sentencepiece's. Same work: the arithmetic
+task's prompts, 32 x 8 samples, 6 new tokens (EOS stops both), reference and old log-probs, 2 epochs x 2
+mini-batches of 128 rows (AdamW lr 1e-4 constant, betas (0.9, 0.999), no decay, clip 1.0), k3 KL in the
+loss at beta 0.02, token-mean loss (TRL "dapo"). TRL: per_device_train_batch_size=128,
+gradient_accumulation_steps=1, steps_per_generation=2, num_iterations=2: one generation serves 4
+optimizer steps, and TRL computes old log-probs. Each side runs in a fresh subprocess (ru_maxrss is its
+own peak); medians over `--steps` after `--warmup`.
+
+Phases. kltron: RLTrainer's timers; other = step minus them. TRL, by wrapping its methods: rollout =
+`_generate` + `_calculate_rewards`; ref / old = `_get_per_token_logps_and_entropies` on the reference /
+on the policy without grad; step = the 4 optimizer steps of one generation (TrainerCallback.on_step_end
+marks); update = step minus `_generate_and_score_completions`, other = the rest of that method.
+Generation alone: core.generate.generate vs transformers' generate(do_sample=True, top_k=0, top_p=1),
+same model and 256-row batch, alternating; the two models' prompt logits are compared first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import resource
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+
+from core.config import ModelConfig, load_config
+from core.generate import generate
+from core.model import Transformer, build_model
+from core.tokenizer import load_tokenizer
+from parallel.dims import ParallelDims, init_parallel
+from rl.config import RLConfig
+from rl.rollout import left_pad, step_prompts
+from rl.tasks import make_task
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SEED = 1234
+PROMPTS, GROUP, NEW_TOKENS, EPOCHS, MINI_BATCHES, BETA, LR = 32, 8, 6, 2, 2, 0.02, 1e-4
+SPECIAL = ("<pad>", "<s>", "</s>", "<unk>")  # ids 0..3 of the shipped sentencepiece model
+SIZES = {
+    # the default job's model (configs/grpo_tiny.yaml)
+    "tiny": ModelConfig(vocab_size=256, hidden_size=64, n_layers=2, n_heads=4, n_kv_heads=2, intermediate_size=176,
+                        max_seq_len=64, bos_id=1, eos_id=2, pad_id=0),
+    # 58.5M parameters (untied embedding and head)
+    "60m": ModelConfig(vocab_size=32000, hidden_size=512, n_layers=8, n_heads=8, n_kv_heads=8, intermediate_size=1408,
+                       max_seq_len=64, bos_id=1, eos_id=2, pad_id=0),
+}
+PHASES = ("rollout", "ref_logprobs", "old_logprobs", "update", "other")
+
+
+def trl_available() -> bool:
+    return importlib.util.find_spec("trl") is not None
+
+
+def peak_rss() -> int:
+    """This process's high-water resident set size in bytes (Linux reports KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+# set-up: tokenizer.json, prompts, checkpoint, HF export
+def write_hf_tokenizer(folder: str, vocab_size: int) -> None:
+    """The shipped sentencepiece BPE model as tokenizer.json (+ tokenizer_config.json), padded to
+    `vocab_size` ids. Merges: every split of a piece into two pieces, ranked by the piece's id
+    (sentencepiece BPE ranks pieces by score = -id)."""
+    from tokenizers import AddedToken, Tokenizer, decoders, normalizers, pre_tokenizers, processors
+    from tokenizers.models import BPE
+
+    sp = load_tokenizer(None)
+    pieces = [sp.id_to_piece(i) for i in range(sp.vocab_size)]
+    vocab = {p: i for i, p in enumerate(pieces)}
+    vocab.update({f"<extra_{i}>": i for i in range(len(pieces), vocab_size)})
+    merges = sorted(((vocab[p[:k]], vocab[p[k:]], i) for i, p in enumerate(pieces) if i >= len(SPECIAL)
+                     for k in range(1, len(p)) if p[:k] in vocab and p[k:] in vocab), key=lambda m: (m[2], m[0], m[1]))
+    tok = Tokenizer(BPE(vocab, [(pieces[a], pieces[b]) for a, b, _ in merges], unk_token="<unk>"))
+    tok.normalizer = normalizers.Replace(" ", "\u2581")
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="never", split=True)
+    tok.decoder = decoders.Metaspace(replacement="\u2581", prepend_scheme="never")
+    tok.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in SPECIAL])
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    os.makedirs(folder, exist_ok=True)
+    tok.save(os.path.join(folder, "tokenizer.json"))
+    with open(os.path.join(folder, "tokenizer_config.json"), "w") as f:  # what AutoTokenizer reads
+        json.dump({"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>",
+                   "pad_token": "<pad>", "unk_token": "<unk>", "padding_side": "left"}, f)
+
+
+def all_prompts(n_steps: int) -> list[list[tuple[str, dict]]]:
+    """The arithmetic prompts of steps 0..n_steps-1, exactly as kltron's rollout draws them."""
+    task = make_task("arithmetic", max_operand=9, ops="+", partial_credit=0.0)
+    return [step_prompts(task, PROMPTS, SEED, s, 0, 1)[1] for s in range(n_steps)]
+
+
+def check_prompt_ids(hf_dir: str, n_steps: int) -> int:
+    """Every prompt: sentencepiece ids (with bos) == kltron's load_tokenizer(hf_dir) == AutoTokenizer's."""
+    sp, ours = load_tokenizer(None), load_tokenizer(hf_dir)
+    try:
+        from transformers import AutoTokenizer
+        hf = AutoTokenizer.from_pretrained(hf_dir)
+    except ImportError:
+        hf = None
+    texts = [p for step in all_prompts(n_steps) for p, _ in step]
+    for t in texts:
+        want = [sp.bos_id] + sp.encode(t)
+        got = {"kltron tokenizer.json": [ours.bos_id] + ours.encode(t)}
+        if hf is not None:
+            got["AutoTokenizer"] = hf(t)["input_ids"]
+        for who, ids in got.items():
+            if ids != want:
+                raise RuntimeError(f"{hf_dir}/tokenizer.json: {who} gives {ids} for {t!r}, sentencepiece {want}")
+    return len(texts)
+
+
+def prepare(size: str, folder: str, n_steps: int) -> dict:
+    """Seeded model -> kltron checkpoint -> HF export (weights, config, tokenizer) under `folder`."""
+    from core.ckpt import save_model_weights  # core.ckpt costs ~44 MiB RSS: kept out of the TRL child
+    from tools.convert_hf import export_hf
+    mc = SIZES[size]
+    tok_dir, ckpt, hf_dir = (os.path.join(folder, n) for n in ("tokenizer", "ckpt", "hf"))
+    write_hf_tokenizer(tok_dir, mc.vocab_size)
+    state = init_parallel(ParallelDims(1, 1), "cpu", mc.n_heads, mc.n_kv_heads)
+    model = build_model(mc, seed=SEED)
+    save_model_weights(model, ckpt, state, tokenizer_fingerprint=load_tokenizer(tok_dir).fingerprint)
+    shutil.rmtree(hf_dir, ignore_errors=True)  # a previous run's export (export_hf wants an empty folder)
+    export_hf(ckpt, hf_dir, tokenizer_dir=tok_dir)
+    n = check_prompt_ids(hf_dir, n_steps)
+    return {"ckpt": ckpt, "hf_dir": hf_dir, "params": sum(p.numel() for p in model.parameters()), "prompts_checked": n}
+
+
+# the kltron side
+def kltron_side(a) -> dict:
+    from core.ckpt import load_model_weights
+    from rl.train import assemble
+    mc = SIZES[a.size]
+    over = [f"rollout.prompts_per_step={PROMPTS}", f"rollout.group_size={GROUP}", "rollout.temperature=1.0",
+            f"rollout.max_new_tokens={NEW_TOKENS}", f"algo.epochs={EPOCHS}", f"algo.mini_batches={MINI_BATCHES}",
+            "algo.name=grpo", "kl.estimator=k3+", "kl.where=loss", "loss.agg=token-mean", "kl_ctl.mode=fixed",
+            f"kl_ctl.beta={BETA}", f"optim.lr={LR}", f"optim.min_lr={LR}", "optim.schedule=constant", "rollout.top_k=0",
+            "optim.warmup_steps=0", "optim.weight_decay=0.0", "optim.betas=[0.9, 0.999]", "optim.grad_clip=1.0",
+            "reward.task=arithmetic", "reward.task_args={max_operand: 9, ops: '+', partial_credit: 0.0}",
+            f"train.seed={SEED}", "train.steps=100", "train.progress=false", f"tokenizer={a.hf_dir}"]
+    cfg = load_config(RLConfig, None, over)
+    state = init_parallel(ParallelDims(1, 1), "cpu", mc.n_heads, mc.n_kv_heads)
+    tok = load_tokenizer(a.hf_dir)
+    models = [Transformer(mc, state.tp_group, device="meta").to_empty(device="cpu") for _ in range(2)]
+    for m in models:  # policy, reference: both from the checkpoint
+        load_model_weights(m, a.ckpt, state, tokenizer_fingerprint=tok.fingerprint)
+    tr = assemble(cfg, state, mc, tok, models[0], models[1])
+    rss_setup = peak_rss()
+    recs = [tr.step(s) for s in range(a.warmup + a.steps)][a.warmup:]
+    row = {p: [r[f"time_{p}_s"] for r in recs] for p in PHASES[:4]} | {"step": [r["step_time_s"] for r in recs]}
+    row["other"] = [s - sum(row[p][i] for p in PHASES[:4]) for i, s in enumerate(row["step"])]
+    return {"side": "kltron", **{k: statistics.median(v) for k, v in row.items()}, "steps_s": row["step"],
+            "reward_mean": recs[-1]["reward_mean"], "rss_after_setup": rss_setup, "peak_rss": peak_rss()}
+
+
+# the TRL side
+def _timed(obj, name: str, sink):
+    """Replace bound method obj.name by a wrapper calling sink(seconds, args, kwargs) after each call."""
+    fn = getattr(obj, name)
+
+    def wrapper(*args, **kwargs):
+        t0 = time.perf_counter()
+        out = fn(*args, **kwargs)
+        sink(time.perf_counter() - t0, args, kwargs)
+        return out
+
+    setattr(obj, name, wrapper)
+
+
+def _trl_args(a, out_dir: str):
+    from trl import GRPOConfig
+
+    opt_steps = EPOCHS * MINI_BATCHES
+    return GRPOConfig(
+        output_dir=out_dir, use_cpu=True, bf16=False, fp16=False, report_to="none", save_strategy="no",
+        logging_steps=10**6, disable_tqdm=True, seed=SEED, dataloader_num_workers=0,
+        per_device_train_batch_size=PROMPTS * GROUP // MINI_BATCHES, gradient_accumulation_steps=1,
+        steps_per_generation=MINI_BATCHES, num_iterations=EPOCHS, num_generations=GROUP,
+        max_completion_length=NEW_TOKENS, temperature=1.0, top_k=0, top_p=1.0, shuffle_dataset=False,
+        beta=BETA, loss_type="dapo", learning_rate=LR, lr_scheduler_type="constant", warmup_steps=0,
+        weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-8, max_grad_norm=1.0,
+        max_steps=opt_steps * (a.warmup + a.steps), log_completions=False)
+
+
+def trl_side(a) -> dict:
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import GRPOTrainer
+
+    task = make_task("arithmetic", max_operand=9, ops="+", partial_credit=0.0)
+    rows = [{"prompt": p, "answer": m["answer"]} for step in all_prompts(a.warmup + a.steps) for p, m in step]
+
+    def reward(prompts, completions, answer, **kw):
+        return [task.reward({"prompt": p, "answer": ans}, c) for p, c, ans in zip(prompts, completions, answer)]
+
+    tok = AutoTokenizer.from_pretrained(a.hf_dir)
+    model = AutoModelForCausalLM.from_pretrained(a.hf_dir, dtype=torch.float32)
+    ends = []
+
+    class StepEnd(TrainerCallback):
+        def on_step_end(self, args, state, control, **kw):
+            ends.append(time.perf_counter())
+
+    with tempfile.TemporaryDirectory() as out_dir:
+        tr = GRPOTrainer(model=model, reward_funcs=reward, args=_trl_args(a, out_dir),
+                         train_dataset=Dataset.from_list(rows), processing_class=tok, callbacks=[StepEnd()])
+        times = {k: [] for k in ("generate", "rewards", "ref_logprobs", "old_logprobs", "experience")}
+
+        def logps_sink(dt, args, kwargs):
+            model_arg = args[0] if args else kwargs["model"]
+            if model_arg is tr.ref_model:
+                times["ref_logprobs"].append(dt)
+            elif not torch.is_grad_enabled():
+                times["old_logprobs"].append(dt)
+
+        _timed(tr, "_generate", lambda dt, *_: times["generate"].append(dt))
+        _timed(tr, "_calculate_rewards", lambda dt, *_: times["rewards"].append(dt))
+        _timed(tr, "_get_per_token_logps_and_entropies", logps_sink)
+        _timed(tr, "_generate_and_score_completions", lambda dt, *_: times["experience"].append(dt))
+        rss_setup = peak_rss()
+        t_begin = time.perf_counter()
+        tr.train()
+    return {"side": "trl", **_trl_rows(times, [t_begin] + ends, a), "rss_after_setup": rss_setup,
+            "peak_rss": peak_rss()}
+
+
+def _trl_rows(times: dict, marks: list, a) -> dict:
+    """Per generation g: the step is the 4 optimizer steps it serves (between on_step_end marks)."""
+    k = EPOCHS * MINI_BATCHES
+    n = a.warmup + a.steps
+    counts = (len(times["experience"]), len(marks) - 1, len(times["old_logprobs"]), len(times["ref_logprobs"]))
+    if counts != (n, n * k, n, n):
+        raise RuntimeError(f"TRL ran {counts} generations / optimizer steps / old log-prob passes / reference "
+                           f"log-prob passes; expected {(n, n * k, n, n)}")
+    row = {"step": [], "rollout": [], "ref_logprobs": [], "old_logprobs": [], "update": [], "other": []}
+    for g in range(a.warmup, n):
+        step = marks[(g + 1) * k] - marks[g * k]
+        exp = times["experience"][g]
+        parts = {"rollout": times["generate"][g] + times["rewards"][g], "ref_logprobs": times["ref_logprobs"][g],
+                 "old_logprobs": times["old_logprobs"][g]}
+        for p, v in parts.items():
+            row[p].append(v)
+        row["update"].append(step - exp)
+        row["other"].append(exp - sum(parts.values()))
+        row["step"].append(step)
+    return {**{p: statistics.median(v) for p, v in row.items()}, "steps_s": row["step"]}
+
+
+# generation alone
+def generate_side(a) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    from core.ckpt import load_model_weights
+    mc = SIZES[a.size]
+    state = init_parallel(ParallelDims(1, 1), "cpu", mc.n_heads, mc.n_kv_heads)
+    tok = load_tokenizer(a.hf_dir)
+    ours = Transformer(mc, state.tp_group, device="meta").to_empty(device="cpu")
+    load_model_weights(ours, a.ckpt, state)
+    hf = AutoModelForCausalLM.from_pretrained(a.hf_dir, dtype=torch.float32).eval()
+    ids, mask = left_pad([[tok.bos_id] + tok.encode(p) for p, _ in all_prompts(1)[0] for _ in range(GROUP)], tok.pad_id)
+    with torch.no_grad():
+        diff = (ours.eval()(ids, attention_mask=mask)[..., :mc.vocab_size]
+                - hf(input_ids=ids, attention_mask=mask).logits)[mask.bool()].abs().max().item()
+    k_tps, h_tps = [], []
+    for rep in range(a.gen_reps + 1):
+        out = generate(ours, ids, mask, max_new_tokens=NEW_TOKENS, eos_id=tok.eos_id, eos_ids=tok.eos_ids,
+                       pad_id=tok.pad_id, vocab_limit=tok.vocab_size, seed=SEED, step=rep)
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            seqs = hf.generate(input_ids=ids, attention_mask=mask, do_sample=True, max_new_tokens=NEW_TOKENS,
+                               temperature=1.0, top_k=0, top_p=1.0, pad_token_id=tok.pad_id,
+                               eos_token_id=tok.eos_ids, disable_compile=True)
+        dt = time.perf_counter() - t0
+        resp = seqs[:, ids.shape[1]:]
+        is_eos = torch.isin(resp, torch.tensor(tok.eos_ids, device="cpu")).long()
+        n_hf = int((is_eos.cumsum(1) - is_eos == 0).sum())  # tokens up to and including the first EOS
+        if rep > 0:  # rep 0 warms up both
+            k_tps.append(out.tokens_per_s)
+            h_tps.append(n_hf / dt)
+    return {"side": "generate", "rows": ids.shape[0], "prompt_len": ids.shape[1], "max_logit_diff": diff,
+            "kltron_tokens_per_s": statistics.median(k_tps), "hf_tokens_per_s": statistics.median(h_tps)}
+
+
+# driver
+def run_side(side: str, size: str, setup: dict, a) -> dict:
+    """One side in a fresh interpreter; its JSON is the last line of its stdout."""
+    cmd = [sys.executable, "-m", "bench.bench_rl_vs_trl", "--side", side, "--size", size, "--ckpt", setup["ckpt"],
+           "--hf-dir", setup["hf_dir"], "--steps", str(a.steps), "--warmup", str(a.warmup),
+           "--threads", str(a.threads), "--gen-reps", str(a.gen_reps)]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")]),
+               TOKENIZERS_PARALLELISM="false")
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=REPO)
+    if out.returncode != 0:
+        raise RuntimeError(f"{side} side ({size}) failed:\n{out.stderr[-4000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def table(results: list[dict], command: str, a, load: tuple) -> str:
+    out = [f"`{command}`", "", f"fp32, CPU, {a.threads} threads, one process per side; {PROMPTS} prompts x {GROUP} "
+           f"samples, {NEW_TOKENS} new tokens, {EPOCHS} epochs x {MINI_BATCHES} mini-batches, beta {BETA}; median of "
+           f"{a.steps} steps after {a.warmup} warm-up; 1-min load average {load[0]:.2f} at start, {load[1]:.2f} at end "
+           f"({os.cpu_count()} CPUs)", "",
+           "| model | side | step s | rollout s | ref log-probs s | old log-probs s | update s | other s "
+           "| RSS after set-up MiB | peak RSS MiB |",
+           "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for res in results:
+        sides = [s for s in (res.get("kltron"), res.get("trl")) if s is not None]
+        for s in sides:
+            out.append(f"| {res['size']} ({res['params'] / 1e6:.2f}M) | {s['side']} | {s['step']:.3f} | "
+                       + " | ".join(f"{s[p]:.3f}" for p in PHASES)
+                       + f" | {s['rss_after_setup'] / 2**20:.0f} | {s['peak_rss'] / 2**20:.0f} |")
+        if len(sides) == 2:
+            k, t = sides
+            out.append(f"| {res['size']} | TRL / kltron | {t['step'] / k['step']:.2f}x | "
+                       + " | ".join(f"{t[p] / k[p]:.2f}x" if k[p] > 0 else "-" for p in PHASES)
+                       + f" | {t['rss_after_setup'] / k['rss_after_setup']:.2f}x"
+                       + f" | {t['peak_rss'] / k['peak_rss']:.2f}x |")
+    out += ["", f"Generation alone ({PROMPTS * GROUP} rows, {NEW_TOKENS} new tokens, full-vocabulary sampling, median "
+            f"of {a.gen_reps}):", "", "| model | kltron generate tok/s | transformers generate tok/s | kltron / HF "
+            "| max logit diff |", "|---|---:|---:|---:|---:|"]
+    for res in results:
+        g = res["generate"]
+        out.append(f"| {res['size']} | {g['kltron_tokens_per_s']:.0f} | {g['hf_tokens_per_s']:.0f} | "
+                   f"{g['kltron_tokens_per_s'] / g['hf_tokens_per_s']:.2f}x | {g['max_logit_diff']:.1e} |")
+    if not all("trl" in r for r in results):
+        out += ["", "TRL is not installed: the TRL side was skipped (pip install trl)."]
+    return "\n".join(out)
+
+
+def parse(argv):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--sizes", default="tiny,60m")
+    ap.add_argument("--steps", type=int, default=3, help="timed steps after the warm-up")
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--gen-reps", type=int, default=3, help="timed generations per side after one warm-up")
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--workdir", default=None, help="keep checkpoints and exports here (default: a temp folder)")
+    for internal in ("--side", "--size", "--ckpt", "--hf-dir"):
+        ap.add_argument(internal, default=None, help=argparse.SUPPRESS)
+    a = ap.parse_args(argv)
+    if a.steps < 1 or a.warmup < 0 or a.gen_reps < 1:
+        ap.error(f"need --steps >= 1, --warmup >= 0, --gen-reps >= 1; got {a.steps}, {a.warmup}, {a.gen_reps}")
+    bad = [s for s in a.sizes.split(",") if s not in SIZES]
+    if bad:
+        ap.error(f"--sizes: unknown {bad}; choose from {list(SIZES)}")
+    return a
+
+
+def main(argv=None) -> list[dict]:
+    a = parse(argv)
+    torch.set_num_threads(a.threads)
+    if a.side is not None:  # a child: one side, JSON on stdout
+        fn = {"kltron": kltron_side, "trl": trl_side, "generate": generate_side}[a.side]
+        print(json.dumps(fn(a)))
+        return []
+    log = lambda msg: print(msg, file=sys.stderr, flush=True)
+    has_trl = trl_available()
+    if not has_trl:
+        log("note: trl is not importable; the TRL side is skipped (pip install trl)")
+    load0, results = os.getloadavg()[0], []
+    with tempfile.TemporaryDirectory() as tmp:
+        for size in a.sizes.split(","):
+            setup = prepare(size, os.path.join(a.workdir or tmp, size), a.warmup + a.steps)
+            res = {"size": size, "params": setup["params"], "prompts_checked": setup["prompts_checked"]}
+            for side in ("kltron", "trl", "generate") if has_trl else ("kltron", "generate"):
+                res[side] = run_side(side, size, setup, a)
+                log(f"  {size} {side}: " + (f"step {res[side]['step']:.3f} s" if "step" in res[side] else
+                                            f"{res[side]['kltron_tokens_per_s']:.0f} vs "
+                                            f"{res[side]['hf_tokens_per_s']:.0f} tok/s"))
+            results.append(res)
+    load = (load0, os.getloadavg()[0])
+    command = "python -m bench.bench_rl_vs_trl " + " ".join(argv if argv is not None else sys.argv[1:])
+    print(table(results, command.strip(), a, load))
+    if a.json:
+        with open(a.json + ".tmp", "w") as f:
+            json.dump({"command": command.strip(), "threads": a.threads, "steps": a.steps, "warmup": a.warmup,
+                       "load_avg_1min": load, "trl": has_trl, "results": results}, f, indent=1)
+        os.replace(a.json + ".tmp", a.json)
+    return results
+
+
+if __name__ == "__main__":
+    main()

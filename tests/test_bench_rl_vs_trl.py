@@ -1,0 +1,64 @@
+"""bench/bench_rl_vs_trl.py at the tiny size, 1 step: the JSON has both sides (TRL only where trl is
+importable) with every phase; the exported HF model's logits equal kltron's; the HF tokenizer.json
+gives sentencepiece's ids for every benchmark prompt and for the shipped corpus."""
+
+import json
+
+import pytest
+import torch
+
+from bench import bench_rl_vs_trl as bench
+from core.tokenizer import DEFAULT_CORPUS, load_tokenizer
+
+pytestmark = pytest.mark.slow  # the fixture runs the benchmark: three subprocesses, TRL's start-up
+
+pytest.importorskip("transformers")
+
+
+@pytest.fixture(scope="module")
+def result(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench") / "rl_vs_trl.json"
+    threads = torch.get_num_threads()
+    try:
+        bench.main(["--sizes", "tiny", "--steps", "1", "--warmup", "0", "--gen-reps", "1", "--threads", "1",
+                    "--json", str(out)])
+    finally:
+        torch.set_num_threads(threads)
+    with open(out) as f:
+        return json.load(f)
+
+
+def test_json_has_both_sides(result):
+    (res,) = result["results"]
+    assert res["size"] == "tiny" and result["steps"] == 1
+    assert result["trl"] == bench.trl_available()
+    assert res["prompts_checked"] == bench.PROMPTS  # one step's prompts, each checked against sentencepiece
+    sides = ["kltron", "trl"] if result["trl"] else ["kltron"]
+    for side in sides:
+        s = res[side]
+        assert s["side"] == side and len(s["steps_s"]) == 1
+        assert all(s[p] > 0 for p in ("rollout", "ref_logprobs", "old_logprobs", "update"))
+        assert sum(s[p] for p in bench.PHASES) == pytest.approx(s["step"], rel=1e-6)
+        assert s["peak_rss"] >= s["rss_after_setup"] > 0
+    if not result["trl"]:
+        assert "trl" not in res
+
+
+def test_generation_on_identical_weights(result):
+    g = result["results"][0]["generate"]
+    assert g["rows"] == bench.PROMPTS * bench.GROUP
+    assert g["max_logit_diff"] < 1e-4  # transformers' forward of the exported model vs kltron's
+    assert g["kltron_tokens_per_s"] > 0 and g["hf_tokens_per_s"] > 0
+
+
+def test_hf_tokenizer_matches_sentencepiece(tmp_path):
+    """The converted tokenizer.json against sentencepiece itself, on the shipped corpus's lines."""
+    bench.write_hf_tokenizer(str(tmp_path), 300)
+    sp, ours = load_tokenizer(None), load_tokenizer(str(tmp_path))
+    assert ours.vocab_size == 300 and ours.bos_id == sp.bos_id and ours.eos_ids == sp.eos_ids
+    with open(DEFAULT_CORPUS, encoding="utf-8") as f:
+        lines = [ln.rstrip("\n") for ln in f]
+    assert lines
+    for ln in lines:
+        assert ours.encode(ln) == sp.encode(ln), ln
+    assert ours.decode(sp.encode(lines[0])) == lines[0]
