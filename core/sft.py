@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from core.ckpt import CheckpointError, load_model_weights, save_model_weights
-from core.config import ConfigError, SFTConfig, load_config
+from core.config import ConfigError, SFTConfig, check_train, load_config
 from core.metrics import PhaseTimer, ProgressBar, Throughput, peak_memory, reset_peak_memory
 from core.model import build_model
 from core.optim import OptimConfigError, build_optimizer, check_optim_config
@@ -50,24 +50,17 @@ def check_sft_config(cfg: SFTConfig, world_size: int) -> ParallelDims:
     m, p, d, t = cfg.model, cfg.parallel, cfg.data, cfg.train
     m.validate()
     check_optim_config(cfg.optim)
-    if not isinstance(p.tp, int) or p.tp < 1:
-        raise LayoutError(f"parallel.tp must be a positive integer, got {p.tp!r}")
-    if p.dp == -1 and world_size % p.tp:
-        raise LayoutError(f"parallel.tp={p.tp} does not divide the world size {world_size}")
+    check_train(t)
     dims = ParallelDims(p.resolve_dp(world_size), p.tp).validate(world_size, m.n_heads, m.n_kv_heads)
     if m.intermediate_size % p.tp:
         raise LayoutError(f"parallel.tp={p.tp} must divide model.intermediate_size={m.intermediate_size}")
     FSDPOptions(mixed_precision=p.mixed_precision)  # validates the name
     for key, v in (("data.seq_len", d.seq_len), ("data.micro_batch_size", d.micro_batch_size),
-                   ("data.grad_accum", d.grad_accum), ("train.steps", t.steps), ("train.log_every", t.log_every)):
+                   ("data.grad_accum", d.grad_accum)):
         if v < 1:
             raise ConfigError(f"{key} must be positive, got {v}")
     if d.seq_len > m.max_seq_len:
         raise ConfigError(f"data.seq_len={d.seq_len} exceeds model.max_seq_len={m.max_seq_len}")
-    if t.device not in ("auto", "cpu", "cuda"):
-        raise ConfigError(f"train.device must be auto, cpu or cuda, got {t.device!r}")
-    if t.device == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("train.device=cuda but CUDA is not available")
     return dims
 
 

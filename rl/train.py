@@ -9,6 +9,8 @@ the critic for PPO, then runs `train.steps` RL steps, writing `metrics.jsonl` an
 from __future__ import annotations
 
 import argparse
+import math
+import os
 import sys
 from dataclasses import replace
 
@@ -16,7 +18,8 @@ import torch
 import torch.distributed as dist
 
 import core.ckpt as ckpt
-from core.config import ConfigError, ModelConfig, from_dict, load_config
+from core.config import ConfigError, ModelConfig, check_train, from_dict, load_config
+from core.lifecycle import PREEMPTED_EXIT, StopRequest, Watchdog, exit_process, shutdown
 from core.metrics import ProgressBar
 from core.model import Transformer
 from core.optim import build_optimizer
@@ -26,13 +29,15 @@ from parallel.dims import ParallelDims, launch_world_size, resolve_device
 from parallel.fsdp import FSDPOptions, freeze, parallelize
 from rl.config import RLConfig
 from rl.critic import Critic
+from rl.guards import Preempted, check_collapse
 from rl.rewards import build_reward
 from rl.trainer import RLTrainer
 from rl.warmstart import ensure_start_checkpoint
 
 
 def check_rl_config(cfg: RLConfig, world: int) -> ParallelDims:
-    """Arithmetic checks, identical on every rank, before any collective."""
+    """Arithmetic checks, identical on every rank, before any collective or file."""
+    check_train(cfg.train)
     dp = cfg.parallel.resolve_dp(world)
     dims = ParallelDims(dp=dp, tp=cfg.parallel.tp).validate(world)
     if cfg.rollout.prompts_per_step % dims.dp:
@@ -133,28 +138,48 @@ def _report(rec: dict, step: int, cfg: RLConfig, is_main: bool) -> str | None:
     return None
 
 
-def run(cfg: RLConfig) -> list[dict]:
+def _should_save(t, step: int, stop) -> bool:
+    pause = t.stop_after is not None and step + 1 >= t.stop_after
+    return step == t.steps - 1 or bool(stop) or pause or bool(t.save_every and (step + 1) % t.save_every == 0)
+
+
+def run(cfg: RLConfig, stop_request: StopRequest | None = None) -> list[dict]:
+    """Train as `cfg` says. A SIGTERM / SIGUSR1 caught by `stop_request` ends the run after the next
+    step every rank agrees on, with its checkpoint written (raises Preempted)."""
     trainer, run, tokenizer = build(cfg)
     first = _resume(trainer, run)
-    writer = run.open_outputs(cfg)
     t = cfg.train
+    if run.finished(t.steps - 1, "rl.train"):
+        return []
+    writer = run.open_outputs(cfg)
     bar = ProgressBar(t.steps, enabled=run.state.is_main and t.progress, every=t.log_every)
-    records, stop = [], None
-    for step in range(first, t.steps):
-        rec = trainer.step(step)
-        records.append(rec)
-        writer.write(rec)
-        bar.update(step + 1, reward=rec["reward_mean"], kl=rec["kl_mean"], beta=rec["beta"],
-                   ent=rec["entropy"], tok_s=rec["tokens_per_s"])
-        stop = _report(rec, step, cfg, run.state.is_main)
-        pause = t.stop_after is not None and step + 1 >= t.stop_after
-        if step == t.steps - 1 or stop or pause or (t.save_every and (step + 1) % t.save_every == 0):
-            run.save(step, _modules(trainer), _extra_state(trainer), tokenizer.fingerprint)
-        if stop or pause:
-            break
-    run.close()
+    dog = Watchdog.for_run(cfg.parallel.watchdog_s).start()
+    records, stop, preempted = [], None, False
+    try:
+        for step in range(first, t.steps):
+            dog.beat("step", step)
+            rec = trainer.step(step)
+            rec["entropy_max"] = math.log(tokenizer.vocab_size)  # ln V: the uniform policy's entropy
+            records.append(rec)
+            writer.write(rec)
+            bar.update(step + 1, reward=rec["reward_mean"], kl=rec["kl_mean"], beta=rec["beta"],
+                       ent=rec["entropy"], tok_s=rec["tokens_per_s"])
+            collapse = check_collapse(rec, cfg, run.state.is_main)  # named before the KL limits it also trips
+            stop = collapse or _report(rec, step, cfg, run.state.is_main)
+            preempted = stop_request is not None and stop_request.agree(run.device)
+            if _should_save(t, step, stop or preempted):
+                dog.beat("save", step)
+                run.save(step, _modules(trainer), _extra_state(trainer), tokenizer.fingerprint)
+            if stop or preempted or (t.stop_after is not None and step + 1 >= t.stop_after):
+                break
+    finally:
+        dog.stop()
+        run.close()
     if stop:
         raise SystemExit(stop)
+    if preempted:
+        raise Preempted(f"kltron.rl.train: stop requested by signal {stop_request.signum or 'on another rank'}; "
+                        f"saved the checkpoint of step {step} in {run.ckpt_root}; run the same command to resume")
     return records
 
 
@@ -167,17 +192,25 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    owns_group = not dist.is_initialized()
+    stop_request = StopRequest().install()
+    code = 1
     try:
         cfg = load_config(RLConfig, args.config, args.overrides)
-        run(cfg)
+        run(cfg, stop_request)
+        code = 0
+    except Preempted as e:
+        print(e, file=sys.stderr)
+        code = PREEMPTED_EXIT
     except (ConfigError, ckpt.CheckpointError, ValueError) as e:
-        print(f"kltron.rl.train: error: {e}", file=sys.stderr)
-        return 2
+        print(f"kltron.rl.train: error (rank {os.environ.get('RANK', '0')}): {e}", file=sys.stderr)
+        code = 2
     finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-    return 0
+        stop_request.uninstall()
+        if owns_group:
+            shutdown(barrier=code == 0)
+    return code
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_process(main())
