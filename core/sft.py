@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 from core.ckpt import CheckpointError, load_model_weights, save_model_weights
 from core.config import ConfigError, SFTConfig, check_train, load_config
+from core.lifecycle import exit_process, shutdown
 from core.metrics import PhaseTimer, ProgressBar, Throughput, peak_memory, reset_peak_memory
 from core.model import build_model
 from core.optim import OptimConfigError, build_optimizer, check_optim_config
@@ -171,6 +172,9 @@ def train(cfg: SFTConfig) -> dict:
     if extra is not None:
         job.loader.load_state_dict(extra["data"])
     first = 1 if extra is None else extra["step"] + 1
+    if run.finished(t.steps, "sft"):
+        return {"losses": [], "grad_norms": [], "skipped_total": job.opt.skipped_total, "out_dir": run.out_dir,
+                "saved": None}
     writer = run.open_outputs(cfg)
     bar = ProgressBar(t.steps, enabled=run.state.is_main and t.progress, every=max(t.log_every, t.steps // 20))
     timer, meter = PhaseTimer(run.device), Throughput()
@@ -215,16 +219,18 @@ def parse_args(argv=None):
 def main(argv=None) -> int:
     args = parse_args(argv)
     owns_group = not (dist.is_available() and dist.is_initialized())
+    ok = False
     try:
         cfg = load_config(SFTConfig, args.config, args.overrides)
         summary = train(cfg)
+        ok = True
     except USER_ERRORS as e:
         rank = os.environ.get("RANK", "0")
         print(f"kltron.sft: error (rank {rank}): {e}", file=sys.stderr)
         return 2
     finally:
-        if owns_group and dist.is_available() and dist.is_initialized():
-            dist.destroy_process_group()
+        if owns_group:
+            shutdown(barrier=ok)  # on success every rank meets before any tears down
     if summary["losses"]:
         print(f"kltron.sft: done, {len(summary['losses'])} steps, loss {summary['losses'][0]:.4f} -> "
               f"{summary['losses'][-1]:.4f}, metrics in {summary['out_dir']}/metrics.jsonl", file=sys.stderr)
@@ -232,4 +238,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_process(main())
