@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import tempfile
 import types
 import typing
 from dataclasses import dataclass, field
@@ -98,10 +99,10 @@ def check_parallel(p: ParallelConfig, world_size: int) -> None:
     """Named errors for a `parallel` section that cannot run on `world_size` ranks (pure arithmetic)."""
     _positive_int("parallel.tp", p.tp)
     _positive_int("parallel.dp", p.dp, allow=(-1,))
-    if p.tp > world_size:
-        raise ConfigError(f"parallel.tp={p.tp} is larger than the world size {world_size}")
     if p.dp == -1 and world_size % p.tp:
         raise ConfigError(f"parallel.tp={p.tp} does not divide the world size {world_size}")
+    if p.tp > world_size:
+        raise ConfigError(f"parallel.tp={p.tp} is larger than the world size {world_size}")
     if not (math.isfinite(p.timeout_s) and p.timeout_s > 0):
         raise ConfigError(f"parallel.timeout_s must be a positive number of seconds, got {p.timeout_s!r}")
     if not (math.isfinite(p.watchdog_s) and p.watchdog_s >= 0):
@@ -156,8 +157,12 @@ def _writable_dir(key: str, path: str) -> None:
         probe = parent
     if not os.path.isdir(probe):
         raise ConfigError(f"{key}={path}: {probe} exists and is not a directory")
-    if not os.access(probe, os.W_OK | os.X_OK):
-        raise ConfigError(f"{key}={path}: directory {probe} is not writable")
+    try:  # a real write: os.access says yes to root on a read-only mount
+        fd, tmp = tempfile.mkstemp(prefix=".kltron-probe-", dir=probe)
+        os.close(fd)
+        os.remove(tmp)
+    except OSError as e:
+        raise ConfigError(f"{key}={path}: directory {probe} is not writable ({e.strerror})") from None
 
 
 def check_train(t: TrainConfig) -> None:
