@@ -97,55 +97,76 @@ class StopRequest:
 
 
 class Watchdog:
-    """A heartbeat per rank in the process group's store and a thread that, every `interval_s`,
-    names each rank whose (phase, step) has not changed in `stall_s` seconds. Off when stall_s <= 0
-    or not distributed. `beat(phase, step)` is cheap (one store write)."""
+    """Heartbeats in the process group's store: the training loop publishes its (phase, step) with
+    `beat`, and a thread on every rank publishes that the process is alive every `interval_s` and
+    checks the others. A rank whose alive-beat is older than `stall_s` is frozen (SIGSTOP, a hung
+    host: no thread of it runs); a rank whose step is behind the others is named with its phase.
+    Thread off when stall_s <= 0; heartbeats off when not distributed."""
 
     def __init__(self, stall_s: float, rank: int, world: int, store=None, log=None):
-        self.stall_s, self.rank, self.world = stall_s, rank, world
-        self.store = store
+        self.stall_s, self.rank, self.world, self.store = stall_s, rank, world, store
+        self.interval_s = max(min(stall_s / 4, 10.0), 0.05)
         self.log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
         self._stop = threading.Event()
         self._thread = None
-        self.reported: list[str] = []
+        self._said: set = set()
 
     @classmethod
     def for_run(cls, stall_s: float) -> Watchdog:
-        if stall_s <= 0 or not dist.is_initialized():
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
             return cls(0.0, 0, 1)
-        store = dist.distributed_c10d._get_default_store()
-        return cls(stall_s, dist.get_rank(), dist.get_world_size(), store)
+        return cls(stall_s, dist.get_rank(), dist.get_world_size(), dist.distributed_c10d._get_default_store())
 
     def beat(self, phase: str, step: int) -> None:
         if self.store is not None:
-            self.store.set(f"kltron/hb/{self.rank}", json.dumps([phase, step, time.time()]))
+            self.store.set(f"kltron/phase/{self.rank}", json.dumps([phase, step, time.time()]))
+
+    def _read(self, key: str):
+        try:
+            return json.loads(self.store.get(key))
+        except Exception:  # noqa: BLE001 - a rank that has not published yet
+            return None
 
     def check(self) -> list[str]:
-        """One message per stalled rank: its phase and step, and how long it has not advanced."""
+        """One message per frozen rank (alive-beat older than stall_s) and per rank behind the most
+        advanced step, each with its phase and step."""
         now, out = time.time(), []
+        phases = {r: self._read(f"kltron/phase/{r}") for r in range(self.world)}
+        top = max((p[1] for p in phases.values() if p), default=None)
         for r in range(self.world):
-            try:
-                phase, step, t = json.loads(self.store.get(f"kltron/hb/{r}"))
-            except Exception:  # noqa: BLE001 - a rank that never beat yet is not stalled
-                continue
-            if now - t > self.stall_s:
-                out.append(f"rank {r} has not advanced in {now - t:.0f} s (phase {phase!r}, step {step})")
+            alive, ph = self._read(f"kltron/alive/{r}"), phases[r]
+            where = f"phase {ph[0]!r}, step {ph[1]}" if ph else "before its first step"
+            if alive is not None and now - alive > self.stall_s:
+                out.append(f"rank {r} has not advanced in {now - alive:.0f} s: frozen ({where})")
+            elif ph and top is not None and ph[1] < top:
+                out.append(f"rank {r} is behind: {where}, {now - ph[2]:.0f} s in it, others at step {top}")
         return out
 
     def start(self) -> Watchdog:
-        if self.store is None:
+        if self.store is None or self.stall_s <= 0:
             return self
-        self.beat("start", -1)
+        self.store.set(f"kltron/alive/{self.rank}", json.dumps(time.time()))
         self._thread = threading.Thread(target=self._loop, name="kltron-watchdog", daemon=True)
         self._thread.start()
         return self
 
     def _loop(self) -> None:
-        while not self._stop.wait(min(self.stall_s / 2, 30.0)):
+        while not self._stop.wait(self.interval_s):
+            self.store.set(f"kltron/alive/{self.rank}", json.dumps(time.time()))
             for msg in self.check():
-                if msg.split(" has")[0] + " " not in " ".join(self.reported[-self.world:]) + " ":
+                key = msg.split(":")[0] + msg.split("(")[-1]
+                if key not in self._said:  # each (rank, kind, phase) once
+                    self._said.add(key)
                     self.log(f"kltron watchdog (rank {self.rank}): {msg}")
-                self.reported.append(msg)
+
+    def explain(self, err: Exception, timeout_s: float) -> str:
+        """The message for a collective that failed (timed out, or a peer vanished), naming the
+        stalled ranks and phases the heartbeats show."""
+        msgs = self.check() if self.store is not None and self.stall_s > 0 else []
+        who = "; ".join(msgs) if msgs else ("no stalled rank seen (set parallel.watchdog_s > 0 to name it)"
+                                            if self.stall_s <= 0 else "every rank's heartbeat is recent")
+        return (f"a collective failed on rank {self.rank} (parallel.timeout_s={timeout_s:g}): "
+                f"{str(err).splitlines()[0][-200:]}; {who}")
 
     def stop(self) -> None:
         """Stop and join the thread (before shutdown: no thread of ours outlives the process group)."""
@@ -153,6 +174,17 @@ class Watchdog:
         if self._thread is not None:
             self._thread.join(timeout=5.0)
             self._thread = None
+
+
+def is_comm_failure(e: BaseException) -> bool:
+    """A collective that timed out or lost its peer (gloo raises plain RuntimeErrors for these)."""
+    text = str(e)
+    return isinstance(e, dist.DistError) or any(k in text for k in ("Timed out", "timed out", "Connection closed",
+                                                                    "Connection reset", "connection closed"))
+
+
+class RankStalled(RuntimeError):
+    """A collective timed out or lost a peer; the message names the stalled rank and phase."""
 
 
 def source_hash() -> str:

@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 import core.ckpt as ckpt
 from core.config import ConfigError, ModelConfig, check_train, from_dict, load_config
-from core.lifecycle import PREEMPTED_EXIT, StopRequest, Watchdog, exit_process, shutdown
+from core.lifecycle import PREEMPTED_EXIT, RankStalled, StopRequest, Watchdog, exit_process, is_comm_failure, shutdown
 from core.metrics import ProgressBar
 from core.model import Transformer
 from core.optim import build_optimizer
@@ -172,6 +172,10 @@ def run(cfg: RLConfig, stop_request: StopRequest | None = None) -> list[dict]:
                 run.save(step, _modules(trainer), _extra_state(trainer), tokenizer.fingerprint)
             if stop or preempted or (t.stop_after is not None and step + 1 >= t.stop_after):
                 break
+    except RuntimeError as e:
+        if isinstance(e, RankStalled) or not dist.is_initialized() or not is_comm_failure(e):
+            raise
+        raise RankStalled(dog.explain(e, cfg.parallel.timeout_s)) from e
     finally:
         dog.stop()
         run.close()
@@ -199,6 +203,9 @@ def main(argv=None) -> int:
         cfg = load_config(RLConfig, args.config, args.overrides)
         run(cfg, stop_request)
         code = 0
+    except RankStalled as e:
+        print(f"kltron.rl.train: error (rank {os.environ.get('RANK', '0')}): {e}", file=sys.stderr)
+        code = 1
     except Preempted as e:
         print(e, file=sys.stderr)
         code = PREEMPTED_EXIT

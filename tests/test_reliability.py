@@ -222,24 +222,24 @@ def _stall():
 
     from core.lifecycle import Watchdog
 
-    dog = Watchdog(0.5, dist.get_rank(), 2, dist.distributed_c10d._get_default_store())
+    dog = Watchdog(0.5, dist.get_rank(), 2, dist.distributed_c10d._get_default_store(), log=lambda m: None)
     dog.beat("update", 3)
+    dog.start()
     dist.barrier()  # both heartbeats are in the store
-    if dist.get_rank() == 0:
-        time.sleep(1.0)
-        dog.beat("rollout", 4)  # rank 0 advances, rank 1 does not
-        found = dog.check()
-    else:
-        time.sleep(1.0)
-        found = None
+    if dist.get_rank() == 1:
+        dog.stop()  # rank 1 freezes: no thread of it runs any more
+    time.sleep(1.2)
+    dog.beat("rollout", 4)  # rank 0 advances (rank 1's phase write is as it would be before SIGSTOP)
+    found = dog.check() if dist.get_rank() == 0 else None
+    dog.stop()
     dist.barrier()  # rank 0 has read the store before rank 1 leaves
     return found
 
 
 def test_watchdog_names_the_stalled_rank_and_phase(dist_pools):
     found = dist_pools.run(2, _stall, timeout=60)[0]
-    assert len(found) == 1 and found[0].startswith("rank 1 has not advanced in")
-    assert "phase 'update', step 3" in found[0]
+    assert len(found) == 1 and found[0].startswith("rank 1 has not advanced in"), found
+    assert "frozen (phase 'rollout', step 4)" in found[0]
 
 
 def _compare(cfg_by_rank, fake_code):
