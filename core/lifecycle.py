@@ -20,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import signal
 import sys
 import threading
@@ -154,7 +155,7 @@ class Watchdog:
         while not self._stop.wait(self.interval_s):
             self.store.set(f"kltron/alive/{self.rank}", json.dumps(time.time()))
             for msg in self.check():
-                key = msg.split(":")[0] + msg.split("(")[-1]
+                key = re.sub(r"\d+ s\b", "", msg)
                 if key not in self._said:  # each (rank, kind, phase) once
                     self._said.add(key)
                     self.log(f"kltron watchdog (rank {self.rank}): {msg}")

@@ -7,12 +7,14 @@
 | symptom                                                   | verdict | likely cause                        |
 |-----------------------------------------------------------|---------|-------------------------------------|
 | entropy, KL, loss or grad norm not finite                 | stop    | learning rate too high, overflow    |
-| entropy >= 98% of ln V (the policy is uniform: collapsed) | stop    | learning rate too high              |
+| entropy >= 98% of ln V after it was below 90% in this run | stop    | learning rate too high              |
+| (the policy collapsed to uniform; a barely trained start checkpoint is near ln V from step 0 on) |
 | grad_norm exactly 0 on a step that was not skipped        | warn    | zero advantages (flat rewards), lr  |
 | entropy below 1e-4 nats (the policy is deterministic)     | warn    | entropy collapse, lr, no KL penalty |
 | reward flat at exactly 0 over the whole batch             | warn    | task too hard, reward plug-in       |
 
 Every rank computes the same verdict from the same (all-reduced) record, so a stop is agreed.
+`CollapseGuard` keeps the run's lowest entropy (the baseline) and warns of each kind once per run.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import math
 import sys
 
 UNIFORM_FRACTION = 0.98
+HEALTHY_FRACTION = 0.9
 ENTROPY_FLOOR = 1e-4
 
 
@@ -28,8 +31,9 @@ class Preempted(Exception):
     """The run stopped on SIGTERM / SIGUSR1 after writing its checkpoint (see core.lifecycle)."""
 
 
-def collapse_findings(rec: dict, lr: float) -> tuple[bool, list[str]]:
-    """(stop?, messages) for one step record; see the module table."""
+def collapse_findings(rec: dict, lr: float, baseline: float | None = None) -> tuple[bool, list[str]]:
+    """(stop?, messages) for one step record; `baseline`: the lowest entropy seen earlier in the
+    run (None: no earlier step). See the module table."""
     msgs, stop = [], False
     ent, ent_max = rec.get("entropy"), rec.get("entropy_max")
     bad = [k for k in ("entropy", "kl_mean", "grad_norm", "pg_loss", "reward_mean")
@@ -37,9 +41,11 @@ def collapse_findings(rec: dict, lr: float) -> tuple[bool, list[str]]:
     if bad:
         stop = True
         msgs.append(f"{', '.join(bad)} not finite: the weights diverged; learning rate too high? (optim.lr={lr:g})")
-    if ent_max and isinstance(ent, float) and math.isfinite(ent) and ent >= UNIFORM_FRACTION * ent_max:
+    was_healthy = baseline is not None and ent_max and baseline < HEALTHY_FRACTION * ent_max
+    if was_healthy and isinstance(ent, float) and math.isfinite(ent) and ent >= UNIFORM_FRACTION * ent_max:
         stop = True
-        msgs.append(f"entropy {ent:.3f} is at its maximum ln V = {ent_max:.3f}: the policy collapsed to uniform; "
+        msgs.append(f"entropy {ent:.3f} is at its maximum ln V = {ent_max:.3f} (it was {baseline:.3f}): the policy "
+                    f"collapsed to uniform; "
                     f"learning rate too high? (optim.lr={lr:g})")
     if rec.get("grad_norm") == 0.0 and not rec.get("skipped"):
         msgs.append("grad_norm is exactly 0: nothing was learned this step (all advantages zero? rewards flat "
@@ -53,14 +59,26 @@ def collapse_findings(rec: dict, lr: float) -> tuple[bool, list[str]]:
     return stop, msgs
 
 
-def check_collapse(rec: dict, cfg, is_main: bool) -> str | None:
-    """Warn (rank 0, stderr) on every finding; the stop message when the step shows a collapse."""
-    step = rec.get("step")
-    stop, msgs = collapse_findings(rec, cfg.optim.lr)
-    if is_main:
+class CollapseGuard:
+    """`check(rec)` per step: warnings on rank 0 (each kind once per run), the stop message on a collapse."""
+
+    def __init__(self, lr: float, is_main: bool):
+        self.lr, self.is_main = lr, is_main
+        self.baseline: float | None = None
+        self.warned: set[str] = set()
+
+    def check(self, rec: dict) -> str | None:
+        step = rec.get("step")
+        stop, msgs = collapse_findings(rec, self.lr, self.baseline)
+        ent = rec.get("entropy")
+        if isinstance(ent, float) and math.isfinite(ent):
+            self.baseline = ent if self.baseline is None else min(self.baseline, ent)
         for m in msgs:
-            print(f"kltron: step {step}: {m}", file=sys.stderr)
-    if stop:
-        return (f"kltron: step {step}: stopping after this checkpoint: {msgs[0]} "
-                "(see python -m tools.diagnose)")
-    return None
+            kind = m.split(" ")[0]
+            if self.is_main and (stop or kind not in self.warned):
+                print(f"kltron: step {step}: {m}", file=sys.stderr)
+            self.warned.add(kind)
+        if stop:
+            return (f"kltron: step {step}: stopping after this checkpoint: {msgs[0]} "
+                    "(see python -m tools.diagnose)")
+        return None

@@ -29,7 +29,7 @@ from parallel.dims import ParallelDims, launch_world_size, resolve_device
 from parallel.fsdp import FSDPOptions, freeze, parallelize
 from rl.config import RLConfig
 from rl.critic import Critic
-from rl.guards import Preempted, check_collapse
+from rl.guards import CollapseGuard, Preempted
 from rl.rewards import build_reward
 from rl.trainer import RLTrainer
 from rl.warmstart import ensure_start_checkpoint
@@ -154,6 +154,7 @@ def run(cfg: RLConfig, stop_request: StopRequest | None = None) -> list[dict]:
     writer = run.open_outputs(cfg)
     bar = ProgressBar(t.steps, enabled=run.state.is_main and t.progress, every=t.log_every)
     dog = Watchdog.for_run(cfg.parallel.watchdog_s).start()
+    guard = CollapseGuard(cfg.optim.lr, run.state.is_main)
     records, stop, preempted = [], None, False
     try:
         for step in range(first, t.steps):
@@ -164,7 +165,7 @@ def run(cfg: RLConfig, stop_request: StopRequest | None = None) -> list[dict]:
             writer.write(rec)
             bar.update(step + 1, reward=rec["reward_mean"], kl=rec["kl_mean"], beta=rec["beta"],
                        ent=rec["entropy"], tok_s=rec["tokens_per_s"])
-            collapse = check_collapse(rec, cfg, run.state.is_main)  # named before the KL limits it also trips
+            collapse = guard.check(rec)  # named before the KL limits a collapse also trips
             stop = collapse or _report(rec, step, cfg, run.state.is_main)
             preempted = stop_request is not None and stop_request.agree(run.device)
             if _should_save(t, step, stop or preempted):

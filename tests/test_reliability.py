@@ -163,7 +163,10 @@ def test_collapse_to_uniform_stops_and_blames_the_learning_rate():
     from rl.guards import collapse_findings
 
     assert collapse_findings(_rec(), 1e-4) == (False, [])
-    stop, msgs = collapse_findings(_rec(entropy=math.log(256) - 1e-3, grad_norm=0.0), 1e3)
+    near_uniform = _rec(entropy=math.log(256) - 1e-3, grad_norm=0.0)
+    assert not collapse_findings(near_uniform, 1e3)[0]  # a barely trained start: near ln V from step 0 on
+    assert not collapse_findings(near_uniform, 1e3, baseline=5.2)[0]
+    stop, msgs = collapse_findings(near_uniform, 1e3, baseline=1.2)
     assert stop and "learning rate too high? (optim.lr=1000)" in msgs[0] and "ln V = 5.545" in msgs[0]
     assert any("grad_norm is exactly 0" in m for m in msgs)
     stop, msgs = collapse_findings(_rec(kl_mean=float("nan"), entropy=float("nan")), 1e30)

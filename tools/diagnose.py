@@ -26,7 +26,7 @@ import os
 import sys
 from dataclasses import asdict, dataclass
 
-from rl.guards import ENTROPY_FLOOR, UNIFORM_FRACTION
+from rl.guards import ENTROPY_FLOOR, HEALTHY_FRACTION, UNIFORM_FRACTION
 
 
 @dataclass
@@ -170,9 +170,11 @@ def check_reward_swings(rows, window: int) -> Finding | None:
 
 def check_collapse(rows) -> Finding | None:
     """The policy collapsed to uniform (entropy >= UNIFORM_FRACTION * ln V, "entropy_max" in the
-    record) or learns nothing (grad norm exactly 0 on most non-skipped steps)."""
-    uniform = [r for r in rows if isinstance(r.get("entropy"), float) and r.get("entropy_max")
-               and r["entropy"] >= UNIFORM_FRACTION * r["entropy_max"]]
+    record, after a step below HEALTHY_FRACTION * ln V) or learns nothing (grad norm exactly 0 on
+    most non-skipped steps)."""
+    ents = [(r, r["entropy"], r.get("entropy_max")) for r in rows if isinstance(r.get("entropy"), float)]
+    healthy = [i for i, (_, e, m) in enumerate(ents) if m and e < HEALTHY_FRACTION * m]
+    uniform = [r for r, e, m in (ents[healthy[0]:] if healthy else []) if e >= UNIFORM_FRACTION * m]
     zero = [r.get("step") for r in rows if r.get("grad_norm") == 0.0 and not r.get("skipped")]
     lr = rows[-1].get("lr")
     if uniform:
