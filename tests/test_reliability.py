@@ -24,6 +24,35 @@ BAD_HF = {
 }
 
 
+RL_BAD = {
+    "tp_zero": (["parallel.tp=0"], "parallel.tp must be a positive integer, got 0"),
+    "tp_negative": (["parallel.tp=-1"], "parallel.tp must be a positive integer, got -1"),
+    "tp_too_big": (["parallel.tp=4", "parallel.dp=1"], "parallel.tp=4 is larger than the world size 2"),
+    "steps_zero": (["train.steps=0"], "train.steps must be a positive integer, got 0"),
+    "steps_negative": (["train.steps=-1"], "train.steps must be a positive integer, got -1"),
+    "save_every_negative": (["train.save_every=-1"], "train.save_every must be >= 0"),
+    "device_gpu": (["train.device=gpu"], "train.device must be auto, cpu or cuda, got 'gpu'"),
+    "out_dir_read_only": (["train.out_dir=/sys/kltron-run"], "train.out_dir=/sys/kltron-run: directory /sys is not"),
+    "timeout_negative": (["parallel.timeout_s=-5"], "parallel.timeout_s must be a positive number of seconds"),
+}
+
+
+@pytest.mark.parametrize("case", list(RL_BAD))
+def test_rl_train_config_values_are_named_before_any_work(case, tmp_path):
+    """rl.train's checks (pure: the same on every rank, before any collective, file or warm start)."""
+    from core.config import ConfigError, load_config
+    from rl.config import RLConfig
+    from rl.train import check_rl_config
+
+    overrides, message = RL_BAD[case]
+    cfg = load_config(RLConfig, os.path.join(os.path.dirname(__file__), "..", "configs", "grpo_tiny.yaml"),
+                      [f"train.out_dir={tmp_path / 'run'}", f"init.sft_dir={tmp_path / 'sft'}"] + overrides)
+    with pytest.raises(ConfigError) as e:
+        check_rl_config(cfg, 2)
+    assert message in str(e.value)
+    assert os.listdir(tmp_path) == []
+
+
 @pytest.mark.parametrize("case", list(BAD_HF))
 def test_convert_hf_config_values_are_named(case):
     from tools.convert_hf import ConvertError, model_config_from_hf
