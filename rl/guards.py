@@ -6,7 +6,7 @@
 
 | symptom                                                   | verdict | likely cause                        |
 |-----------------------------------------------------------|---------|-------------------------------------|
-| entropy, KL, loss or grad norm not finite                 | stop    | learning rate too high, overflow    |
+| entropy, KL, loss or (unskipped) grad norm not finite      | stop    | learning rate too high, overflow    |
 | entropy >= 98% of ln V after it was below 90% in this run | stop    | learning rate too high              |
 | (the policy collapsed to uniform; a barely trained start checkpoint is near ln V from step 0 on) |
 | grad_norm exactly 0 on a step that was not skipped        | warn    | zero advantages (flat rewards), lr  |
@@ -36,8 +36,8 @@ def collapse_findings(rec: dict, lr: float, baseline: float | None = None) -> tu
     run (None: no earlier step). See the module table."""
     msgs, stop = [], False
     ent, ent_max = rec.get("entropy"), rec.get("entropy_max")
-    bad = [k for k in ("entropy", "kl_mean", "grad_norm", "pg_loss", "reward_mean")
-           if isinstance(rec.get(k), float) and not math.isfinite(rec[k])]
+    keys = ("entropy", "kl_mean", "pg_loss", "reward_mean") + (() if rec.get("skipped") else ("grad_norm",))
+    bad = [k for k in keys if isinstance(rec.get(k), float) and not math.isfinite(rec[k])]  # a skipped step is fine
     if bad:
         stop = True
         msgs.append(f"{', '.join(bad)} not finite: the weights diverged; learning rate too high? (optim.lr={lr:g})")
