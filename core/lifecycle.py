@@ -34,6 +34,10 @@ PREEMPTED_EXIT = 0  # a preempted run saved its checkpoint: the scheduler may re
 SHUTDOWN_BARRIER_S = 60.0
 
 
+class Preempted(Exception):
+    """The run stopped on SIGTERM / SIGUSR1 after writing its checkpoint; exit with PREEMPTED_EXIT."""
+
+
 class RankMismatchError(ValueError):
     """Ranks of one launch disagree on the config or the code version."""
 

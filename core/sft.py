@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from core.ckpt import CheckpointError, load_model_weights, save_model_weights
 from core.config import ConfigError, SFTConfig, check_train, load_config
-from core.lifecycle import exit_process, shutdown
+from core.lifecycle import PREEMPTED_EXIT, Preempted, StopRequest, exit_process, shutdown
 from core.metrics import PhaseTimer, ProgressBar, Throughput, peak_memory, reset_peak_memory
 from core.model import build_model
 from core.optim import OptimConfigError, build_optimizer, check_optim_config
@@ -163,7 +163,7 @@ def train_step(job: SFTJob, cfg: SFTConfig, timer: PhaseTimer) -> tuple[float, i
     return float(loss_sum), int(n_tokens.item()), stats
 
 
-def train(cfg: SFTConfig) -> dict:
+def train(cfg: SFTConfig, stop_request: StopRequest | None = None) -> dict:
     """Run SFT as `cfg` says; usable in-process (e.g. tests) or from `main`. Returns
     {"losses": [...], "grad_norms": [...], "skipped_total": int, "out_dir": str, "saved": path | None}."""
     job = build(cfg)
@@ -172,7 +172,7 @@ def train(cfg: SFTConfig) -> dict:
     if extra is not None:
         job.loader.load_state_dict(extra["data"])
     first = 1 if extra is None else extra["step"] + 1
-    if run.finished(t.steps, "sft"):
+    if os.path.isfile(os.path.join(run.out_dir, "model", "manifest.json")) and run.finished(t.steps, "sft"):
         return {"losses": [], "grad_norms": [], "skipped_total": job.opt.skipped_total, "out_dir": run.out_dir,
                 "saved": None}
     writer = run.open_outputs(cfg)
@@ -180,7 +180,7 @@ def train(cfg: SFTConfig) -> dict:
     timer, meter = PhaseTimer(run.device), Throughput()
     reset_peak_memory(run.device)
     losses, norms = [], []
-    step = first - 1
+    step, preempted = first - 1, False
     for step in range(first, t.steps + 1):
         loss, n_tokens, stats = train_step(job, cfg, timer)
         losses.append(loss)
@@ -191,12 +191,16 @@ def train(cfg: SFTConfig) -> dict:
                           "skipped": stats.skipped, "skipped_total": stats.skipped_total, "tokens": n_tokens,
                           "tokens_per_s": tps, **peak_memory(run.device), **timer.pop()})
         bar.update(step, loss=loss, lr=stats.lr, gnorm=stats.grad_norm, tok_s=tps)
-        stop = t.stop_after is not None and step >= t.stop_after
+        preempted = stop_request is not None and stop_request.agree(run.device)  # every rank stops together
+        stop = (t.stop_after is not None and step >= t.stop_after) or preempted
         if (t.save_every and step % t.save_every == 0) or stop:
             run.save(step, job.modules(), {"data": job.loader.state_dict()}, job.tokenizer.fingerprint)
         if stop:
             break
     run.close()
+    if preempted:
+        raise Preempted(f"kltron.sft: stop requested by signal {stop_request.signum or 'on another rank'}; saved "
+                        f"the checkpoint of step {step} in {run.ckpt_root}; run the same command to resume")
     saved = None  # stopped early (train.stop_after): the train checkpoint is the state to resume from
     if step >= t.steps:
         saved = save_model_weights(job.model, os.path.join(run.out_dir, "model"), run.state,
@@ -219,16 +223,21 @@ def parse_args(argv=None):
 def main(argv=None) -> int:
     args = parse_args(argv)
     owns_group = not (dist.is_available() and dist.is_initialized())
-    ok = False
+    ok, stop_request = False, StopRequest().install()
     try:
         cfg = load_config(SFTConfig, args.config, args.overrides)
-        summary = train(cfg)
+        summary = train(cfg, stop_request)
         ok = True
+    except Preempted as e:
+        print(e, file=sys.stderr)
+        ok = True
+        return PREEMPTED_EXIT
     except USER_ERRORS as e:
         rank = os.environ.get("RANK", "0")
         print(f"kltron.sft: error (rank {rank}): {e}", file=sys.stderr)
         return 2
     finally:
+        stop_request.uninstall()
         if owns_group:
             shutdown(barrier=ok)  # on success every rank meets before any tears down
     if summary["losses"]:

@@ -22,13 +22,11 @@ from __future__ import annotations
 import math
 import sys
 
+from core.lifecycle import Preempted  # noqa: F401 - re-exported for rl.train
+
 UNIFORM_FRACTION = 0.98
 HEALTHY_FRACTION = 0.9
 ENTROPY_FLOOR = 1e-4
-
-
-class Preempted(Exception):
-    """The run stopped on SIGTERM / SIGUSR1 after writing its checkpoint (see core.lifecycle)."""
 
 
 def collapse_findings(rec: dict, lr: float, baseline: float | None = None) -> tuple[bool, list[str]]:

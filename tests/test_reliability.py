@@ -300,3 +300,40 @@ def test_ranks_with_different_configs_or_code_are_refused_by_key(dist_pools):
     assert msgs[0] == msgs[1] and "optim.lr: rank 0=0.001, rank 1=0.002" in msgs[0] and "train.steps" not in msgs[0]
     msgs = dist_pools.run(2, _compare, [same, same], True, timeout=60)
     assert msgs[0] == msgs[1] and "rank(s) [1] run a different kltron source than rank 0" in msgs[0]
+
+
+SFT_FAST = ["model.hidden_size=32", "model.intermediate_size=64", "data.seq_len=32", "data.micro_batch_size=8",
+            "optim.warmup_steps=2", "train.progress=false"]
+
+
+@pytest.mark.slow
+def test_sft_stops_on_a_signal_with_a_checkpoint_and_resumes_bit_for_bit(tmp_path):
+    """A real SIGTERM during step 2 of 4: the step ends, its checkpoint is written, Preempted is
+    raised; the resumed run's losses equal an uninterrupted run's."""
+    from core.config import SFTConfig, load_config
+    from core.lifecycle import Preempted, StopRequest
+    from core.sft import train
+
+    tiny = os.path.join(os.path.dirname(__file__), "..", "configs", "sft_tiny.yaml")
+    straight = train(load_config(SFTConfig, tiny, SFT_FAST + ["train.steps=4", f"train.out_dir={tmp_path / 'a'}"]))
+    cfg = load_config(SFTConfig, tiny, SFT_FAST + ["train.steps=4", f"train.out_dir={tmp_path / 'b'}"])
+    req = StopRequest().install()
+    calls = []
+
+    def agree(device, group=None, _orig=req.agree):
+        calls.append(1)
+        if len(calls) == 2:
+            os.kill(os.getpid(), signal.SIGTERM)  # arrives at the end of step 2
+        return _orig(device, group)
+
+    req.agree = agree
+    try:
+        with pytest.raises(Preempted, match="saved the checkpoint of step 2"):
+            train(cfg, req)
+    finally:
+        req.uninstall()
+    assert sorted(os.listdir(tmp_path / "b" / "checkpoints"))[-1] == "step-00000002"
+    resumed = train(cfg)
+    with open(tmp_path / "b" / "metrics.jsonl") as f:
+        losses = [json.loads(line)["loss"] for line in f]
+    assert losses == straight["losses"] and resumed["losses"] == straight["losses"][2:]
