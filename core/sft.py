@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from core.ckpt import CheckpointError, load_model_weights, save_model_weights
 from core.config import ConfigError, SFTConfig, check_train, load_config
-from core.lifecycle import PREEMPTED_EXIT, Preempted, StopRequest, exit_process, shutdown
+from core.lifecycle import PREEMPTED_EXIT, Preempted, RankMismatchError, StopRequest, exit_process, shutdown
 from core.metrics import PhaseTimer, ProgressBar, Throughput, peak_memory, reset_peak_memory
 from core.model import build_model
 from core.optim import OptimConfigError, build_optimizer, check_optim_config
@@ -39,7 +39,8 @@ from parallel.layers import vocab_parallel_logits
 from parallel.vocab import vocab_parallel_cross_entropy
 
 # errors that mean "this config or launch cannot work": reported as one line, exit status 2
-USER_ERRORS = (ConfigError, LayoutError, DataError, TokenizerError, OptimConfigError, CheckpointError)
+USER_ERRORS = (ConfigError, LayoutError, DataError, TokenizerError, OptimConfigError, CheckpointError,
+               RankMismatchError)
 
 # ---------------------------------------------------------------------------------------------
 # checks (pure: no collective)
