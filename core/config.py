@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
+import tempfile
 import types
 import typing
 from dataclasses import dataclass, field
@@ -76,9 +78,35 @@ class ParallelConfig:
     mixed_precision: str = "fp32"  # "fp32" or "bf16" (bf16 params/compute, fp32 reduce)
     activation_checkpointing: bool = False
     cpu_offload: bool = False
+    timeout_s: float = 600.0  # collective timeout: a rank frozen this long ends the run with an error
+    watchdog_s: float = 0.0  # > 0: name the rank and phase that has not advanced in this many seconds
 
     def resolve_dp(self, world_size: int) -> int:
+        """parallel.dp (-1: world_size // tp), after checking parallel.tp, .dp and .timeout_s by name."""
+        check_parallel(self, world_size)
         return world_size // self.tp if self.dp == -1 else self.dp
+
+
+def _positive_int(key: str, v, allow: tuple = ()) -> None:
+    if v in allow:
+        return
+    if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+        extra = f" or {' / '.join(map(str, allow))}" if allow else ""
+        raise ConfigError(f"{key} must be a positive integer{extra}, got {v!r}")
+
+
+def check_parallel(p: ParallelConfig, world_size: int) -> None:
+    """Named errors for a `parallel` section that cannot run on `world_size` ranks (pure arithmetic)."""
+    _positive_int("parallel.tp", p.tp)
+    _positive_int("parallel.dp", p.dp, allow=(-1,))
+    if p.dp == -1 and world_size % p.tp:
+        raise ConfigError(f"parallel.tp={p.tp} does not divide the world size {world_size}")
+    if p.tp > world_size:
+        raise ConfigError(f"parallel.tp={p.tp} is larger than the world size {world_size}")
+    if not (math.isfinite(p.timeout_s) and p.timeout_s > 0):
+        raise ConfigError(f"parallel.timeout_s must be a positive number of seconds, got {p.timeout_s!r}")
+    if not (math.isfinite(p.watchdog_s) and p.watchdog_s >= 0):
+        raise ConfigError(f"parallel.watchdog_s must be >= 0 seconds (0: off), got {p.watchdog_s!r}")
 
 
 @dataclass
@@ -118,6 +146,46 @@ class TrainConfig:
     progress: bool = True
     device: str = "auto"  # "auto", "cpu" or "cuda"
     compile: bool = False  # torch.compile each transformer block (full-sequence forwards; decoding stays eager)
+
+
+def _writable_dir(key: str, path: str) -> None:
+    """ConfigError naming `key` unless `path` is (or can be created as) a writable directory."""
+    probe = os.path.abspath(path)
+    while not os.path.exists(probe):
+        parent = os.path.dirname(probe)
+        if parent == probe:
+            break
+        probe = parent
+    if not os.path.isdir(probe):
+        raise ConfigError(f"{key}={path}: {probe} exists and is not a directory")
+    try:  # a real write: os.access says yes to root on a read-only mount
+        fd, tmp = tempfile.mkstemp(prefix=".kltron-probe-", dir=probe)
+        os.close(fd)
+        os.remove(tmp)
+    except OSError as e:
+        raise ConfigError(f"{key}={path}: directory {probe} is not writable ({e.strerror})") from None
+
+
+def check_train(t: TrainConfig) -> None:
+    """Named errors for a `train` section that would misbehave (pure: no collective, no file written)."""
+    _positive_int("train.steps", t.steps)
+    _positive_int("train.log_every", t.log_every)
+    _positive_int("train.keep_last", t.keep_last)
+    if not isinstance(t.save_every, int) or t.save_every < 0:
+        raise ConfigError(f"train.save_every must be >= 0 (0: save only at the end), got {t.save_every!r}")
+    if t.stop_after is not None:
+        _positive_int("train.stop_after", t.stop_after)
+    if t.device not in ("auto", "cpu", "cuda") and not t.device.startswith("cuda:"):
+        raise ConfigError(f"train.device must be auto, cpu or cuda, got {t.device!r}")
+    if t.device.startswith("cuda") and not torch_cuda_available():
+        raise ConfigError(f"train.device={t.device} but CUDA is not available")
+    _writable_dir("train.out_dir", t.out_dir)
+
+
+def torch_cuda_available() -> bool:
+    import torch  # here, so that reading a config does not need torch
+
+    return torch.cuda.is_available()
 
 
 @dataclass

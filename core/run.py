@@ -12,7 +12,9 @@ when resuming) on rank 0. `Run.save` writes the training checkpoints.
 
 from __future__ import annotations
 
+import json
 import os
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -20,6 +22,7 @@ import yaml
 
 from core.ckpt import resume_train_checkpoint, save_train_checkpoint
 from core.config import ModelConfig, to_dict
+from core.lifecycle import check_same_everywhere
 from core.metrics import MetricsWriter
 from parallel.dims import ParallelDims, ParallelState, init_parallel, kv_replica_group, resolve_device, seed_everything
 
@@ -69,14 +72,29 @@ class Run:
         return save_train_checkpoint(self.ckpt_root, step, self.state, modules, extra=extra,
                                      keep_last=self.keep_last, tokenizer_fingerprint=tokenizer_fingerprint)
 
+    def finished(self, last_step: int, what: str) -> bool:
+        """True (and says so on rank 0) when the resumed checkpoint is already at `last_step`, the
+        run's final step: nothing is run and neither config.yaml nor metrics.jsonl is touched."""
+        if self.resumed_step is None or self.resumed_step < last_step:
+            return False
+        if self.state.is_main:
+            print(f"kltron.{what}: the run in {self.out_dir} is complete at step {self.resumed_step}; nothing to "
+                  f"do. To start a new run pass a new train.out_dir=...; to continue this one pass a larger "
+                  f"train.steps=...", file=sys.stderr)
+        return True
+
     def open_outputs(self, cfg) -> MetricsWriter:
-        """Write `config.yaml` (the resolved `cfg`) and open `metrics.jsonl` on rank 0: fresh, or
-        appended to when resuming. Called after loading, so a refused run leaves no metrics file."""
+        """Write `config.yaml` (the resolved `cfg`) and open `metrics.jsonl` on rank 0: fresh, or,
+        when resuming, cut back to the records of steps <= the resumed step (no step is logged twice)
+        and appended to. Called after loading, so a refused run leaves no metrics file."""
+        metrics = os.path.join(self.out_dir, "metrics.jsonl")
         if self.state.is_main:
             os.makedirs(self.out_dir, exist_ok=True)
+            if self.resumed_step is not None:
+                truncate_metrics(metrics, self.resumed_step)
             with open(os.path.join(self.out_dir, "config.yaml"), "w") as f:
                 yaml.safe_dump(to_dict(cfg), f, sort_keys=False)
-        self.writer = MetricsWriter(os.path.join(self.out_dir, "metrics.jsonl"), enabled=self.state.is_main,
+        self.writer = MetricsWriter(metrics, enabled=self.state.is_main,
                                     mode="a" if self.resumed_step is not None else "w")
         return self.writer
 
@@ -85,11 +103,38 @@ class Run:
             self.writer.close()
 
 
+def truncate_metrics(path: str, last_step: int) -> int:
+    """Keep the records of `path` (JSON lines with "step") whose step is <= `last_step`, written
+    atomically; a torn last line is dropped. Returns the number of records removed."""
+    if not os.path.exists(path):
+        return 0
+    kept, dropped = [], 0
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError:
+                dropped += 1
+                continue
+            if isinstance(rec, dict) and isinstance(rec.get("step"), int) and rec["step"] > last_step:
+                dropped += 1
+                continue
+            kept.append(line if line.endswith("\n") else line + "\n")
+    if dropped:
+        tmp = path + ".tmp"
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.writelines(kept)
+        os.replace(tmp, path)
+    return dropped
+
+
 def start_run(cfg, dims: ParallelDims, model_cfg: ModelConfig) -> Run:
     """Set up the run `cfg` (an SFTConfig or RLConfig: uses its `train` section) describes, on the
     already validated layout `dims`, for a model shaped like `model_cfg`. Collective: every rank calls it."""
     t = cfg.train
-    state = init_parallel(dims, resolve_device(t.device), model_cfg.n_heads, model_cfg.n_kv_heads)
+    state = init_parallel(dims, resolve_device(t.device), model_cfg.n_heads, model_cfg.n_kv_heads,
+                          timeout_s=cfg.parallel.timeout_s)
+    check_same_everywhere(to_dict(cfg))  # before any work: every rank runs the same config and code
     seed_everything(t.seed)
     kv_group = kv_replica_group(state, model_cfg.n_kv_heads)
     return Run(state, kv_group, t.out_dir, resume_enabled=t.resume, verify=t.verify_checkpoints,

@@ -23,7 +23,8 @@ import torch
 import torch.distributed as dist
 
 from core.ckpt import CheckpointError, load_model_weights, save_model_weights
-from core.config import ConfigError, SFTConfig, load_config
+from core.config import ConfigError, SFTConfig, check_train, load_config
+from core.lifecycle import PREEMPTED_EXIT, Preempted, RankMismatchError, StopRequest, exit_process, shutdown
 from core.metrics import PhaseTimer, ProgressBar, Throughput, peak_memory, reset_peak_memory
 from core.model import build_model
 from core.optim import OptimConfigError, build_optimizer, check_optim_config
@@ -37,7 +38,8 @@ from parallel.layers import vocab_parallel_logits
 from parallel.vocab import vocab_parallel_cross_entropy
 
 # errors that mean "this config or launch cannot work": reported as one line, exit status 2
-USER_ERRORS = (ConfigError, LayoutError, DataError, TokenizerError, OptimConfigError, CheckpointError)
+USER_ERRORS = (ConfigError, LayoutError, DataError, TokenizerError, OptimConfigError, CheckpointError,
+               RankMismatchError)
 
 # ---------------------------------------------------------------------------------------------
 # checks (pure: no collective)
@@ -49,24 +51,17 @@ def check_sft_config(cfg: SFTConfig, world_size: int) -> ParallelDims:
     m, p, d, t = cfg.model, cfg.parallel, cfg.data, cfg.train
     m.validate()
     check_optim_config(cfg.optim)
-    if not isinstance(p.tp, int) or p.tp < 1:
-        raise LayoutError(f"parallel.tp must be a positive integer, got {p.tp!r}")
-    if p.dp == -1 and world_size % p.tp:
-        raise LayoutError(f"parallel.tp={p.tp} does not divide the world size {world_size}")
+    check_train(t)
     dims = ParallelDims(p.resolve_dp(world_size), p.tp).validate(world_size, m.n_heads, m.n_kv_heads)
     if m.intermediate_size % p.tp:
         raise LayoutError(f"parallel.tp={p.tp} must divide model.intermediate_size={m.intermediate_size}")
     FSDPOptions(mixed_precision=p.mixed_precision)  # validates the name
     for key, v in (("data.seq_len", d.seq_len), ("data.micro_batch_size", d.micro_batch_size),
-                   ("data.grad_accum", d.grad_accum), ("train.steps", t.steps), ("train.log_every", t.log_every)):
+                   ("data.grad_accum", d.grad_accum)):
         if v < 1:
             raise ConfigError(f"{key} must be positive, got {v}")
     if d.seq_len > m.max_seq_len:
         raise ConfigError(f"data.seq_len={d.seq_len} exceeds model.max_seq_len={m.max_seq_len}")
-    if t.device not in ("auto", "cpu", "cuda"):
-        raise ConfigError(f"train.device must be auto, cpu or cuda, got {t.device!r}")
-    if t.device == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("train.device=cuda but CUDA is not available")
     return dims
 
 
@@ -167,7 +162,7 @@ def train_step(job: SFTJob, cfg: SFTConfig, timer: PhaseTimer) -> tuple[float, i
     return float(loss_sum), int(n_tokens.item()), stats
 
 
-def train(cfg: SFTConfig) -> dict:
+def train(cfg: SFTConfig, stop_request: StopRequest | None = None) -> dict:
     """Run SFT as `cfg` says; usable in-process (e.g. tests) or from `main`. Returns
     {"losses": [...], "grad_norms": [...], "skipped_total": int, "out_dir": str, "saved": path | None}."""
     job = build(cfg)
@@ -176,12 +171,15 @@ def train(cfg: SFTConfig) -> dict:
     if extra is not None:
         job.loader.load_state_dict(extra["data"])
     first = 1 if extra is None else extra["step"] + 1
+    if os.path.isfile(os.path.join(run.out_dir, "model", "manifest.json")) and run.finished(t.steps, "sft"):
+        return {"losses": [], "grad_norms": [], "skipped_total": job.opt.skipped_total, "out_dir": run.out_dir,
+                "saved": None}
     writer = run.open_outputs(cfg)
     bar = ProgressBar(t.steps, enabled=run.state.is_main and t.progress, every=max(t.log_every, t.steps // 20))
     timer, meter = PhaseTimer(run.device), Throughput()
     reset_peak_memory(run.device)
     losses, norms = [], []
-    step = first - 1
+    step, preempted = first - 1, False
     for step in range(first, t.steps + 1):
         loss, n_tokens, stats = train_step(job, cfg, timer)
         losses.append(loss)
@@ -192,12 +190,16 @@ def train(cfg: SFTConfig) -> dict:
                           "skipped": stats.skipped, "skipped_total": stats.skipped_total, "tokens": n_tokens,
                           "tokens_per_s": tps, **peak_memory(run.device), **timer.pop()})
         bar.update(step, loss=loss, lr=stats.lr, gnorm=stats.grad_norm, tok_s=tps)
-        stop = t.stop_after is not None and step >= t.stop_after
+        preempted = stop_request is not None and stop_request.agree(run.device)  # every rank stops together
+        stop = (t.stop_after is not None and step >= t.stop_after) or preempted
         if (t.save_every and step % t.save_every == 0) or stop:
             run.save(step, job.modules(), {"data": job.loader.state_dict()}, job.tokenizer.fingerprint)
         if stop:
             break
     run.close()
+    if preempted:
+        raise Preempted(f"kltron.sft: stop requested by signal {stop_request.signum or 'on another rank'}; saved "
+                        f"the checkpoint of step {step} in {run.ckpt_root}; run the same command to resume")
     saved = None  # stopped early (train.stop_after): the train checkpoint is the state to resume from
     if step >= t.steps:
         saved = save_model_weights(job.model, os.path.join(run.out_dir, "model"), run.state,
@@ -220,16 +222,23 @@ def parse_args(argv=None):
 def main(argv=None) -> int:
     args = parse_args(argv)
     owns_group = not (dist.is_available() and dist.is_initialized())
+    ok, stop_request = False, StopRequest().install()
     try:
         cfg = load_config(SFTConfig, args.config, args.overrides)
-        summary = train(cfg)
+        summary = train(cfg, stop_request)
+        ok = True
+    except Preempted as e:
+        print(e, file=sys.stderr)
+        ok = True
+        return PREEMPTED_EXIT
     except USER_ERRORS as e:
         rank = os.environ.get("RANK", "0")
         print(f"kltron.sft: error (rank {rank}): {e}", file=sys.stderr)
         return 2
     finally:
-        if owns_group and dist.is_available() and dist.is_initialized():
-            dist.destroy_process_group()
+        stop_request.uninstall()
+        if owns_group:
+            shutdown(barrier=ok)  # on success every rank meets before any tears down
     if summary["losses"]:
         print(f"kltron.sft: done, {len(summary['losses'])} steps, loss {summary['losses'][0]:.4f} -> "
               f"{summary['losses'][-1]:.4f}, metrics in {summary['out_dir']}/metrics.jsonl", file=sys.stderr)
@@ -237,4 +246,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_process(main())

@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import random
 from dataclasses import dataclass
+from datetime import timedelta
 
 import numpy as np
 import torch
@@ -103,13 +104,14 @@ class ParallelState:
 
 
 def init_parallel(dims: ParallelDims, device: torch.device | str | None = None, n_heads: int | None = None,
-                  n_kv_heads: int | None = None) -> ParallelState:
+                  n_kv_heads: int | None = None, timeout_s: float | None = None) -> ParallelState:
     """Validate `dims` against the launch and the model, then build the ("dp", "tp") mesh.
 
     Under `torchrun` (or any launcher that initialised `torch.distributed` or set WORLD_SIZE) the
     process group is created here if needed with the backend for `device`. In a plain single
     process with dp = tp = 1 nothing distributed is created: groups are None and every
-    collective is an identity.
+    collective is an identity. `timeout_s` (`parallel.timeout_s`) bounds every collective: a rank
+    that waits longer for a frozen peer raises instead of blocking for torch's default 30 minutes.
     """
     device = torch.device(device) if device is not None else resolve_device("auto")
     world = launch_world_size()
@@ -119,7 +121,8 @@ def init_parallel(dims: ParallelDims, device: torch.device | str | None = None, 
     if not dist.is_initialized():
         if device.type == "cuda":
             torch.cuda.set_device(device)
-        dist.init_process_group(backend=backend_for(device))
+        kw = {} if timeout_s is None else {"timeout": timedelta(seconds=timeout_s)}
+        dist.init_process_group(backend=backend_for(device), **kw)
     mesh = init_device_mesh(device.type, (dims.dp, dims.tp), mesh_dim_names=("dp", "tp"))
     rank = dist.get_rank()
     return ParallelState(dims, device, mesh, mesh.get_group("tp"), mesh.get_group("dp"),

@@ -44,8 +44,11 @@ class RewardConfig:
     # batch, then frozen; false: off
     normalize: bool | str = False
     clip: float | None = None  # clip (normalised) rewards to [-clip, clip]
+    max_abs: float = 1e6  # a reward with |r| above this is refused by name (overflow guard)
 
     def __post_init__(self):
+        if not (isinstance(self.max_abs, (int, float)) and math.isfinite(self.max_abs) and self.max_abs > 0):
+            raise ValueError(f"reward.max_abs must be a positive finite number, got {self.max_abs!r}")
         if self.combine not in ("mean", "min", "weighted"):
             raise ValueError(f"reward.combine must be 'mean', 'min' or 'weighted', got {self.combine!r}")
         if self.normalize not in (True, False, "running", "fixed"):
@@ -70,8 +73,9 @@ def build_reward(cfg: RewardConfig):
     task = None if cfg.task is None else make_task(cfg.task, **cfg.task_args)
     fns = ([task.reward] if cfg.uses_task_reward else []) + list(cfg.fns)
     fn = fns[0] if len(fns) == 1 and not isinstance(fns[0], str) else CombinedReward(fns, cfg.combine, cfg.weights)
-    return task, fn, RunningRewardNorm(clip=cfg.clip, normalize=cfg.normalize not in (False, None),
-                                       fixed=cfg.normalize == "fixed")
+    norm = RunningRewardNorm(clip=cfg.clip, normalize=cfg.normalize not in (False, None),
+                             fixed=cfg.normalize == "fixed")
+    return task, BoundedReward(fn, cfg.max_abs), norm
 
 
 def load_reward_fn(spec: str) -> RewardFn:
@@ -109,7 +113,16 @@ class CombinedReward:
         self.combine, self.weights = combine, [float(w) for w in weights]
 
     def __call__(self, meta: dict, response: str) -> float:
-        vals = [float(f(meta, response)) for f in self.fns]
+        vals = []
+        for f in self.fns:
+            name = getattr(f, "__qualname__", repr(f))
+            try:
+                v = f(meta, response)
+            except Exception as e:  # noqa: BLE001 - re-raised naming the plug-in
+                raise RuntimeError(f"plug-in {name} raised {type(e).__name__}: {e}") from e
+            if isinstance(v, bool) or not isinstance(v, (int, float)):
+                raise TypeError(f"plug-in {name} returned {v!r} ({type(v).__name__}), not a number")
+            vals.append(float(v))
         if self.combine == "weighted":
             return sum(w * v for w, v in zip(self.weights, vals))
         return sum(vals) / len(vals) if self.combine == "mean" else min(vals)
@@ -125,19 +138,41 @@ def score_responses(reward_fn: RewardFn, metas: Sequence[dict], responses: Seque
     if group_size < 1 or len(responses) != len(metas) * group_size:
         raise ValueError(f"score_responses: {len(responses)} responses for {len(metas)} prompts x "
                          f"group_size {group_size}")
-    out = []
-    for k, resp in enumerate(responses):
-        i, j = divmod(k, group_size)
-        r = reward_fn(metas[i], resp)
-        try:
-            r = float(r)
-        except (TypeError, ValueError):
-            raise ValueError(f"reward for prompt {i}, sample {j} is not a number: {r!r}") from None
-        if not math.isfinite(r):
-            raise ValueError(f"reward for prompt {i}, sample {j} is {r} (not finite); response "
-                             f"{resp[:80]!r}")
-        out.append(r)
-    return torch.tensor(out, dtype=torch.float32, device="cpu")  # scores are made on the host
+    bound = getattr(reward_fn, "max_abs", None)
+    out = [checked_reward(reward_fn, metas[k // group_size], resp, k // group_size, k % group_size, bound)
+           for k, resp in enumerate(responses)]
+    return torch.tensor(out, dtype=torch.float32, device="cpu")
+
+
+class BoundedReward:
+    """`fn` with the bound `max_abs` that `score_responses` checks each reward against."""
+
+    def __init__(self, fn: RewardFn, max_abs: float):
+        self.fn, self.max_abs = fn, max_abs
+
+    def __call__(self, meta: dict, response: str) -> float:
+        return self.fn(meta, response)
+
+
+def checked_reward(reward_fn: RewardFn, meta: dict, response: str, i: int, j: int,
+                   max_abs: float | None = None) -> float:
+    """reward_fn(meta, response) as a float, or ValueError naming prompt i, sample j and the
+    culprit: a plug-in that raises, returns a non-number (None, a list, a string), NaN / inf, or
+    |r| > max_abs (a finite 1e38 would overflow the batch statistics)."""
+    where = f"reward for prompt {i}, sample {j}"
+    try:
+        r = reward_fn(meta, response)
+    except Exception as e:  # noqa: BLE001 - any plug-in failure is reported with the prompt and sample
+        raise ValueError(f"{where}: the reward function raised {type(e).__name__}: {e}; response "
+                         f"{response[:80]!r}") from e
+    if isinstance(r, bool) or not isinstance(r, (int, float)) and not (torch.is_tensor(r) and r.numel() == 1):
+        raise ValueError(f"{where} is not a number: {r!r} ({type(r).__name__}); response {response[:80]!r}")
+    r = float(r)
+    if not math.isfinite(r):
+        raise ValueError(f"{where} is {r} (not finite); response {response[:80]!r}")
+    if max_abs is not None and abs(r) > max_abs:
+        raise ValueError(f"{where} is {r:g}, above reward.max_abs={max_abs:g}; response {response[:80]!r}")
+    return r
 
 
 def _comm_device(group, t: torch.Tensor) -> torch.device:

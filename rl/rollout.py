@@ -54,6 +54,14 @@ def raise_everywhere(error: str | None, group=None) -> None:
     flag = torch.tensor([0.0 if error is None else 1.0], device=comm.collective_device(group))
     comm.all_reduce(flag, "max", group)  # did any rank fail?
     if flag.item() > 0:
+        gather = group is not None and torch.distributed.is_initialized()
+        if error is None and gather:
+            errs = [None] * torch.distributed.get_world_size(group)
+            # only on failure: the culprits' messages, so every rank (every node's log) names them
+            torch.distributed.all_gather_object(errs, None, group=group)
+            error = "; ".join(f"rank {r}: {e}" for r, e in enumerate(errs) if e is not None)
+        elif gather:
+            torch.distributed.all_gather_object([None] * torch.distributed.get_world_size(group), error, group=group)
         raise ValueError(error or "another rank failed (see its error above)")
 
 

@@ -21,7 +21,8 @@ import torch
 import torch.distributed as dist
 
 import core.ckpt as ckpt
-from core.config import ConfigError, ModelConfig, from_dict, load_config
+from core.config import ConfigError, ModelConfig, check_train, from_dict, load_config
+from core.lifecycle import PREEMPTED_EXIT, RankStalled, StopRequest, Watchdog, exit_process, is_comm_failure, shutdown
 from core.metrics import ProgressBar
 from core.model import Transformer
 from core.optim import build_optimizer
@@ -31,6 +32,7 @@ from parallel.dims import ParallelDims, launch_world_size, resolve_device
 from parallel.fsdp import FSDPOptions, freeze, parallelize
 from rl.config import RLConfig
 from rl.critic import Critic
+from rl.guards import CollapseGuard, Preempted
 from rl.prompts import PromptSampler, load_prompt_data
 from rl.rewards import build_reward
 from rl.rollout import DataPrompts, TaskPrompts
@@ -39,7 +41,8 @@ from rl.warmstart import ensure_start_checkpoint
 
 
 def check_rl_config(cfg: RLConfig, world: int) -> ParallelDims:
-    """Arithmetic checks, identical on every rank, before any collective."""
+    """Arithmetic checks, identical on every rank, before any collective or file."""
+    check_train(cfg.train)
     dp = cfg.parallel.resolve_dp(world)
     dims = ParallelDims(dp=dp, tp=cfg.parallel.tp).validate(world)
     if cfg.rollout.prompts_per_step % dims.dp:
@@ -216,32 +219,56 @@ def _report(rec: dict, step: int, cfg: RLConfig, is_main: bool) -> str | None:
     return None
 
 
-def run(cfg: RLConfig) -> list[dict]:
+def _should_save(t, step: int, stop) -> bool:
+    pause = t.stop_after is not None and step + 1 >= t.stop_after
+    return step == t.steps - 1 or bool(stop) or pause or bool(t.save_every and (step + 1) % t.save_every == 0)
+
+
+def run(cfg: RLConfig, stop_request: StopRequest | None = None) -> list[dict]:
+    """Train as `cfg` says. A SIGTERM / SIGUSR1 caught by `stop_request` ends the run after the next
+    step every rank agrees on, with its checkpoint written (raises Preempted)."""
     trainer, run, tokenizer = build(cfg)
     first = _resume(trainer, run)
-    writer = run.open_outputs(cfg)
     t = cfg.train
+    if run.finished(t.steps - 1, "rl.train"):
+        return []
+    writer = run.open_outputs(cfg)
     bar = ProgressBar(t.steps, enabled=run.state.is_main and t.progress, every=t.log_every)
-    records, stop = [], None
-    for step in range(first, t.steps):
-        rec = trainer.step(step)
-        records.append(rec)
-        writer.write(rec)
-        bar.update(step + 1, reward=rec["reward_mean"], kl=rec["kl_mean"], beta=rec["beta"],
-                   ent=rec["entropy"], tok_s=rec["tokens_per_s"])
-        stop = _report(rec, step, cfg, run.state.is_main)
-        pause = t.stop_after is not None and step + 1 >= t.stop_after
-        if step == t.steps - 1 or stop or pause or (t.save_every and (step + 1) % t.save_every == 0):
-            run.save(step, _modules(trainer), _extra_state(trainer), tokenizer.fingerprint)
-        if stop or pause:
-            break
-    if not stop and records and records[-1]["step"] == t.steps - 1:
-        save_final_model(trainer, run, tokenizer, t.steps)
-    run.close()
-    if trainer.monitor is not None:
-        trainer.monitor.close()
+    dog = Watchdog.for_run(cfg.parallel.watchdog_s).start()
+    guard = CollapseGuard(cfg.optim.lr, run.state.is_main)
+    records, stop, preempted = [], None, False
+    try:
+        for step in range(first, t.steps):
+            dog.beat("step", step)
+            rec = trainer.step(step)
+            records.append(rec)
+            writer.write(rec)
+            bar.update(step + 1, reward=rec["reward_mean"], kl=rec["kl_mean"], beta=rec["beta"],
+                       ent=rec["entropy"], tok_s=rec["tokens_per_s"])
+            collapse = guard.check(rec)  # named before the KL limits a collapse also trips
+            stop = collapse or _report(rec, step, cfg, run.state.is_main)
+            preempted = stop_request is not None and stop_request.agree(run.device)
+            if _should_save(t, step, stop or preempted):
+                dog.beat("save", step)
+                run.save(step, _modules(trainer), _extra_state(trainer), tokenizer.fingerprint)
+            if stop or preempted or (t.stop_after is not None and step + 1 >= t.stop_after):
+                break
+        if not stop and not preempted and records and records[-1]["step"] == t.steps - 1:
+            save_final_model(trainer, run, tokenizer, t.steps)  # {out_dir}/model, with the tokenizer files
+    except RuntimeError as e:
+        if isinstance(e, RankStalled) or not dist.is_initialized() or not is_comm_failure(e):
+            raise
+        raise RankStalled(dog.explain(e, cfg.parallel.timeout_s)) from e
+    finally:
+        dog.stop()
+        run.close()
+        if trainer.monitor is not None:
+            trainer.monitor.close()
     if stop:
         raise SystemExit(stop)
+    if preempted:
+        raise Preempted(f"kltron.rl.train: stop requested by signal {stop_request.signum or 'on another rank'}; "
+                        f"saved the checkpoint of step {step} in {run.ckpt_root}; run the same command to resume")
     return records
 
 
@@ -254,17 +281,28 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    owns_group = not dist.is_initialized()
+    stop_request = StopRequest().install()
+    code = 1
     try:
         cfg = load_config(RLConfig, args.config, args.overrides)
-        run(cfg)
+        run(cfg, stop_request)
+        code = 0
+    except RankStalled as e:
+        print(f"kltron.rl.train: error (rank {os.environ.get('RANK', '0')}): {e}", file=sys.stderr)
+        code = 1
+    except Preempted as e:
+        print(e, file=sys.stderr)
+        code = PREEMPTED_EXIT
     except (ConfigError, ckpt.CheckpointError, ValueError) as e:
-        print(f"kltron.rl.train: error: {e}", file=sys.stderr)
-        return 2
+        print(f"kltron.rl.train: error (rank {os.environ.get('RANK', '0')}): {e}", file=sys.stderr)
+        code = 2
     finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-    return 0
+        stop_request.uninstall()
+        if owns_group:
+            shutdown(barrier=code == 0)
+    return code
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_process(main())

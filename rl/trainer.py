@@ -357,9 +357,9 @@ class RLTrainer:
         q = kl_quantiles(data.kl, mask, dp_group=dpg)
         pos_mean, _ = kl_by_position(data.kl, mask, n_buckets=min(8, cfg.rollout.max_new_tokens),
                                      max_len=cfg.rollout.max_new_tokens, dp_group=dpg)
-        scores = data.ro.scores
+        scores = data.ro.scores.double()  # float64: sums of squares of large (bounded) rewards stay finite
         stats = torch.stack([scores.sum(), (scores ** 2).sum(), scores.new_tensor(float(scores.numel())),
-                             mask.sum().float(), data.advantages.abs().sum()])
+                             mask.sum().double(), data.advantages.abs().sum().double()])
         comm.all_reduce(stats, "sum", dpg)  # reward sums, counts and tokens over DP for global means
         n = stats[2].item()
         r_mean = stats[0].item() / n

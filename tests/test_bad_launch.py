@@ -23,6 +23,18 @@ BAD = {
     "wrong_type": (["train.steps=abc"], "train.steps: expected an integer, got 'abc'"),
     "seq_longer_than_model": (["data.seq_len=512"], "data.seq_len=512 exceeds model.max_seq_len=128"),
     "too_little_data": (["data.micro_batch_size=4096"], "fewer than one global batch"),
+    # issue 12: values that slipped through to a raw error, or to a run that silently did nothing
+    "tp_zero": (["parallel.tp=0"], "parallel.tp must be a positive integer, got 0"),
+    "tp_negative": (["parallel.tp=-1"], "parallel.tp must be a positive integer, got -1"),
+    "tp_too_big": (["parallel.tp=4", "parallel.dp=1"], "parallel.tp=4 is larger than the world size 2"),
+    "steps_zero": (["train.steps=0"], "train.steps must be a positive integer, got 0"),
+    "steps_negative": (["train.steps=-3"], "train.steps must be a positive integer, got -3"),
+    "save_every_negative": (["train.save_every=-1"], "train.save_every must be >= 0"),
+    "device_gpu": (["train.device=gpu"], "train.device must be auto, cpu or cuda, got 'gpu'"),
+    "out_dir_read_only": (["train.out_dir=/sys/kltron-run"], "train.out_dir=/sys/kltron-run: directory /sys is "
+                          "not writable"),
+    "out_dir_under_a_file": (["train.out_dir=/etc/hostname/run"], "/etc/hostname exists and is not a directory"),
+    "timeout_zero": (["parallel.timeout_s=0"], "parallel.timeout_s must be a positive number of seconds"),
 }
 
 

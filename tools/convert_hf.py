@@ -96,6 +96,14 @@ def _get(c: dict, key: str, where: str, default=...):
     return default
 
 
+def _size(c: dict, key: str, where: str, default=...) -> int:
+    """A positive integer `key` of config.json, or ConvertError naming it (a string "256", 0, 1.5...)."""
+    v = _get(c, key, where, default)
+    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        raise ConvertError(f"{where}: key '{key}' must be a positive integer, found {v!r} ({type(v).__name__})")
+    return v
+
+
 def rope_from_hf(c: dict, where: str) -> tuple[float, dict | None]:
     """(rope_theta, rope_scaling or None) from either config layout."""
     rp = c.get("rope_parameters")
@@ -137,8 +145,8 @@ def model_config_from_hf(c: dict, where: str, ignore_sliding_window: bool = Fals
         raise ConvertError(f"{where}: key 'mlp_bias' is true; MLP biases are not supported")
     if arch != "Qwen2ForCausalLM" and c.get("attention_bias"):
         raise ConvertError(f"{where}: key 'attention_bias' is true (o_proj bias is not supported)")
-    H, nh = _get(c, "hidden_size", where), _get(c, "num_attention_heads", where)
-    max_pos = _get(c, "max_position_embeddings", where)
+    H, nh = _size(c, "hidden_size", where), _size(c, "num_attention_heads", where)
+    max_pos = _size(c, "max_position_embeddings", where)
     window = c.get("sliding_window")
     if arch == "Qwen2ForCausalLM" and not c.get("use_sliding_window", False):
         window = None
@@ -148,9 +156,9 @@ def model_config_from_hf(c: dict, where: str, ignore_sliding_window: bool = Fals
                            f"differ from {arch}; pass --ignore-sliding-window to convert anyway")
     theta, scaling = rope_from_hf(c, where)
     cfg = ModelConfig(
-        vocab_size=_get(c, "vocab_size", where), hidden_size=H, n_layers=_get(c, "num_hidden_layers", where),
-        n_heads=nh, n_kv_heads=_get(c, "num_key_value_heads", where, nh),
-        intermediate_size=_get(c, "intermediate_size", where), head_dim=_get(c, "head_dim", where, H // nh),
+        vocab_size=_size(c, "vocab_size", where), hidden_size=H, n_layers=_size(c, "num_hidden_layers", where),
+        n_heads=nh, n_kv_heads=_size(c, "num_key_value_heads", where, nh),
+        intermediate_size=_size(c, "intermediate_size", where), head_dim=_size(c, "head_dim", where, H // nh),
         max_seq_len=max_pos, rope_theta=theta, rope_scaling=scaling,
         norm_eps=float(_get(c, "rms_norm_eps", where, 1e-6)),
         qkv_bias=arch == "Qwen2ForCausalLM", tie_embeddings=bool(c.get("tie_word_embeddings", False)),

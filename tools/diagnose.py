@@ -10,9 +10,13 @@ says what it saw (with the numbers), the likely causes, and the first thing to t
 | kl_flat_reward     | mean KL near zero while the reward does not move                |
 | kl_concentrated    | low mean KL but a heavy tail (p99/max) or late-position spikes  |
 | reward_swings      | step-to-step reward changes large against its trend             |
+| collapse           | entropy at its maximum ln V (uniform policy) or grad norm 0     |
 
 and the KL playbook's detectors of tools/symptoms.py (reward flat at a normal KL, a high KL level,
 reward hacking, entropy collapse / maximum, KL spiking with the advantages, repetition at a low KL).
+
+A metrics file with a step logged twice (an old run resumed before metrics were truncated on
+resume) is read keeping the last record of each step.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import os
 import sys
 from dataclasses import asdict
 
+from rl.guards import HEALTHY_FRACTION, UNIFORM_FRACTION
 from tools.symptoms import CHECKS as PLAYBOOK_CHECKS
 from tools.symptoms import Finding
 
@@ -159,8 +164,33 @@ def check_reward_swings(rows, window: int) -> Finding | None:
     return None
 
 
+def check_collapse(rows) -> Finding | None:
+    """The policy collapsed to uniform (entropy >= UNIFORM_FRACTION * ln V, "entropy_max" in the
+    record, after a step below HEALTHY_FRACTION * ln V) or learns nothing (grad norm exactly 0 on
+    most non-skipped steps)."""
+    ents = [(r, r["entropy"], r.get("entropy_max")) for r in rows if isinstance(r.get("entropy"), float)]
+    healthy = [i for i, (_, e, m) in enumerate(ents) if m and e < HEALTHY_FRACTION * m]
+    uniform = [r for r, e, m in (ents[healthy[0]:] if healthy else []) if e >= UNIFORM_FRACTION * m]
+    zero = [r.get("step") for r in rows if r.get("grad_norm") == 0.0 and not r.get("skipped")]
+    lr = rows[-1].get("lr")
+    if uniform:
+        r = uniform[0]
+        return Finding("collapse", f"entropy {r['entropy']:.3f} at its maximum ln V = {r['entropy_max']:.3f} from step "
+                       f"{r.get('step')} ({len(uniform)} step(s)); grad_norm exactly 0 at steps {zero[:6]}",
+                       f"learning rate too high (lr={lr}): one update pushed the policy to the uniform distribution, "
+                       "where the gradient vanishes and nothing more is learned",
+                       "lower optim.lr by 10x or more and restart from the start checkpoint")
+    if len(zero) >= max(3, len(rows) // 2):
+        return Finding("collapse", f"grad_norm exactly 0 at {len(zero)} of {len(rows)} steps ({zero[:6]}...)",
+                       "no learning signal: rewards flat within every group (all advantages zero), or a collapsed "
+                       f"policy (lr={lr} too high?)",
+                       "check the reward on the logged responses (reward_std); lower optim.lr")
+    return None
+
+
 def diagnose(rows: list[dict], window: int = 20) -> list[Finding]:
-    checks = [check_non_finite(rows), check_kl_climbing(rows, window), check_kl_flat_reward(rows, window),
+    checks = [check_non_finite(rows), check_collapse(rows),
+              check_kl_climbing(rows, window), check_kl_flat_reward(rows, window),
               check_kl_concentrated(rows, window), check_reward_swings(rows, window)]
     checks += [check(rows, window) for check in PLAYBOOK_CHECKS]  # the playbook's detectors (tools/symptoms.py)
     return [f for f in checks if f is not None]
@@ -178,7 +208,20 @@ def load_rows(run: str) -> list[dict]:
                     raise ValueError(f"{path}:{n}: not a JSON object ({e})") from None
     if not rows:
         raise ValueError(f"{path}: no metrics")
-    return rows
+    return last_per_step(rows)
+
+
+def last_per_step(rows: list[dict]) -> list[dict]:
+    """One record per step, the last one logged (a resumed run may have logged a step twice), in step
+    order; records without an integer "step" are kept at the end in file order."""
+    by_step, other = {}, []
+    for r in rows:
+        step = r.get("step") if isinstance(r, dict) else None
+        if isinstance(step, int) and not isinstance(step, bool):
+            by_step[step] = r
+        else:
+            other.append(r)
+    return [by_step[k] for k in sorted(by_step)] + other
 
 
 def main(argv=None) -> int:

@@ -44,6 +44,7 @@ from core.ckpt import (
     write_bytes_atomic,
 )
 from core.config import ModelConfig, from_dict
+from core.lifecycle import exit_process, shutdown
 from core.model import Transformer
 from parallel.dims import LayoutError, ParallelDims, init_parallel, kv_replica_group, launch_world_size, resolve_device
 from parallel.fused import fused_head
@@ -147,6 +148,11 @@ def evaluate(policy: str, ref: str, tokens: str, tp: int, out: str, device: str 
     """Run the evaluation on this rank (every rank calls it); rank 0 writes `out` and returns the
     summary, other ranks return None. `verify`: hash both checkpoints' model files before loading."""
     world = launch_world_size()
+    out_dir = os.path.dirname(os.path.abspath(out))
+    if not os.path.isdir(out_dir):  # before any work, on every rank: not after the whole evaluation
+        raise ValueError(f"--out={out}: directory {out_dir} does not exist")
+    if not os.access(out_dir, os.W_OK | os.X_OK):
+        raise ValueError(f"--out={out}: directory {out_dir} is not writable")
     if tp < 1 or world % tp:
         raise LayoutError(f"--tp={tp} must divide the number of processes ({world})")
     state = init_parallel(ParallelDims(world // tp, tp), resolve_device(device or "auto"))
@@ -190,14 +196,16 @@ def main(argv=None) -> int:
     ap.add_argument("--no-verify", action="store_true", help="skip the sha256 check of the checkpoint files")
     args = ap.parse_args(argv)
     owns = not dist.is_initialized()
+    ok = False
     try:
         summary = evaluate(args.policy, args.ref, args.tokens, args.tp, args.out, args.device, not args.no_verify)
+        ok = True
     except (CheckpointError, LayoutError, ValueError) as e:
         print(f"kltron.kl_eval: error (rank {os.environ.get('RANK', '0')}): {e}", file=sys.stderr)
         return 2
     finally:
-        if owns and dist.is_initialized():
-            dist.destroy_process_group()
+        if owns:
+            shutdown(barrier=ok)  # on success every rank meets before any tears down
     if summary is not None:
         print(f"kltron.kl_eval: {summary['n_sequences']} sequences, {summary['n_tokens']} tokens, "
               f"mean KL {summary['kl_exact_mean']:.6f} (k1 {summary['k1_mean']:.6f}, k3 {summary['k3_mean']:.6f}) "
@@ -206,4 +214,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_process(main())

@@ -1,0 +1,246 @@
+"""A run's life cycle across ranks: clean shutdown, preemption, a stalled-rank watchdog and the
+start-up check that every rank runs the same config and code.
+
+- `exit_process(code)`: the end of every entry point (`rl.train`, `core.sft`, `tools.kl_eval`).
+  Tears down in a fixed order -- a bounded barrier (no rank closes its sockets while another is
+  still inside a collective), `destroy_process_group`, flush stdio -- then leaves with
+  `os._exit(code)`, so that interpreter finalisation never runs the C++ destructors of gloo's and
+  FSDP's worker threads in an arbitrary order (the source of `terminate called without an active
+  exception` / SIGABRT after a good run).
+- `StopRequest`: SIGTERM / SIGUSR1 set a flag; `agree(group)` all-reduces it at a step boundary so
+  every rank stops after the same step (`PREEMPTED_EXIT` is 0: the checkpoint is written).
+- `Watchdog`: each rank publishes (phase, step, time) to the torchrun store; a thread on every rank
+  names the ranks and phases that have not advanced in `parallel.watchdog_s` seconds.
+- `check_same_everywhere(cfg_dict)`: an all-gather of the hashes of the resolved config and of the
+  library's source; on a mismatch the differing keys are named.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import signal
+import sys
+import threading
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+PREEMPTED_EXIT = 0  # a preempted run saved its checkpoint: the scheduler may requeue it, nothing failed
+SHUTDOWN_BARRIER_S = 60.0
+
+
+class Preempted(Exception):
+    """The run stopped on SIGTERM / SIGUSR1 after writing its checkpoint; exit with PREEMPTED_EXIT."""
+
+
+class RankMismatchError(ValueError):
+    """Ranks of one launch disagree on the config or the code version."""
+
+
+def shutdown(barrier: bool = True) -> None:
+    """Tear down torch.distributed on this rank: a bounded barrier over the world (so that no rank
+    closes its connections while a peer is still inside a collective), then `destroy_process_group`.
+    `barrier=False` on an error path, where a peer may never arrive."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    if barrier:
+        try:
+            if dist.get_backend() == "gloo":
+                # every rank reaches the end before any rank tears down; names a rank that does not
+                dist.monitored_barrier(timeout=timedelta(seconds=SHUTDOWN_BARRIER_S), wait_all_ranks=True)
+            else:
+                dist.barrier()  # every rank reaches the end before any rank tears down
+        except RuntimeError as e:
+            print(f"kltron: shutdown barrier: {e}", file=sys.stderr)
+    dist.destroy_process_group()
+
+
+def exit_process(code: int) -> None:
+    """End a launched process with `code` after `shutdown` (every file already closed by the caller):
+    flush stdio and `os._exit`, skipping interpreter finalisation and its unordered C++ destructors."""
+    shutdown(barrier=code == 0)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+class StopRequest:
+    """Set by SIGTERM / SIGUSR1 (what SLURM and Kubernetes send before a kill): the run saves a
+    checkpoint at the next step boundary every rank agrees on, then exits with PREEMPTED_EXIT."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+    def __init__(self):
+        self.signum: int | None = None
+        self._old = {}
+
+    def install(self) -> StopRequest:
+        if threading.current_thread() is threading.main_thread():
+            for s in self.SIGNALS:
+                self._old[s] = signal.signal(s, self._handle)
+        return self
+
+    def uninstall(self) -> None:
+        for s, h in self._old.items():
+            signal.signal(s, h)
+        self._old = {}
+
+    def _handle(self, signum, frame) -> None:
+        self.signum = signum
+
+    def agree(self, device: torch.device, group=None) -> bool:
+        """True on every rank when any rank was signalled. Collective over `group` (default world)."""
+        flag = torch.tensor([0.0 if self.signum is None else 1.0], device=device)
+        if dist.is_available() and dist.is_initialized():
+            dist.all_reduce(flag, dist.ReduceOp.MAX, group=group)  # stop together: any rank's signal counts
+        return bool(flag.item() > 0)
+
+
+class Watchdog:
+    """Heartbeats in the process group's store: the training loop publishes its (phase, step) with
+    `beat`, and a thread on every rank publishes that the process is alive every `interval_s` and
+    checks the others. A rank whose alive-beat is older than `stall_s` is frozen (SIGSTOP, a hung
+    host: no thread of it runs); a rank whose step is behind the others is named with its phase.
+    Thread off when stall_s <= 0; heartbeats off when not distributed."""
+
+    def __init__(self, stall_s: float, rank: int, world: int, store=None, log=None):
+        self.stall_s, self.rank, self.world, self.store = stall_s, rank, world, store
+        self.interval_s = max(min(stall_s / 4, 10.0), 0.05)
+        self.log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
+        self._stop = threading.Event()
+        self._thread = None
+        self._said: set = set()
+
+    @classmethod
+    def for_run(cls, stall_s: float) -> Watchdog:
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+            return cls(0.0, 0, 1)
+        return cls(stall_s, dist.get_rank(), dist.get_world_size(), dist.distributed_c10d._get_default_store())
+
+    def beat(self, phase: str, step: int) -> None:
+        if self.store is not None:
+            self.store.set(f"kltron/phase/{self.rank}", json.dumps([phase, step, time.time()]))
+
+    def _read(self, key: str):
+        try:
+            return json.loads(self.store.get(key))
+        except Exception:  # noqa: BLE001 - a rank that has not published yet
+            return None
+
+    def check(self) -> list[str]:
+        """One message per frozen rank (alive-beat older than stall_s) and per rank behind the most
+        advanced step, each with its phase and step."""
+        now, out = time.time(), []
+        phases = {r: self._read(f"kltron/phase/{r}") for r in range(self.world)}
+        top = max((p[1] for p in phases.values() if p), default=None)
+        for r in range(self.world):
+            alive, ph = self._read(f"kltron/alive/{r}"), phases[r]
+            where = f"phase {ph[0]!r}, step {ph[1]}" if ph else "before its first step"
+            if alive is not None and now - alive > self.stall_s:
+                out.append(f"rank {r} has not advanced in {now - alive:.0f} s: frozen ({where})")
+            elif ph and top is not None and ph[1] < top:
+                out.append(f"rank {r} is behind: {where}, {now - ph[2]:.0f} s in it, others at step {top}")
+        return out
+
+    def start(self) -> Watchdog:
+        if self.store is None or self.stall_s <= 0:
+            return self
+        self.store.set(f"kltron/alive/{self.rank}", json.dumps(time.time()))
+        self._thread = threading.Thread(target=self._loop, name="kltron-watchdog", daemon=True)
+        self._thread.start()
+        return self
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            self.store.set(f"kltron/alive/{self.rank}", json.dumps(time.time()))
+            for msg in self.check():
+                key = re.sub(r"\d+ s\b", "", msg)
+                if key not in self._said:  # each (rank, kind, phase) once
+                    self._said.add(key)
+                    self.log(f"kltron watchdog (rank {self.rank}): {msg}")
+
+    def explain(self, err: Exception, timeout_s: float) -> str:
+        """The message for a collective that failed (timed out, or a peer vanished), naming the
+        stalled ranks and phases the heartbeats show."""
+        msgs = self.check() if self.store is not None and self.stall_s > 0 else []
+        who = "; ".join(msgs) if msgs else ("no stalled rank seen (set parallel.watchdog_s > 0 to name it)"
+                                            if self.stall_s <= 0 else "every rank's heartbeat is recent")
+        return (f"a collective failed on rank {self.rank} (parallel.timeout_s={timeout_s:g}): "
+                f"{str(err).splitlines()[0][-200:]}; {who}")
+
+    def stop(self) -> None:
+        """Stop and join the thread (before shutdown: no thread of ours outlives the process group)."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5.0)
+            self._thread = None
+
+
+def is_comm_failure(e: BaseException) -> bool:
+    """A collective that timed out or lost its peer (gloo raises plain RuntimeErrors for these)."""
+    text = str(e)
+    return isinstance(e, dist.DistError) or any(k in text for k in ("Timed out", "timed out", "Connection closed",
+                                                                    "Connection reset", "connection closed"))
+
+
+class RankStalled(RuntimeError):
+    """A collective timed out or lost a peer; the message names the stalled rank and phase."""
+
+
+def source_hash() -> str:
+    """sha256 over the library's Python files (parallel, core, rl, tools), in path order."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    h = hashlib.sha256()
+    for pkg in ("parallel", "core", "rl", "tools"):
+        for dirpath, dirs, files in sorted(os.walk(os.path.join(root, pkg))):
+            dirs.sort()
+            for f in sorted(files):
+                if f.endswith(".py"):
+                    p = os.path.join(dirpath, f)
+                    h.update(os.path.relpath(p, root).encode())
+                    with open(p, "rb") as fh:
+                        h.update(fh.read())
+    return h.hexdigest()
+
+
+def _flatten(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def check_same_everywhere(cfg_dict: dict) -> None:
+    """RankMismatchError on every rank unless all ranks hold the same resolved config and library
+    source; names the differing config keys (with each rank's value) or the code hash. Collective."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return
+    mine = (hashlib.sha256(json.dumps(cfg_dict, sort_keys=True, default=str).encode()).hexdigest(), source_hash())
+    hashes = [None] * dist.get_world_size()
+    dist.all_gather_object(hashes, mine)  # every rank's (config hash, code hash), to compare with rank 0's
+    if all(h == hashes[0] for h in hashes):
+        return
+    cfgs = [None] * dist.get_world_size()
+    dist.all_gather_object(cfgs, cfg_dict)  # only on a mismatch: the configs themselves, to name the keys
+    flat = [_flatten(c) for c in cfgs]
+    diffs = []
+    for key in sorted(set().union(*flat)):
+        vals = [f.get(key, "<missing>") for f in flat]
+        if any(v != vals[0] for v in vals):
+            diffs.append(f"{key}: " + ", ".join(f"rank {r}={v!r}" for r, v in enumerate(vals)))
+    bad_code = [r for r, h in enumerate(hashes) if h[1] != hashes[0][1]]
+    msg = []
+    if diffs:
+        msg.append("ranks run different configs: " + "; ".join(diffs))
+    if bad_code:
+        msg.append(f"rank(s) {bad_code} run a different kltron source than rank 0 (code hash "
+                   f"{hashes[bad_code[0]][1][:12]} vs {hashes[0][1][:12]})")
+    raise RankMismatchError("; ".join(msg))
