@@ -36,7 +36,7 @@ def test_real_model_configs():
     q = load_config(RLConfig, os.path.join(REPO, "configs", "grpo_gsm8k_qwen2.yaml"))
     assert q.parallel.tp == 2 and q.parallel.fsdp and q.data.apply_chat_template and q.reward.task is None
     _, fn, _ = build_reward(q.reward)
-    assert fn.fns == [math_reward, format_reward] and fn.weights == [1.0, 0.1]
+    assert fn.fn.fns == [math_reward, format_reward] and fn.fn.weights == [1.0, 0.1]  # inside the max_abs bound
     meta = {"answer": "She has 3 + 4 = 7.\n#### 7"}
     assert fn(meta, "3 + 4 = 7\n#### 7") == pytest.approx(1.1) and fn(meta, "#### 8") == pytest.approx(0.1)
     assert fn(meta, "it is 7") == pytest.approx(1.0)  # the last number, no "####" line
