@@ -19,9 +19,11 @@ from dataclasses import replace
 
 import torch
 import torch.distributed as dist
+import yaml
 
 import core.ckpt as ckpt
-from core.config import ConfigError, ModelConfig, check_train, from_dict, load_config
+from core.budget import projected_peak_bytes
+from core.config import ConfigError, ModelConfig, check_train, from_dict, load_config, to_dict
 from core.lifecycle import PREEMPTED_EXIT, RankStalled, StopRequest, Watchdog, exit_process, is_comm_failure, shutdown
 from core.metrics import ProgressBar
 from core.model import Transformer
@@ -134,6 +136,52 @@ def assemble(cfg: RLConfig, state, model_cfg, tokenizer, policy, ref, critic=Non
                      eval_prompts=evals)
 
 
+def memory_plan(cfg: RLConfig, model_cfg: ModelConfig, world_size: int, device: torch.device) -> dict:
+    """core.budget's projected peak bytes per rank of one step of this exact config, model and layout."""
+    return projected_peak_bytes(replace(cfg, model=model_cfg), world_size, device.type)
+
+
+def check_memory(cfg: RLConfig, model_cfg: ModelConfig, world_size: int, device: torch.device) -> None:
+    """On CUDA, refuse (ConfigError, before any model is built) a run whose projected peak per rank
+    exceeds the GPU's memory, with the numbers; `train.memory_check=false` overrides."""
+    if device.type != "cuda" or not cfg.train.memory_check:
+        return
+    plan = memory_plan(cfg, model_cfg, world_size, device)
+    cap = torch.cuda.get_device_properties(device).total_memory
+    if plan["peak"] > cap:
+        parts = ", ".join(f"{k} {v / 2**30:.1f}" for k, v in plan["parts"].items() if v)
+        raise ConfigError(f"projected peak {plan['peak'] / 2**30:.1f} GiB per rank exceeds the "
+                          f"{cap / 2**30:.1f} GiB of {torch.cuda.get_device_name(device)} (GiB: {parts}); raise "
+                          "parallel.tp or the number of ranks, shard or offload the reference, lower the batch, or "
+                          "set train.memory_check=false to try anyway")
+
+
+def dry_run(cfg: RLConfig, world_size: int | None = None) -> dict:
+    """`--dry-run`: the resolved config and the projected peak memory per rank for this exact config,
+    layout (`world_size` ranks: default the launch's) and device, printed; nothing is built, loaded or
+    launched, so it runs on a login node without the GPUs it plans for."""
+    world = world_size or launch_world_size()
+    label = "cuda" if cfg.train.device == "cuda" else None
+    if label and not torch.cuda.is_available():  # plan for the GPUs from a machine without them
+        cfg = replace(cfg, train=replace(cfg.train, device="cpu"))
+    dims = check_rl_config(cfg, world)
+    start = cfg.init.start_checkpoint
+    found = os.path.isfile(os.path.join(start, "manifest.json"))
+    model_cfg = from_dict(ModelConfig, ckpt.read_manifest(start)["model_config"]) if found else cfg.model
+    device = torch.device(label) if label else resolve_device(cfg.train.device)
+    plan = memory_plan(cfg, model_cfg, world, device)
+    print(yaml.safe_dump(to_dict(cfg), sort_keys=False), end="")
+    src = f"the manifest of {start}" if found else f"the model section (no checkpoint at {start} yet: set model.*)"
+    print(f"# model: {src}")
+    print(f"# projected peak per rank ({world} ranks: tp={dims.tp} x dp={dims.dp}, {device.type}, reference "
+          f"{plan['placement']}): {plan['peak'] / 2**30:.3f} GiB")
+    for phase in ("rollout_peak", "experience_peak", "update_peak"):
+        print(f"#   {phase}: {plan[phase] / 2**30:.3f} GiB")
+    for k, v in plan["parts"].items():
+        print(f"#   {k}: {v / 2**30:.3f} GiB")
+    return plan
+
+
 def build(cfg: RLConfig) -> tuple[RLTrainer, Run, object]:
     """Check the config, make sure the starting checkpoint exists (SFT builds it when asked), set up
     the run and load policy, reference (and critic) into the trainer -> (trainer, run, tokenizer)."""
@@ -147,6 +195,7 @@ def build(cfg: RLConfig) -> tuple[RLTrainer, Run, object]:
                               "supervised warm start only knows the built-in tasks")
     start = ensure_start_checkpoint(cfg, tokenizer, resolve_device(cfg.train.device))
     model_cfg = from_dict(ModelConfig, ckpt.read_manifest(start)["model_config"])
+    check_memory(cfg, model_cfg, launch_world_size(), resolve_device(cfg.train.device))
     run = start_run(cfg, dims, model_cfg)
     state, kv_group, device, fp = run.state, run.kv_group, run.device, tokenizer.fingerprint
     load = dict(state=state, kv_group=kv_group, device=device, tokenizer_fp=fp, verify=cfg.train.verify_checkpoints)
@@ -276,6 +325,10 @@ def parse_args(argv=None):
     ap = argparse.ArgumentParser(prog="python -m rl.train", description=__doc__.split("\n")[0])
     ap.add_argument("--config", default=None, help="YAML config (see configs/)")
     ap.add_argument("overrides", nargs="*", help="key.sub=value overrides")
+    ap.add_argument("--dry-run", action="store_true",
+                    help="print the resolved config and the projected peak memory per rank, then exit")
+    ap.add_argument("--world-size", type=int, default=None,
+                    help="with --dry-run: plan for this many ranks (default: the launch's)")
     return ap.parse_args(argv)
 
 
@@ -286,6 +339,9 @@ def main(argv=None) -> int:
     code = 1
     try:
         cfg = load_config(RLConfig, args.config, args.overrides)
+        if args.dry_run:
+            dry_run(cfg, args.world_size)
+            return 0
         run(cfg, stop_request)
         code = 0
     except RankStalled as e:

@@ -1,0 +1,54 @@
+"""`rl.train --dry-run` and the start-up memory check (core.budget's projection where users meet it)."""
+
+import os
+
+import pytest
+import torch
+
+from core.budget import projected_peak_bytes
+from core.config import ConfigError, ModelConfig, load_config
+from rl import train as rl_train
+from rl.config import RLConfig
+from tests.dist import REPO
+
+CFG = os.path.join(REPO, "configs", "grpo_tiny.yaml")
+
+
+def test_dry_run_prints_the_plan_and_builds_nothing(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert rl_train.main(["--config", CFG, "--dry-run", f"train.out_dir={out}", "init.sft_dir=" + str(tmp_path / "sft"),
+                          "train.device=cpu"]) == 0
+    text = capsys.readouterr().out
+    assert "rollout:" in text and "# projected peak per rank (1 ranks: tp=1 x dp=1, cpu" in text
+    assert not out.exists() and not (tmp_path / "sft").exists()  # nothing written, nothing trained
+    cfg = load_config(RLConfig, CFG, ["train.device=cpu"])
+    want = projected_peak_bytes(cfg, 1, "cpu")["peak"] / 2**30
+    assert f"{want:.3f} GiB" in text
+
+
+def test_dry_run_plans_a_gpu_layout_from_a_cpu_machine(capsys):
+    over = ["train.device=cuda", "parallel.tp=2", "model.hidden_size=4096", "model.n_heads=32", "model.n_kv_heads=8",
+            "model.intermediate_size=14336", "model.n_layers=32", "model.vocab_size=128256"]
+    assert rl_train.main(["--config", CFG, "--dry-run", "--world-size", "16", *over]) == 0
+    text = capsys.readouterr().out
+    assert "(16 ranks: tp=2 x dp=8, cuda" in text
+
+
+def test_start_up_refuses_a_run_that_cannot_fit(monkeypatch):
+    cfg = load_config(RLConfig, CFG, [])
+    mc = ModelConfig(vocab_size=128256, hidden_size=4096, n_layers=32, n_heads=32, n_kv_heads=8,
+                     intermediate_size=14336, max_seq_len=64)
+
+    class Props:
+        total_memory = 80 * 2**30
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: Props)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda d: "an 80 GB GPU")
+    peak = rl_train.memory_plan(cfg, mc, 1, torch.device("cuda"))["peak"]
+    assert peak > Props.total_memory  # 8B with fp32 AdamW on one GPU
+    with pytest.raises(ConfigError, match="train.memory_check=false") as e:
+        rl_train.check_memory(cfg, mc, 1, torch.device("cuda"))
+    assert f"{peak / 2**30:.1f} GiB" in str(e.value) and "an 80 GB GPU" in str(e.value)
+    off = load_config(RLConfig, CFG, ["train.memory_check=false"])
+    rl_train.check_memory(off, mc, 1, torch.device("cuda"))  # overridden: no error
+    rl_train.check_memory(cfg, mc, 1, torch.device("cpu"))  # CPU runs are not checked
