@@ -6,7 +6,7 @@ p_i real prompt tokens and a response that ends at column n_i (its last valid to
 | mode (algo.*)                         | a micro-batch is                            | forward shape          |
 |---------------------------------------|---------------------------------------------|------------------------|
 | micro_batch_size=m (or 0: all rows)   | m rows in mini-batch order, untrimmed        | [m, P + N]             |
-| micro_batch_tokens=T                  | rows sorted by length, grouped while         | [k, max p + max n]     |
+| micro_batch_tokens=T                  | rows sorted by length, cut into runs of      | [k, max p + max n]     |
 |                                       | k * (max p + max n) <= T; trimmed to that    |                        |
 | micro_batch_tokens=T, pack_sequences  | rows concatenated, sum(p_i + n_i) <= T       | [1, sum(p_i + n_i)]    |
 |                                       | (first-fit decreasing), padding dropped      | block-diagonal causal  |
@@ -112,14 +112,26 @@ def _packed_cost(g: list[int], p: dict, n: dict) -> int:
 
 
 def group_padded(order: list[int], p: dict, n: dict, budget: int) -> list[list[int]]:
-    """Consecutive rows of `order` (sorted by length) while rows x (max p + max n) <= budget."""
-    groups: list[list[int]] = []
-    for i in order:
-        if groups and _padded_cost(groups[-1] + [i], p, n) <= budget:
-            groups[-1].append(i)
-        else:
-            groups.append([i])
-    return groups
+    """Runs of consecutive rows of `order` (sorted by length), each of rows x (max p + max n) <= budget
+    (a row over budget alone), chosen by dynamic programming to minimise the padded tokens plus
+    budget/8 per micro-batch (so that a long row does not pad a run of short ones, nor does the plan
+    shatter into tiny forwards to save a few padding tokens)."""
+    k, charge = len(order), budget / 8
+    best, cut = [0.0] + [float("inf")] * k, [0] * (k + 1)
+    for i in range(k):  # best[i]: the cheapest plan of order[:i]; extend it by runs order[i:j]
+        mp = mn = 0
+        for j in range(i + 1, k + 1):
+            mp, mn = max(mp, p[order[j - 1]]), max(mn, n[order[j - 1]])
+            cost = (j - i) * (mp + mn)
+            if cost > budget and j > i + 1:
+                break  # longer runs only cost more
+            if best[i] + cost + charge < best[j]:
+                best[j], cut[j] = best[i] + cost + charge, i
+    groups, j = [], k
+    while j > 0:
+        groups.append(order[cut[j]:j])
+        j = cut[j]
+    return groups[::-1]
 
 
 def group_packed(order: list[int], p: dict, n: dict, budget: int) -> list[list[int]]:

@@ -44,9 +44,14 @@ def test_row_lengths_and_budget_groups():
     assert (p, n) == ([3, 5, 2, 4, 1], [6, 0, 2, 1, 5])
     pd, nd = dict(enumerate(p)), dict(enumerate(n))
     order = [0, 4, 3, 2]  # by length, the empty row 1 left out
-    # padded: rows x (max p + max n) <= 12: [0] alone (9), then 4 (6), 3 -> 2 x (4 + 5) = 18 > 12
-    assert group_padded(order, pd, nd, 12) == [[0], [4], [3, 2]]  # 2 x (4 + 2) = 12
+    # padded runs, each rows x (max p + max n) <= budget, cost = padded tokens + budget / 8 per run.
+    # budget 12: [0][4][3,2] = 9 + 6 + 2 x 6 + 3 x 1.5 = 31.5 > [0][4][3][2] = 24 + 4 x 1.5 = 30
+    assert group_padded(order, pd, nd, 12) == [[0], [4], [3], [2]]
+    # budget 100: one run 4 x 10 + 12.5 = 52.5 < [0,4][3,2] 18 + 12 + 25 = 55 < [0][4,3,2] 9 + 27 + 25
     assert group_padded(order, pd, nd, 100) == [[0, 4, 3, 2]]
+    # a long row does not pad short ones: [L][6 short] 12 + 18 + 25 = 55 < one run 7 x 12 + 12.5 = 96.5
+    long_short = {0: 2, **{i: 2 for i in range(1, 7)}}, {0: 10, **{i: 1 for i in range(1, 7)}}
+    assert group_padded(list(range(7)), *long_short, 100) == [[0], [1, 2, 3, 4, 5, 6]]
     assert group_padded(order, pd, nd, 1) == [[0], [4], [3], [2]]  # a row over budget runs alone
     # packed, first-fit decreasing on lengths 9, 6, 5, 4 into bins of 11: [9], [6, 5], then 4 opens a third
     assert group_packed(order, pd, nd, 11) == [[0], [4, 3], [2]]
