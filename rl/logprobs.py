@@ -6,6 +6,9 @@ tensor exists and no logits cross the wire.
 
 Positions: the response token at index t (0-based, sequence position P + t) is predicted by the
 hidden state at position P + t - 1, so a response of N tokens uses hidden[:, P-1 : P+N-1].
+Packed sequences (`packed_token_stats`, `packed_fused_loss`; rl/micro_batches.py's PackedRows):
+several rows in one [1, T] sequence, block-diagonal causal attention, each row's own positions;
+the head reads the M hidden states at `head_pos` and returns [1, M].
 """
 
 from __future__ import annotations

@@ -249,7 +249,8 @@ class RLTrainer:
         for each of `algo.epochs` epochs,
           for each mini-batch (rows split by global row id, so the same for any DP layout):
             a. the mini-batch's global valid-token and sequence counts (one all-reduce): the loss scale
-            b. for each micro-batch, `_micro_step`: forward through the head with the per-token loss,
+            b. for each micro-batch (`_micro_batches`: by rows, or by a token budget, trimmed or packed,
+               the same count on every DP rank), `_micro_step`: forward through the head with the per-token loss,
                backward (FSDP gradient sync on the last micro-batch only), statistics
             c. replicated gradients summed over DP, optimizer step (policy, then critic)
           then stop early once the epoch's approx KL(old||new) exceeds `algo.early_stop_kl`.
