@@ -69,19 +69,19 @@ def skewed_batch(args, trainer) -> StepData:
     """The synthetic step: prompts, skewed responses, old/ref log-probs from the policy, advantages."""
     g = torch.Generator().manual_seed(0)
     B, P, N, dev = args.rows, args.prompt, args.long, trainer.state.device
-    p = torch.randint(8, P + 1, (B,), generator=g)
-    n = torch.full((B,), args.short, dtype=torch.long)
-    n[torch.randperm(B, generator=g)[:round(B * args.long_share)]] = args.long
-    col = torch.arange(P + N)
+    p = torch.randint(8, P + 1, (B,), generator=g, device="cpu")
+    n = torch.full((B,), args.short, dtype=torch.long, device="cpu")
+    n[torch.randperm(B, generator=g, device="cpu")[:round(B * args.long_share)]] = args.long
+    col = torch.arange(P + N, device="cpu")
     am = ((col >= P - p[:, None]) & (col < P + n[:, None])).long()
-    seq = torch.randint(3, args.vocab, (B, P + N), generator=g) * am
+    seq = torch.randint(3, args.vocab, (B, P + N), generator=g, device="cpu") * am
     rm = am[:, P:].bool()
     ro = Rollout(seq.to(dev), am.to(dev), rm.to(dev), P, torch.zeros(B, device=dev), torch.arange(B, device=dev),
                  [], [])
     with torch.no_grad():
         old = policy_token_stats(trainer.policy, ro.sequences, ro.attention_mask, P, vocab_size=args.vocab,
                                  chunk_size=args.kl_chunk, entropy=False, mask=ro.response_mask).logprobs
-    adv = broadcast_to_tokens(torch.randn(B, generator=g).to(dev), ro.response_mask)
+    adv = broadcast_to_tokens(torch.randn(B, generator=g, device="cpu").to(dev), ro.response_mask)
     zero = torch.zeros_like(old)
     return StepData(ro, ro.response_mask, old, old.clone(), None, None, zero, zero, adv)
 

@@ -28,19 +28,19 @@ def _rollout(prompts: list[int], responses: list[int], P: int = 5, N: int = 6, s
     """Rows with prompts[i] real prompt tokens (left-padded to P) and responses[i] response tokens."""
     g = torch.Generator().manual_seed(seed)
     B = len(prompts)
-    seq = torch.randint(3, 100, (B, P + N), generator=g)
-    am = torch.zeros(B, P + N, dtype=torch.long)
-    rm = torch.zeros(B, N, dtype=torch.bool)
+    seq = torch.randint(3, 100, (B, P + N), generator=g, device="cpu")
+    am = torch.zeros(B, P + N, dtype=torch.long, device="cpu")
+    rm = torch.zeros(B, N, dtype=torch.bool, device="cpu")
     for i, (p, n) in enumerate(zip(prompts, responses)):
         am[i, P - p:P + n] = 1
         rm[i, :n] = True
     seq = torch.where(am.bool(), seq, torch.zeros_like(seq))
-    return Rollout(seq, am, rm, P, torch.zeros(B), torch.arange(B), [], [])
+    return Rollout(seq, am, rm, P, torch.zeros(B, device="cpu"), torch.arange(B, device="cpu"), [], [])
 
 
 def test_row_lengths_and_budget_groups():
     ro = _rollout([3, 5, 2, 4, 1], [6, 0, 2, 1, 5])
-    p, n = row_lengths(ro, torch.arange(5))
+    p, n = row_lengths(ro, torch.arange(5, device="cpu"))
     assert (p, n) == ([3, 5, 2, 4, 1], [6, 0, 2, 1, 5])
     pd, nd = dict(enumerate(p)), dict(enumerate(n))
     order = [0, 4, 3, 2]  # by length, the empty row 1 left out
@@ -67,7 +67,7 @@ def test_split_to_matches_count_then_fills():
 
 def test_budget_micro_batches_cover_rows_once_and_trim():
     ro = _rollout([3, 5, 2, 4, 1, 5], [6, 0, 2, 1, 5, 3])
-    rows = torch.tensor([5, 0, 1, 2, 3, 4])
+    rows = torch.tensor([5, 0, 1, 2, 3, 4], device="cpu")
     for packed in (False, True):
         mbs = by_token_budget(ro, rows, 12, packed)
         got = sorted(i for m in mbs for i in m.rows.tolist())
@@ -78,7 +78,7 @@ def test_budget_micro_batches_cover_rows_once_and_trim():
             assert (m.prompt_cols, m.response_cols) == (max(p), max(n))
             sub = m.rollout(ro)
             assert sub.sequences.shape == (len(p), max(p) + max(n))
-            assert torch.equal(sub.attention_mask.sum(1), torch.tensor(p) + torch.tensor(n))
+            assert torch.equal(sub.attention_mask.sum(1), torch.tensor(p, device="cpu") + torch.tensor(n, device="cpu"))
             if packed:
                 assert m.packed.input_ids.shape[1] == sum(p) + sum(n)
 
@@ -113,9 +113,9 @@ def test_packed_forward_equals_each_row_alone(variant):
     cfg = ModelConfig(**{**cfg.__dict__, "max_seq_len": 32})
     model = build_model(cfg, seed=3)
     g = torch.Generator().manual_seed(5)
-    docs = [torch.randint(0, cfg.vocab_size, (n,), generator=g) for n in (7, 1, 12, 4)]
+    docs = [torch.randint(0, cfg.vocab_size, (n,), generator=g, device="cpu") for n in (7, 1, 12, 4)]
     ids = torch.cat(docs)[None]
-    doc_ids = torch.cat([torch.full((len(d),), i) for i, d in enumerate(docs)])[None]
+    doc_ids = torch.cat([torch.full((len(d),), i, device="cpu") for i, d in enumerate(docs)])[None]
     packed = model(ids, document_ids=doc_ids)[0]  # (T, Vp), positions restart per document
     got = torch.split(packed, [len(d) for d in docs])
     for d, x in zip(docs, got):
