@@ -4,7 +4,8 @@ length, each micro-batch trimmed to its longest row) and packed sequences (rows 
 block-diagonal causal attention), side by side in one run. One process (tp = dp = 1), fp32.
 
     python -m bench.bench_update_padding [--rows 256] [--short 4] [--long 64] [--long-share 0.1]
-        [--micro-rows 32] [--tokens 2560] [--pack-tokens 512] [--repeats 3] [--device cpu] [--json OUT]
+        [--micro-rows 32] [--tokens 2560] [--pack-tokens 512] [--repeats 3] [--threads 1] [--device cpu]
+        [--json OUT]
 
 The batch: `--rows` rollouts (GRPO groups of 8), prompts of 8..`--prompt` real tokens (left-padded),
 responses of `--short` tokens except a random `--long-share` of `--long` tokens; random token ids,
@@ -16,7 +17,8 @@ Reported per mode: micro-batches, tokens through the model (rows x width summed 
 the real tokens for packing), update time (median of `--repeats` after one warm-up), peak memory of
 an update (CPU: tensor bytes tracked by torch.distributed._tools.mem_tracker.MemTracker above the
 model, its optimizer state and the batch; CUDA: max_memory_allocated above what was allocated
-before), ratios to padding, and the largest parameter difference to padding after the warm-up
+before), the update's CPU seconds (this process, all threads: less disturbed than wall time on a
+shared machine), ratios to padding, and the largest parameter difference to padding after the warm-up
 update (float rounding only: every mode computes the same loss).
 """
 
@@ -129,15 +131,16 @@ def peak_update(trainer, data) -> int:
         del trainer._micro_step
 
 
-def timed_update(trainer, data, step: int) -> float:
+def timed_update(trainer, data, step: int) -> tuple[float, float]:
+    """(wall seconds, this process's CPU seconds over all its threads) of one update."""
     dev = torch.device(trainer.state.device)
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     trainer.update(data, step)
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
-    return time.perf_counter() - t0
+    return time.perf_counter() - t0, time.process_time() - c0
 
 
 def run(args, log=print) -> list[dict]:
@@ -153,16 +156,18 @@ def run(args, log=print) -> list[dict]:
         params = [p.detach().clone() for p in tr.policy.parameters()]
         first = first or params
         diff = max(float((a - b).abs().max()) for a, b in zip(first, params))
-        times = [timed_update(tr, data, s + 1) for s in range(args.repeats)]
+        times, cpu = zip(*[timed_update(tr, data, s + 1) for s in range(args.repeats)])
         peak = peak_update(tr, data)
         row = {"mode": name, "setting": " ".join(mode), "micro_batches": n_mb, "model_tokens": tokens,
                "real_tokens": int(data.ro.attention_mask.sum()), "update_s": statistics.median(times),
+               "update_cpu_s": statistics.median(cpu),
                "peak_bytes": peak, "max_param_diff_vs_padding": diff}
         rows.append(row)
         log(f"  {name}: {n_mb} micro-batches, {tokens} tokens, {row['update_s']:.3f} s, "
             f"{peak / 2**20:.1f} MiB")
     for r in rows:
         r["time_ratio"] = r["update_s"] / rows[0]["update_s"]
+        r["cpu_ratio"] = r["update_cpu_s"] / rows[0]["update_cpu_s"]
         r["memory_ratio"] = r["peak_bytes"] / rows[0]["peak_bytes"]
     return rows
 
@@ -175,10 +180,12 @@ def table(rows: list[dict], args, command: str, load: tuple) -> str:
            f"median of {args.repeats} updates after 1 warm-up; load average {load[0]:.2f} -> {load[1]:.2f} "
            f"({os.cpu_count()} CPUs)", "",
            "| mode | setting | micro-batches | tokens through the model (real) | update s | x padding | "
-           "peak MiB | x padding | max abs param diff vs padding |", "|---|---|---|---|---|---|---|---|---|"]
+           "update CPU s | x padding | peak MiB | x padding | max abs param diff vs padding |",
+           "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         out.append(f"| {r['mode']} | `{r['setting']}` | {r['micro_batches']} | {r['model_tokens']} "
-                   f"({r['real_tokens']}) | {r['update_s']:.3f} | {r['time_ratio']:.2f} | "
+                   f"({r['real_tokens']}) | {r['update_s']:.3f} | {r['time_ratio']:.2f} | {r['update_cpu_s']:.3f} | "
+                   f"{r['cpu_ratio']:.2f} | "
                    f"{r['peak_bytes'] / 2**20:.1f} | {r['memory_ratio']:.2f} | {r['max_param_diff_vs_padding']:.1e} |")
     return "\n".join(out)
 
@@ -200,10 +207,13 @@ def main(argv=None):
     ap.add_argument("--kl-chunk", type=int, default=1024)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch threads (1: on a shared machine, idle OpenMP threads spin and skew the timings)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     if args.rows % G:
         ap.error(f"--rows must be a multiple of {G} (GRPO groups)")
+    torch.set_num_threads(args.threads)
     load0 = os.getloadavg()[0]
     rows = run(args)
     command = "python -m bench.bench_update_padding " + " ".join(argv if argv is not None else sys.argv[1:])
