@@ -108,6 +108,36 @@ def attention_mask_4d(key_valid: torch.Tensor, q_len: int) -> torch.Tensor:
     return mask.unsqueeze(1)
 
 
+def document_mask_4d(document_ids: torch.Tensor) -> torch.Tensor:
+    """document_ids [B, S] (packed sequences: each row several documents, each a contiguous run of
+    one id) -> bool [B, 1, S, S]: block-diagonal causal, a query sees the earlier keys of its own
+    document only."""
+    S = document_ids.shape[1]
+    pos = torch.arange(S, device=document_ids.device)
+    causal = pos[None, :] <= pos[:, None]  # (S, S)
+    same = document_ids[:, :, None] == document_ids[:, None, :]  # (B, S, S)
+    return (causal[None] & same).unsqueeze(1)
+
+
+def document_positions(document_ids: torch.Tensor) -> torch.Tensor:
+    """document_ids [B, S] -> position_ids [B, S] that restart at 0 where each document starts."""
+    B, S = document_ids.shape
+    pos = torch.arange(S, device=document_ids.device).expand(B, S)
+    starts = torch.ones_like(document_ids, dtype=torch.bool)
+    starts[:, 1:] = document_ids[:, 1:] != document_ids[:, :-1]
+    first = torch.where(starts, pos, torch.zeros_like(pos)).cummax(-1).values  # (B, S) where each doc starts
+    return pos - first
+
+
+def check_packed(input_ids: torch.Tensor, document_ids: torch.Tensor, attention_mask, kv_cache) -> None:
+    if kv_cache is not None or attention_mask is not None:
+        raise ValueError("Transformer.forward: document_ids (packed sequences) take no kv_cache and no "
+                         "attention_mask (the documents are the mask)")
+    if document_ids.shape != input_ids.shape:
+        raise ValueError(f"Transformer.forward: document_ids {tuple(document_ids.shape)} must have the shape of "
+                         f"input_ids {tuple(input_ids.shape)}")
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, tp_group, kv_replica_group, device=None, dtype=None):
         super().__init__()
@@ -248,7 +278,7 @@ class Transformer(nn.Module):
         return self.embed.weight if self.cfg.tie_embeddings else self.lm_head.weight
 
     def forward(self, input_ids: torch.Tensor, *, position_ids=None, attention_mask=None,
-                kv_cache: KVCache | None = None, head=None):
+                kv_cache: KVCache | None = None, head=None, document_ids=None):
         """input_ids [B, S] -> logits_local [B, S, Vp/tp] (sharded on the vocabulary).
 
         attention_mask [B, L] marks real tokens (L = cache length + S; needed with padding).
@@ -258,9 +288,16 @@ class Transformer(nn.Module):
         head. A vocab-parallel head must pass `hidden` through `parallel.comm.copy_to_tp` first
         (so dL/dhidden is summed over the vocabulary shards); a replicated head must not.
         Running it inside forward keeps FSDP2's gather of the head weight around the call.
+
+        document_ids [B, S] (packed sequences; no kv_cache, no attention_mask): several documents per
+        row, each a contiguous run of one id; attention is block-diagonal causal (no token sees
+        another document) and positions restart at 0 per document unless `position_ids` are given.
         """
         B, S = input_ids.shape
         past = kv_cache.length if kv_cache is not None else 0
+        if document_ids is not None:  # packed: positions restart per document
+            check_packed(input_ids, document_ids, attention_mask, kv_cache)
+            position_ids = document_positions(document_ids) if position_ids is None else position_ids
         if position_ids is None:
             if attention_mask is not None:
                 position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)[:, past:past + S]
@@ -271,6 +308,8 @@ class Transformer(nn.Module):
             mask = attention_mask_4d(attention_mask, S)
         elif kv_cache is not None and past > 0:
             mask = attention_mask_4d(torch.ones(B, past + S, dtype=torch.bool, device=input_ids.device), S)
+        if document_ids is not None:  # packed: block-diagonal causal attention
+            mask = document_mask_4d(document_ids)
         with self._autocast(input_ids.device):
             x = self.embed(input_ids)  # (B, S, H), replicated over tp
             cos, sin = rope_cos_sin(self.inv_freq, position_ids, self.compute_dtype or x.dtype)

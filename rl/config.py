@@ -51,6 +51,10 @@ class AlgoConfig:
     epochs: int = 1  # passes over each step's rollouts
     mini_batches: int = 1  # optimizer steps per epoch; each mini-batch is split over DP
     micro_batch_size: int = 0  # rows per forward on one rank (gradient accumulation); 0: whole mini-batch
+    # >0: micro-batches by tokens instead (rl/micro_batches.py): rows sorted by length, grouped while
+    # rows x (longest prompt + longest response) <= this, each trimmed to its longest row
+    micro_batch_tokens: int = 0
+    pack_sequences: bool = False  # with micro_batch_tokens: rows concatenated, <= that many tokens per sequence
     adv_std_norm: bool = True  # GRPO: divide by the group's std
     gamma: float = 1.0  # PPO GAE
     lam: float = 0.95
@@ -62,8 +66,15 @@ class AlgoConfig:
     def __post_init__(self):
         if self.name not in ("grpo", "ppo"):
             raise ValueError(f"algo.name must be 'grpo' or 'ppo', got {self.name!r}")
-        if self.epochs < 1 or self.mini_batches < 1 or self.micro_batch_size < 0:
-            raise ValueError("algo.epochs and algo.mini_batches must be >= 1 and micro_batch_size >= 0")
+        if self.epochs < 1 or self.mini_batches < 1 or self.micro_batch_size < 0 or self.micro_batch_tokens < 0:
+            raise ValueError("algo.epochs and algo.mini_batches must be >= 1 and micro_batch_size, "
+                             "micro_batch_tokens >= 0")
+        if self.micro_batch_size and self.micro_batch_tokens:
+            raise ValueError(f"algo.micro_batch_size={self.micro_batch_size} (rows) and algo.micro_batch_tokens="
+                             f"{self.micro_batch_tokens} (tokens) both set: set one of them")
+        if self.pack_sequences and not self.micro_batch_tokens:
+            raise ValueError("algo.pack_sequences=true needs algo.micro_batch_tokens > 0 (the tokens per packed "
+                             "sequence)")
 
 
 @dataclass

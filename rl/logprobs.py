@@ -6,6 +6,9 @@ tensor exists and no logits cross the wire.
 
 Positions: the response token at index t (0-based, sequence position P + t) is predicted by the
 hidden state at position P + t - 1, so a response of N tokens uses hidden[:, P-1 : P+N-1].
+Packed sequences (`packed_token_stats`, `packed_fused_loss`; rl/micro_batches.py's PackedRows):
+several rows in one [1, T] sequence, block-diagonal causal attention, each row's own positions;
+the head reads the M hidden states at `head_pos` and returns [1, M].
 """
 
 from __future__ import annotations
@@ -34,16 +37,28 @@ def _through_head(model, sequences, attention_mask, prompt_len: int, tp_group, r
     fn(hidden [B*N, H] (copied to tp), weight_local, targets [B*N], ref_hidden [B*N, H] or None,
     mask [B*N] or None). `mask` [B, N] (the response mask) tells the fused heads which positions are
     padding: those never reach a value or a gradient, whatever they hold."""
-    targets = sequences[:, prompt_len:]  # (B, N)
+    return _run_head(model, sequences, dict(attention_mask=attention_mask), lambda h: _response_hidden(h, prompt_len),
+                     sequences[:, prompt_len:], tp_group, ref_hidden, mask, fn)
+
+
+def _through_head_packed(model, packed, tp_group, ref_hidden, mask, fn):
+    """`_through_head` over one packed sequence (rl/micro_batches.py's PackedRows): the head reads the
+    hidden states at `packed.head_pos` [M]; ref_hidden and mask are [1, M, H] and [1, M]."""
+    return _run_head(model, packed.input_ids, dict(position_ids=packed.position_ids,
+                                                   document_ids=packed.document_ids),
+                     lambda h: h[:, packed.head_pos], packed.targets[None], tp_group, ref_hidden, mask, fn)
+
+
+def _run_head(model, input_ids, model_kw: dict, select, targets, tp_group, ref_hidden, mask, fn):
     B, N = targets.shape
     flat_mask = None if mask is None else mask.reshape(B * N)
 
     def head(h, w):
-        hr = copy_to_tp(_response_hidden(h, prompt_len), tp_group).reshape(B * N, -1)
+        hr = copy_to_tp(select(h), tp_group).reshape(B * N, -1)
         rh = None if ref_hidden is None else ref_hidden.reshape(B * N, -1)
         return fn(hr, w, targets.reshape(-1), rh, flat_mask)
 
-    return model(sequences, attention_mask=attention_mask, head=head), (B, N)
+    return model(input_ids, **model_kw, head=head), (B, N)
 
 
 def _stats(out, shape) -> TokenStats:
@@ -58,12 +73,25 @@ def policy_token_stats(model, sequences, attention_mask, prompt_len: int, *, tp_
     """Log-probs (and entropy, exact KL against the given reference hidden states and head
     weight) of the response tokens of `sequences` [B, P + N] under `model`; 0 where `mask` [B, N]
     is False."""
-    out, shape = _through_head(
-        model, sequences, attention_mask, prompt_len, tp_group, ref_hidden, mask,
-        lambda h, w, t, rh, m: fused_head(h, w, t, tp_group, vocab_size=vocab_size, ref_hidden=rh,
-                                          ref_weight_local=ref_weight, temperature=temperature,
-                                          chunk_size=chunk_size, entropy=entropy, kl=kl, mask=m))
-    return _stats(out, shape)
+    fn = _stats_head(tp_group, vocab_size, temperature, chunk_size, entropy, kl, ref_weight)
+    return _stats(*_through_head(model, sequences, attention_mask, prompt_len, tp_group, ref_hidden, mask, fn))
+
+
+def packed_token_stats(model, packed, *, tp_group=None, vocab_size: int, temperature: float = 1.0,
+                       chunk_size: int = 1024, entropy: bool = True, kl: str | None = None,
+                       ref_hidden: torch.Tensor | None = None, ref_weight: torch.Tensor | None = None,
+                       mask: torch.Tensor | None = None) -> TokenStats:
+    """`policy_token_stats` of the M response tokens of a packed sequence (rl/micro_batches.py's
+    PackedRows: several rows in one, block-diagonal causal attention, per-row positions): [1, M]
+    each; ref_hidden [1, M, H], mask [1, M]."""
+    fn = _stats_head(tp_group, vocab_size, temperature, chunk_size, entropy, kl, ref_weight)
+    return _stats(*_through_head_packed(model, packed, tp_group, ref_hidden, mask, fn))
+
+
+def _stats_head(tp_group, vocab_size, temperature, chunk_size, entropy, kl, ref_weight):
+    return lambda h, w, t, rh, m: fused_head(h, w, t, tp_group, vocab_size=vocab_size, ref_hidden=rh,
+                                             ref_weight_local=ref_weight, temperature=temperature,
+                                             chunk_size=chunk_size, entropy=entropy, kl=kl, mask=m)
 
 
 @torch.no_grad()
@@ -101,10 +129,24 @@ def policy_fused_loss(model, sequences, attention_mask, prompt_len: int, token_l
     """The policy loss over the response tokens through `parallel.fused_loss.fused_head_loss`
     (gradient formed in forward, no logits recomputed in backward). Returns (loss, detached
     per-token stats [B, N]). Positions where `mask` [B, N] is False are dropped inside the head."""
-    (loss, out), shape = _through_head(
-        model, sequences, attention_mask, prompt_len, tp_group, ref_hidden, mask,
-        lambda h, w, t, rh, m: fused_head_loss(h, w, t, tp_group, token_loss=token_loss, vocab_size=vocab_size,
-                                               ref_hidden=rh, ref_weight_local=ref_weight,
-                                               temperature=temperature, chunk_size=chunk_size, entropy=entropy,
-                                               kl=kl, mask=m))
+    fn = _loss_head(token_loss, tp_group, vocab_size, temperature, chunk_size, entropy, kl, ref_weight)
+    (loss, out), shape = _through_head(model, sequences, attention_mask, prompt_len, tp_group, ref_hidden, mask, fn)
     return loss, _stats(out, shape)
+
+
+def packed_fused_loss(model, packed, token_loss, *, tp_group=None, vocab_size: int, temperature: float = 1.0,
+                      chunk_size: int = 1024, entropy: bool = False, kl: str | None = None,
+                      ref_hidden: torch.Tensor | None = None, ref_weight: torch.Tensor | None = None,
+                      mask: torch.Tensor | None = None) -> tuple[torch.Tensor, TokenStats]:
+    """`policy_fused_loss` over the M response tokens of a packed sequence (see `packed_token_stats`):
+    (loss, detached per-token stats [1, M]); `token_loss` is bound to [1, M] tensors."""
+    fn = _loss_head(token_loss, tp_group, vocab_size, temperature, chunk_size, entropy, kl, ref_weight)
+    (loss, out), shape = _through_head_packed(model, packed, tp_group, ref_hidden, mask, fn)
+    return loss, _stats(out, shape)
+
+
+def _loss_head(token_loss, tp_group, vocab_size, temperature, chunk_size, entropy, kl, ref_weight):
+    return lambda h, w, t, rh, m: fused_head_loss(h, w, t, tp_group, token_loss=token_loss, vocab_size=vocab_size,
+                                                  ref_hidden=rh, ref_weight_local=ref_weight,
+                                                  temperature=temperature, chunk_size=chunk_size, entropy=entropy,
+                                                  kl=kl, mask=m)

@@ -28,76 +28,25 @@ from rl.advantages import broadcast_to_tokens, gae, grpo_advantages, kl_shaped_r
 from rl.config import RLConfig
 from rl.controller import EntropyController, KLController
 from rl.kl import HEAD_DIRECTION, kl_by_position, kl_from_config, kl_quantiles, masked_mean, sanitize
-from rl.logprobs import critic_values, logprobs_from_hidden, policy_fused_loss, policy_token_stats, reference_hidden
+from rl.logprobs import (
+    critic_values,
+    logprobs_from_hidden,
+    packed_fused_loss,
+    packed_token_stats,
+    policy_fused_loss,
+    policy_token_stats,
+    reference_hidden,
+)
 from rl.losses import TokenPolicyLoss, aggregate, clipped_value_loss, loss_scale, token_weights
+from rl.micro_batches import MicroBatch, by_row_count, by_token_budget
 from rl.reference import ReferenceSync
 from rl.rollout import Rollout, collect_rollout, evaluate
 from rl.signals import WindowCorr, loss_term_grad_norms, repetition_rate
+from rl.update_stats import UpdateStats
 
 
 def _max_abs(x: torch.Tensor, mask: torch.Tensor) -> float:
     return float(torch.where(mask, x.abs(), torch.zeros((), device=x.device)).max()) if mask.any() else 0.0
-
-
-class _UpdateStats:
-    """Update statistics reduced the way they were normalised: the scaled losses (each micro-batch
-    holds its share of the mini-batch loss) are summed over micro-batches and DP ranks and
-    averaged over mini-batches; ratio and clip statistics are weighted by valid tokens."""
-
-    SCALED = ("pg_loss", "kl_loss")
-    WEIGHTED = ("clipfrac", "dual_clipfrac", "ratio_mean", "approx_kl_old")
-
-    def __init__(self):
-        self.scaled = {k: [] for k in self.SCALED}
-        self.wsum = {k: 0.0 for k in self.WEIGHTED}
-        self.tokens = 0.0
-        self.epoch_kl = [0.0, 0.0]  # token-weighted approx KL to the old policy in this epoch
-        self.rmin, self.rmax = float("inf"), float("-inf")
-        self.drift = 0.0
-        self.critic_norms: list[float] = []
-
-    def start_mini_batch(self):
-        for k in self.SCALED:
-            self.scaled[k].append(0.0)
-
-    def add(self, stats: dict):
-        for k in self.SCALED:
-            if k in stats:
-                self.scaled[k][-1] += float(stats[k])
-        self.drift = max(self.drift, float(stats.get("drift", 0.0)))
-        n = float(stats["valid_tokens"])
-        for k in self.WEIGHTED:
-            self.wsum[k] += float(stats[k]) * n
-        self.tokens += n
-        self.epoch_kl[0] += float(stats["approx_kl_old"]) * n
-        self.epoch_kl[1] += n
-        if n > 0:
-            self.rmin, self.rmax = min(self.rmin, float(stats["ratio_min"])), max(self.rmax, float(stats["ratio_max"]))
-
-    def epoch_approx_kl(self, dp_group) -> float:
-        t = torch.tensor(self.epoch_kl, dtype=torch.float64, device=comm.collective_device(dp_group))
-        comm.all_reduce(t, "sum", dp_group)  # token-weighted drift from the old policy over DP
-        self.epoch_kl = [0.0, 0.0]
-        return float(t[0] / t[1].clamp(min=1))
-
-    def summary(self, dp_group) -> dict:
-        # each rank's micro-batch losses add up to its share of the mini-batch loss; shares add over DP
-        vals = [sum(self.scaled[k]) / max(len(self.scaled[k]), 1) for k in self.SCALED]
-        vals += [self.wsum[k] for k in self.WEIGHTED] + [self.tokens]
-        t = torch.tensor(vals, dtype=torch.float64, device=comm.collective_device(dp_group))
-        comm.all_reduce(t, "sum", dp_group)  # loss shares and token-weighted sums over DP
-        mm = torch.tensor([-self.rmin, self.rmax, self.drift], dtype=torch.float64, device=t.device)
-        comm.all_reduce(mm, "max", dp_group)  # extreme ratios and the largest log-prob drift over DP
-        out = {k: float(t[i]) for i, k in enumerate(self.SCALED)}
-        n = max(float(t[-1]), 1.0)
-        for j, k in enumerate(self.WEIGHTED):
-            out[k] = float(t[len(self.SCALED) + j]) / n
-        out["ratio_min"] = -float(mm[0]) if self.tokens else 1.0
-        out["ratio_max"] = float(mm[1]) if self.tokens else 1.0
-        out["logp_drift"] = float(mm[2])
-        if self.critic_norms:
-            out["critic_grad_norm"] = self.critic_norms[-1]
-        return out
 
 
 @dataclass
@@ -242,9 +191,13 @@ class RLTrainer:
         mb = torch.tensor(pos, device="cpu") % n
         return [torch.nonzero(mb == k).flatten().to(self.state.device) for k in range(n)]
 
-    def _micro_batches(self, rows: torch.Tensor) -> list[torch.Tensor]:
-        m = self.cfg.algo.micro_batch_size or rows.numel()
-        return [rows[i:i + m] for i in range(0, rows.numel(), m)]
+    def _micro_batches(self, data: StepData, rows: torch.Tensor) -> list[MicroBatch]:
+        """Mini-batch `rows` as micro-batches: `algo.micro_batch_size` rows each, or by the token budget
+        `algo.micro_batch_tokens` (trimmed or packed; the same count on every DP rank): rl/micro_batches.py."""
+        a = self.cfg.algo
+        if not a.micro_batch_tokens:
+            return by_row_count(data.ro, rows, a.micro_batch_size)
+        return by_token_budget(data.ro, rows, a.micro_batch_tokens, a.pack_sequences, self.dp_group)
 
     def update(self, data: StepData, step: int) -> dict:
         """Step 6, the policy (and critic) update on this step's rollouts, in order:
@@ -252,17 +205,18 @@ class RLTrainer:
         for each of `algo.epochs` epochs,
           for each mini-batch (rows split by global row id, so the same for any DP layout):
             a. the mini-batch's global valid-token and sequence counts (one all-reduce): the loss scale
-            b. for each micro-batch, `_micro_step`: forward through the head with the per-token loss,
+            b. for each micro-batch (`_micro_batches`: by rows, or by a token budget, trimmed or packed,
+               the same count on every DP rank), `_micro_step`: forward through the head with the per-token loss,
                backward (FSDP gradient sync on the last micro-batch only), statistics
             c. replicated gradients summed over DP, optimizer step (policy, then critic)
           then stop early once the epoch's approx KL(old||new) exceeds `algo.early_stop_kl`.
         Returns the statistics reduced over micro-batches and DP ranks (see `_UpdateStats`)."""
         cfg = self.cfg
-        acc, opt_stats, stop_early = _UpdateStats(), [], False
+        acc, opt_stats, stop_early = UpdateStats(), [], False
         for epoch in range(cfg.algo.epochs):
             for mb, rows in enumerate(self._mini_batches(data.ro.row_ids.cpu(), step, epoch)):
-                micros = self._micro_batches(rows)
-                scale = loss_scale([data.mask[r] for r in micros], self.dp_group)
+                micros = self._micro_batches(data, rows)
+                scale = loss_scale(data.mask[rows], self.dp_group)
                 acc.start_mini_batch()
                 for i, r in enumerate(micros):
                     # the first mini-batch after the rollout is on-policy: its old policy IS the current one
@@ -283,8 +237,9 @@ class RLTrainer:
                    early_stopped=stop_early, optimizer_steps=len(opt_stats))
         return out
 
-    def _micro_step(self, data: StepData, r: torch.Tensor, scale, on_policy: bool, last: bool) -> dict:
-        """Forward, loss and backward of the micro-batch of local rows `r`; returns its statistics.
+    def _micro_step(self, data: StepData, mb: MicroBatch, scale, on_policy: bool, last: bool) -> dict:
+        """Forward, loss and backward of micro-batch `mb` (padded rows, or one packed sequence); returns
+        its statistics.
 
         One per-token loss (`TokenPolicyLoss`) serves both paths: with `algo.fused_loss` the fused head
         calls it chunk by chunk and forms the gradient in its forward; otherwise the head returns
@@ -294,34 +249,47 @@ class RLTrainer:
         `drift` is how far they were from the rollout's, a float-noise check."""
         cfg = self.cfg
         set_gradient_sync(self.policy, last)
-        sub = data.ro.select(r)
+        mask, tok = mb.mask(data.mask), mb.tokens
         exact = cfg.kl.exact and cfg.kl.where == "loss"
         kw = dict(kl=HEAD_DIRECTION[cfg.kl.direction] if exact else None,
-                  ref_hidden=data.ref_hidden[r] if exact else None, ref_weight=data.ref_weight if exact else None,
+                  ref_hidden=tok(data.ref_hidden) if exact else None, ref_weight=data.ref_weight if exact else None,
                   entropy=self.ent_ctl.coef != 0.0)
-        fn = TokenPolicyLoss(cfg.loss, token_weights(data.mask[r], cfg.loss.agg, scale, cfg.loss.norm_len),
-                             data.mask[r], data.old_logp[r], data.advantages[r], kl_cfg=cfg.kl,
-                             beta=self.controller.beta, ref_logp=data.ref_logp[r], on_policy=on_policy,
+        weights = tok(token_weights(data.mask, cfg.loss.agg, scale, cfg.loss.norm_len))  # per row: split-invariant
+        fn = TokenPolicyLoss(cfg.loss, weights, mask, tok(data.old_logp), tok(data.advantages), kl_cfg=cfg.kl,
+                             beta=self.controller.beta, ref_logp=tok(data.ref_logp), on_policy=on_policy,
                              entropy_coef=self.ent_ctl.coef)
-        if cfg.algo.fused_loss:
-            loss, cur = self._fused_loss(sub, fn, **kw)
-        else:
-            cur = self._token_stats(self.policy, sub, **kw)
-            flat = lambda t: None if t is None else t.reshape(-1)
-            loss = fn(flat(cur.logprobs), flat(cur.entropy), flat(cur.kl), slice(None)).sum()
+        loss, cur = self._policy_loss(data.ro, mb, mask, fn, kw)
         loss.backward()
         stats = fn.stats()
-        stats["drift"] = _max_abs(cur.logprobs.detach() - data.old_logp[r], data.mask[r]) if on_policy else 0.0
+        stats["drift"] = _max_abs(cur.logprobs.detach() - tok(data.old_logp), mask) if on_policy else 0.0
         if self.critic is not None:
-            self._critic_backward(data, sub, r, scale, last)
+            self._critic_backward(data, mb, scale, last)
         return stats
 
-    def _critic_backward(self, data: StepData, sub: Rollout, r, scale, last: bool) -> None:
+    def _policy_loss(self, ro: Rollout, mb: MicroBatch, mask, fn, kw):
+        """(loss, TokenStats) of `mb` through the fused loss head, or through the head's log-probs then `fn`."""
+        fused = self.cfg.algo.fused_loss
+        if mb.packed is not None:
+            kw = dict(kw, tp_group=self.tp_group, vocab_size=self.vocab, temperature=self._temperature,
+                      chunk_size=self.cfg.algo.kl_chunk_size, mask=mask)
+            if fused:
+                return packed_fused_loss(self.policy, mb.packed, fn, **kw)
+            cur = packed_token_stats(self.policy, mb.packed, **kw)
+        else:
+            sub = mb.rollout(ro)
+            if fused:
+                return self._fused_loss(sub, fn, **kw)
+            cur = self._token_stats(self.policy, sub, **kw)
+        flat = lambda t: None if t is None else t.reshape(-1)
+        return fn(flat(cur.logprobs), flat(cur.entropy), flat(cur.kl), slice(None)).sum(), cur
+
+    def _critic_backward(self, data: StepData, mb: MicroBatch, scale, last: bool) -> None:
         set_gradient_sync(self.critic, last)
+        sub = mb.rollout(data.ro)  # padded rows (trimmed) even when the policy's are packed
         values = critic_values(self.critic, sub.sequences, sub.attention_mask, sub.prompt_len)
-        vloss, _ = clipped_value_loss(values, data.old_values[r], data.returns[r], data.mask[r],
-                                      self.cfg.critic.value_clip)
-        aggregate(vloss, data.mask[r], "token-mean", scale).backward()
+        vloss, _ = clipped_value_loss(values, mb.row_tokens(data.old_values), mb.row_tokens(data.returns),
+                                      sub.response_mask, self.cfg.critic.value_clip)
+        aggregate(vloss, sub.response_mask, "token-mean", scale).backward()
 
     # -----------------------------------------------------------------------------------------
     # 7: one whole step
