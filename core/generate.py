@@ -101,6 +101,17 @@ class _Stopper:
         return torch.tensor(flags, dtype=torch.bool, device=tok.device)
 
 
+def _check_lengths(cfg, P: int, max_new_tokens: int, vocab_limit: int | None) -> int:
+    """Refuse a prompt plus response longer than the model's context, or a bad vocab_limit -> the
+    number of ids that may be sampled."""
+    if P + max_new_tokens > cfg.max_seq_len:
+        raise ValueError(f"prompt length {P} + max_new_tokens {max_new_tokens} exceeds model.max_seq_len "
+                         f"{cfg.max_seq_len}")
+    if vocab_limit is not None and vocab_limit < 1:
+        raise ValueError(f"generate: vocab_limit must be >= 1, got {vocab_limit}")
+    return cfg.vocab_size if vocab_limit is None else min(cfg.vocab_size, vocab_limit)
+
+
 @torch.no_grad()
 def generate(model: Transformer, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, *, max_new_tokens: int,
              eos_id: int | None, pad_id: int, temperature: float = 1.0, top_k: int = 0, seed: int = 0,
@@ -124,12 +135,7 @@ def generate(model: Transformer, prompt_ids: torch.Tensor, prompt_mask: torch.Te
     if row_ids is None:
         row_ids = torch.arange(B, device=dev)
     total = P + max_new_tokens
-    if total > cfg.max_seq_len:
-        raise ValueError(f"prompt length {P} + max_new_tokens {max_new_tokens} exceeds model.max_seq_len "
-                         f"{cfg.max_seq_len}")
-    if vocab_limit is not None and vocab_limit < 1:
-        raise ValueError(f"generate: vocab_limit must be >= 1, got {vocab_limit}")
-    vocab = cfg.vocab_size if vocab_limit is None else min(cfg.vocab_size, vocab_limit)
+    vocab = _check_lengths(cfg, P, max_new_tokens, vocab_limit)
     stops = set(eos_ids or []) | ({eos_id} if eos_id is not None else set())
     stopper = _Stopper(stops, stop_sequences, stop_check, dev)
     sample_kw = dict(vocab_size=vocab, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed,

@@ -191,6 +191,19 @@ def top_p_threshold(zs: torch.Tensor, top_p: float, tp_group=None) -> torch.Tens
     return _key_to_float(prefix)[:, None]
 
 
+def _winner_over_tp(best: torch.Tensor, gid: torch.Tensor, tp_group) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's best (score [B], global id [B]) -> the winner over the TP ranks: the smallest
+    score, the lowest id on ties; identical on every rank."""
+    if group_size(tp_group) <= 1:
+        return best, gid
+    pair = torch.stack([best.double(), gid.double()], dim=-1)
+    # each rank's best (score, global id), 2 numbers per row: the winner is picked locally after
+    pairs = all_gather_along(pair.unsqueeze(1), 1, tp_group)  # (B, tp, 2)
+    top = pairs[..., 0].min(dim=1, keepdim=True).values
+    gid = pairs[..., 1].masked_fill(pairs[..., 0] != top, float("inf")).min(dim=1).values.long()
+    return top[:, 0].float(), gid
+
+
 def sample_from_sharded_logits(logits_local: torch.Tensor, *, vocab_size: int, temperature: float, top_k: int = 0,
                                seed: int, step: int, row_ids: torch.Tensor, position: int, tp_group=None,
                                top_p: float = 1.0, min_p: float = 0.0, compile: bool = False) -> torch.Tensor:
@@ -240,14 +253,7 @@ def sample_from_sharded_logits(logits_local: torch.Tensor, *, vocab_size: int, t
         rk = row_keys(seed, step, row_ids.to(z.device), position)
         ck = col_keys(torch.arange(start, start + Vl, device=z.device))
         best, idx = race_argmin(z, rk, ck, inv_t, excluded if thresholds else None, compile)
-    gid = idx + start
-    if group_size(tp_group) > 1:
-        # each rank's best (score, global id); the winner is the smallest score, lowest id on ties
-        pair = torch.stack([best.double(), gid.double()], dim=-1)
-        pairs = all_gather_along(pair.unsqueeze(1), 1, tp_group)  # (B, tp, 2)
-        top = pairs[..., 0].min(dim=1, keepdim=True).values
-        best = top[:, 0].float()
-        gid = pairs[..., 1].masked_fill(pairs[..., 0] != top, float("inf")).min(dim=1).values.long()
+    best, gid = _winner_over_tp(best, idx + start, tp_group)
     if not greedy and bool(torch.isinf(best).any()):
         # every allowed column drew E = inf (w rounded to 1; ~2**-25 each): take the best logit
         fallback = sample_from_sharded_logits(logits_local, vocab_size=vocab_size, temperature=0.0, seed=seed,

@@ -26,24 +26,7 @@ def _col(rows, key):
     return xs, ys
 
 
-def plot_run(rows: list[dict], out: str) -> list[str]:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    import numpy as np
-
-    os.makedirs(out, exist_ok=True)
-    written = []
-
-    def save(fig, name):
-        path = os.path.join(out, name)
-        fig.tight_layout()
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
-        written.append(path)
-
-    fig, ax = plt.subplots(figsize=(7, 4))
+def _kl_beta(ax, rows, np):
     ax.plot(*_col(rows, "kl_mean"), color="tab:red", label="mean KL")
     ax.set_xlabel("step")
     ax.set_ylabel("mean per-token KL", color="tab:red")
@@ -51,9 +34,9 @@ def plot_run(rows: list[dict], out: str) -> list[str]:
     ax2.plot(*_col(rows, "beta"), color="tab:blue", label="beta")
     ax2.set_ylabel("beta", color="tab:blue")
     ax.set_title("KL and its coefficient")
-    save(fig, "kl_beta.png")
 
-    fig, ax = plt.subplots(figsize=(7, 4))
+
+def _reward(ax, rows, np):
     x, m = _col(rows, "reward_mean")
     _, s = _col(rows, "reward_std")
     ax.plot(x, m, color="tab:green", label="reward mean")
@@ -64,9 +47,9 @@ def plot_run(rows: list[dict], out: str) -> list[str]:
     ax.set_ylabel("reward")
     ax.legend()
     ax.set_title("Reward")
-    save(fig, "reward.png")
 
-    fig, ax = plt.subplots(figsize=(7, 4))
+
+def _quantiles(ax, rows, np):
     for key in ("kl_p50", "kl_p90", "kl_p99", "kl_max"):
         xs, ys = _col(rows, key)
         ax.plot(xs, [max(abs(y), 1e-8) for y in ys], label=key)
@@ -75,32 +58,55 @@ def plot_run(rows: list[dict], out: str) -> list[str]:
     ax.set_ylabel("|per-token KL|")
     ax.legend()
     ax.set_title("KL quantiles")
-    save(fig, "kl_quantiles.png")
 
-    xs, ys = _col(rows, "reward_kl_corr")
-    if xs:
-        fig, ax = plt.subplots(figsize=(7, 3))
-        ax.plot(xs, ys, color="tab:purple")
-        ax.axhline(0.0, color="grey", lw=0.5)
-        ax.set_ylim(-1.05, 1.05)
-        ax.set_xlabel("step")
-        ax.set_ylabel("corr(reward, KL)")
-        ax.set_title("Reward-KL correlation over a window (near 1 while both climb: look for reward hacking)")
-        save(fig, "reward_kl_corr.png")
 
+def _corr(ax, rows, np):
+    ax.plot(*_col(rows, "reward_kl_corr"), color="tab:purple")
+    ax.axhline(0.0, color="grey", lw=0.5)
+    ax.set_ylim(-1.05, 1.05)
+    ax.set_xlabel("step")
+    ax.set_ylabel("corr(reward, KL)")
+    ax.set_title("Reward-KL correlation over a window (near 1 while both climb: look for reward hacking)")
+
+
+def _heatmap(ax, rows, np):
     heat = [r.get("kl_by_position") for r in rows if isinstance(r.get("kl_by_position"), list)]
-    if heat:
-        width = max(len(h) for h in heat)
-        grid = np.full((width, len(heat)), np.nan)
-        for j, h in enumerate(heat):
-            grid[: len(h), j] = h
-        fig, ax = plt.subplots(figsize=(7, 4))
-        im = ax.imshow(grid, aspect="auto", origin="lower", cmap="magma", interpolation="nearest")
-        fig.colorbar(im, ax=ax, label="mean KL")
-        ax.set_xlabel("step")
-        ax.set_ylabel("response position bucket")
-        ax.set_title("KL by response position")
-        save(fig, "kl_heatmap.png")
+    width = max(len(h) for h in heat)
+    grid = np.full((width, len(heat)), np.nan)
+    for j, h in enumerate(heat):
+        grid[: len(h), j] = h
+    im = ax.imshow(grid, aspect="auto", origin="lower", cmap="magma", interpolation="nearest")
+    ax.figure.colorbar(im, ax=ax, label="mean KL")
+    ax.set_xlabel("step")
+    ax.set_ylabel("response position bucket")
+    ax.set_title("KL by response position")
+
+
+def plot_run(rows: list[dict], out: str) -> list[str]:
+    """Draw the run's PNGs into `out` -> their paths (a plot whose metric the run lacks is skipped)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    os.makedirs(out, exist_ok=True)
+    has_heat = any(isinstance(r.get("kl_by_position"), list) for r in rows)
+    plots = [("kl_beta.png", _kl_beta, (7, 4), True), ("reward.png", _reward, (7, 4), True),
+             ("kl_quantiles.png", _quantiles, (7, 4), True),
+             ("reward_kl_corr.png", _corr, (7, 3), bool(_col(rows, "reward_kl_corr")[0])),
+             ("kl_heatmap.png", _heatmap, (7, 4), has_heat)]
+    written = []
+    for name, draw, size, present in plots:
+        if not present:
+            continue
+        fig, ax = plt.subplots(figsize=size)
+        draw(ax, rows, np)
+        path = os.path.join(out, name)
+        fig.tight_layout()
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        written.append(path)
     return written
 
 
