@@ -23,6 +23,7 @@ import torch
 from core.metrics import PhaseTimer, peak_memory, reset_peak_memory
 from core.monitor import Monitor
 from parallel import comm
+from parallel.dims import derive_seed
 from parallel.fsdp import set_gradient_sync, sync_replicated_grads
 from rl.advantages import broadcast_to_tokens, gae, grpo_advantages, kl_shaped_rewards, whiten
 from rl.config import RLConfig
@@ -186,7 +187,7 @@ class RLTrainer:
         pos = []
         for rid in row_ids.tolist():
             prompt, j = divmod(rid, G)
-            g = torch.Generator().manual_seed(self.cfg.train.seed * 1_000_003 + step * 7919 + epoch * 131 + prompt)
+            g = torch.Generator().manual_seed(derive_seed(self.cfg.train.seed, step, epoch, prompt))
             pos.append(prompt * G + int(torch.randperm(G, generator=g, device="cpu")[j]))
         mb = torch.tensor(pos, device="cpu") % n
         return [torch.nonzero(mb == k).flatten().to(self.state.device) for k in range(n)]
