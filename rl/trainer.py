@@ -187,7 +187,9 @@ class RLTrainer:
         pos = []
         for rid in row_ids.tolist():
             prompt, j = divmod(rid, G)
-            g = torch.Generator().manual_seed(derive_seed(self.cfg.train.seed, step, epoch, prompt))
+            # the key as the first session defined it (runs stay bit-compatible); it repeats once prompts
+            # reach 131 per step or epochs 61 (see the closing note of the second session)
+            g = torch.Generator().manual_seed(derive_seed(self.cfg.train.seed, step * 7919 + epoch * 131 + prompt))
             pos.append(prompt * G + int(torch.randperm(G, generator=g, device="cpu")[j]))
         mb = torch.tensor(pos, device="cpu") % n
         return [torch.nonzero(mb == k).flatten().to(self.state.device) for k in range(n)]

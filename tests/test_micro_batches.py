@@ -210,7 +210,7 @@ def _same(ref, got, tol=1e-12):
     assert len(g0) == len(g1)
     for a, b in zip(g0, g1):
         for k in a:
-            torch.testing.assert_close(b[k], a[k], atol=tol, rtol=tol, msg=k)
+            torch.testing.assert_close(b[k], a[k], atol=tol, rtol=tol, msg=lambda m, k=k: f"{k}: {m}")
     for k in s0:  # core.optim reports the gradient norm as a float32
         assert s1[k] == pytest.approx(s0[k], rel=1e-6 if k == "grad_norm" else 1e-9, abs=1e-12), k
 
