@@ -69,23 +69,33 @@ class FusedHeadOutput(NamedTuple):
     ref_logprobs: torch.Tensor | None  # log q(target), [...]
 
 
+_UPCAST_BLOCK = 4096  # vocabulary rows of a low-precision weight upcast at a time where mm has no out_dtype
+
+
 class HeadMatmul:
     """logits of one chunk, [c, nv] = hidden_c [c, H] @ weight[:nv].T / temperature, in the
-    reduction dtype and computed in it: an fp32 output from bf16 operands on CUDA, an fp32 copy of
-    the weight shard (made once, here) elsewhere. Masked rows (`keep` false) of hidden read as 0."""
+    reduction dtype and computed in it: an fp32 output from bf16 operands on CUDA; elsewhere the
+    weight is upcast block by block (`_UPCAST_BLOCK` vocabulary rows at a time, transient), never as a
+    whole fp32 copy of the shard. Masked rows (`keep` false) of hidden read as 0."""
 
     def __init__(self, weight: torch.Tensor, sh: VocabShard):
         self.sh = sh
-        w = weight[: sh.nv]
+        self.w = weight[: sh.nv]
         low = weight.dtype in (torch.bfloat16, torch.float16)
         self.out_dtype = low and sh.dtype == torch.float32 and weight.device.type in _MM_OUT_DTYPE
-        self.w = w if weight.dtype == sh.dtype or self.out_dtype else w.to(sh.dtype)
+        self.upcast = weight.dtype != sh.dtype and not self.out_dtype
 
     def __call__(self, h: torch.Tensor, keep: torch.Tensor | None = None) -> torch.Tensor:
         h = rows(h, keep)
         with no_autocast(h.device.type):  # under a caller's autocast the matmul would round to bf16
             if self.out_dtype:
                 z = torch.mm(h, self.w.T, out_dtype=self.sh.dtype)
+            elif self.upcast:
+                h = h.to(self.sh.dtype)
+                z = h.new_empty((h.shape[0], self.w.shape[0]))
+                for a in range(0, self.w.shape[0], _UPCAST_BLOCK):
+                    b = min(a + _UPCAST_BLOCK, self.w.shape[0])
+                    torch.mm(h, self.w[a:b].to(self.sh.dtype).T, out=z[:, a:b])
             else:
                 z = h.to(self.w.dtype) @ self.w.T  # a fresh tensor: scaled in place
         return z.div_(self.sh.temperature) if self.sh.temperature != 1.0 else z

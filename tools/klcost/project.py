@@ -57,9 +57,15 @@ def project(name, pass_, T, H, V, tp, dtype, chunk, seed=0) -> dict:
     """One projected row: `name`'s peak (and comm) at this shape, one rank of tp, without allocating."""
     if name not in PROJECTABLE:
         raise ValueError(f"{name} cannot be projected (compiled or Triton kernels); projectable: {sorted(PROJECTABLE)}")
+    created = tp > 1 and not dist.is_initialized()
     group = fake_group(tp)
-    with FakeTensorMode(), _ZeroScalars():
-        row = measure(name, pass_, T, H, V, dtype, chunk, group, seed, device="cpu", warmup=0, repeats=0)
+    try:
+        with FakeTensorMode(), _ZeroScalars():
+            row = measure(name, pass_, T, H, V, dtype, chunk, group, seed, device="cpu", warmup=0, repeats=0)
+    finally:
+        if created:  # leave no fake default group behind (the process may run real work afterwards)
+            _groups.clear()
+            dist.destroy_process_group()
     method, mode = describe(name)
     row.update(source="projected", tp=tp, method=method, mode=mode, device=None, time_s=None, time_min_s=None,
                time_vs_floor=None, repeats=0, warmup=0, logprob_mean=None, entropy_mean=None, kl_mean=None,

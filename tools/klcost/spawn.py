@@ -68,6 +68,15 @@ def _stop(procs, grace: float = 0.0):
         p.join(timeout=5)
 
 
+def _dead(procs, rows, errors=()):
+    """(rank, process) of the first rank that exited non-zero (or by a signal) without its rows and
+    without reporting an error of its own."""
+    for r, p in enumerate(procs):
+        if r not in rows and r not in errors and p.exitcode is not None and p.exitcode != 0:
+            return r, p
+    return None
+
+
 def _collect(procs, out, tp, timeout, log):
     """Rows from every rank, or RankFailure naming the first rank that died, raised or timed out."""
     rows, pids, errors = {}, {}, {}
@@ -85,13 +94,18 @@ def _collect(procs, out, tp, timeout, log):
                 errors[rank] = payload
         except queue_mod.Empty:
             pass
+        if errors:  # a rank that raised may only be seeing a peer that died: name the dead one first
+            settle = time.monotonic() + 2.0
+            while time.monotonic() < settle and not _dead(procs, rows, errors):
+                time.sleep(0.1)
+        dead = _dead(procs, rows, errors)
+        if dead is not None:
+            r, p = dead
+            raise RankFailure(f"kl_memory: rank {r} (pid {p.pid}) {_exit_reason(p.exitcode)} before "
+                              f"reporting its rows; the other ranks were stopped")
         if errors:
             r = min(errors)
             raise RankFailure(f"kl_memory: rank {r} (pid {pids.get(r)}) raised {errors[r]}")
-        for r, p in enumerate(procs):
-            if r not in rows and p.exitcode is not None and p.exitcode != 0:
-                raise RankFailure(f"kl_memory: rank {r} (pid {p.pid}) {_exit_reason(p.exitcode)} before "
-                                  f"reporting its rows; the other ranks were stopped")
         if time.monotonic() > deadline:
             late = [r for r in range(tp) if r not in rows]
             raise RankFailure(f"kl_memory: ranks {late} (pids {[procs[r].pid for r in late]}) did not finish "
