@@ -100,7 +100,10 @@ def _real_run(tmp_path, overrides, steps):
                       [f"init.sft_dir={sft}", f"train.out_dir={tmp_path}", f"train.steps={steps}",
                        "train.progress=false", "rollout.prompts_per_step=8", "rollout.group_size=4",
                        "kl_ctl.horizon=640", "train.save_every=0"] + overrides)
-    rl_run(cfg)
+    try:
+        rl_run(cfg)
+    except SystemExit as e:  # a guard (KL limit, collapse: rl/guards.py) stopped it after writing its metrics
+        assert "stopping after this checkpoint" in str(e), e
     with open(os.path.join(str(tmp_path), "metrics.jsonl")) as f:
         return [json.loads(line) for line in f]
 
@@ -124,7 +127,10 @@ def _playbook_names(rows, window):
 def test_real_run_entropy_pushed_to_its_ends(tmp_path, coef, name):
     """A negative entropy coefficient with a high lr drives the entropy to 0; a large positive one to log V."""
     rows = _real_run(tmp_path, [f"loss.entropy_coef={coef}", "optim.lr=1e-2", "optim.min_lr=1e-2"], 10)
-    assert name in _playbook_names(rows, 6)
+    # pushed to ln V, the collapse guard may stop the run within 3 steps, before the playbook's window
+    # fills; tools.diagnose then names it through the guard's finding ("collapse": entropy at ln V)
+    found = _playbook_names(rows, 6) + [f.name for f in diagnose(rows, window=6)]
+    assert name in found or (name == "entropy_max" and "collapse" in found), found
 
 
 @pytest.mark.slow
