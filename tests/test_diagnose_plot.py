@@ -55,6 +55,38 @@ def test_low_mean_heavy_tail():
     assert _names(rows) == ["kl_concentrated"]
 
 
+def test_heavy_tail_of_a_healthy_run_is_not_concentrated():
+    """Per-token KL is heavy-tailed in a healthy run: these are steps of the README's default GRPO job
+    (p99 11-19x the mean, max up to 230x; the top 1% carry at most a third of the KL), which the old
+    tail-to-mean ratio (p99 > 10x mean) called concentrated."""
+    steps = [(0.0781, 0.109, 1.475, 2.92), (0.2186, 0.235, 2.376, 49.7), (0.1589, 0.219, 3.99, 9.58),
+             (0.1271, 0.232, 2.02, 8.18)]
+    rows = _run(kl=lambda i: steps[i % 4][0])
+    for r, (_m, p90, p99, mx) in zip(rows, steps * 8):
+        r.update(kl_p90=p90, kl_p99=p99, kl_max=mx, kl_by_position=[0.11, 0.07, 0.01, 0.19, 0.01, 0.73])
+    assert "kl_concentrated" not in _names(rows)
+    for r in rows:  # the exact share logged by the trainer, as measured on that job (0.26-0.48)
+        r["kl_top1_share"] = 0.35
+    assert "kl_concentrated" not in _names(rows)
+
+
+def test_kl_on_the_top_percent_of_tokens_is_concentrated():
+    """Half of a low mean KL on 1% of the tokens: by the exact logged share, or, in an older metrics
+    file without it, as the quantiles prove (the bulk below p99 cannot carry it)."""
+    rows = _run(kl=lambda i: 0.05)
+    for r in rows:
+        r.update(kl_p50=0.001, kl_p90=0.002, kl_p99=0.01, kl_max=12.0)  # 99% of tokens carry <= 0.0099 of 0.05
+    assert _names(rows) == ["kl_concentrated"]
+    assert "at least half" in diagnose(rows)[0].evidence
+    for r in rows:
+        r["kl_top1_share"] = 0.8
+    f = diagnose(rows)
+    assert [x.name for x in f] == ["kl_concentrated"] and "80%" in f[0].evidence
+    for r in rows:  # a tiny tail (no token a nat from the reference) is not a symptom
+        r["kl_max"] = 0.3
+    assert _names(rows) == []
+
+
 def test_reward_swings():
     assert _names(_run(reward=lambda i: 0.5 + (0.3 if i % 2 else -0.3))) == ["reward_swings"]
 
