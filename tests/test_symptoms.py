@@ -134,19 +134,19 @@ def test_real_run_entropy_pushed_to_its_ends(tmp_path, coef, name):
 
 
 @pytest.mark.slow
-def test_real_default_job_raises_no_playbook_symptom(tmp_path):
-    """The README's GRPO job (its own batch size), first 12 steps: none of the playbook's detectors fires."""
+def test_real_default_job_raises_no_symptom(tmp_path):
+    """The README's GRPO job (its own batch size), first 30 steps: tools.diagnose names nothing -- every
+    check, the playbook's and the older ones (kl_climbing fired on its start-up rise from KL 0 and
+    kl_concentrated on the healthy heavy tail of per-token KL before they were fixed)."""
     from core.config import load_config
     from rl.config import RLConfig
     from rl.train import run as rl_run
 
     sft = os.environ.get("KLTRON_TINY_SFT", "runs/tiny_sft")
     cfg = load_config(RLConfig, "configs/grpo_tiny.yaml", [f"init.sft_dir={sft}", f"train.out_dir={tmp_path}",
-                                                           "train.steps=12", "train.progress=false",
+                                                           "train.stop_after=30", "train.progress=false",
                                                            "train.save_every=0"])
-    assert _playbook_names(rl_run(cfg), 20) == []
-
-
-def outlier_reward(meta, response):
-    """The share of digits, and a rare outlier of 30 for a response with a 7: spikes in the advantages."""
-    return 30.0 if "7" in response else sum(c.isdigit() for c in response) / 6.0
+    rows = rl_run(cfg)
+    assert len(rows) == 30
+    for n in (12, 20, 30):  # as diagnosed at any point of the run, not only at its end
+        assert [(f.name, f.evidence) for f in diagnose(rows[:n])] == [], n
