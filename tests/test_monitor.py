@@ -69,6 +69,7 @@ def test_yaml_off_is_the_string_off():
         load_config(RLConfig, None, ["monitor.wandb=true"])
 
 
+@pytest.mark.slow
 def test_wandb_offline_run_reads_back(tmp_path, wandb_offline):
     from core.monitor import Monitor
 
