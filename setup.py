@@ -24,7 +24,7 @@ setup(
         "data": ["pyarrow"],  # Parquet prompt sets
         "math": ["math-verify"],  # symbolic answer equality in rl.math_reward
         "tensorboard": ["tensorboard"],  # monitor.tensorboard=true (core/monitor.py)
-        # monitor.wandb=offline; not in dev: a 20 MB wheel, 62 MB installed (a Go binary) and 14 packages
+        # monitor.wandb=offline; not in dev: a 20 MB wheel, 62 MB installed (a Go binary), 14+ dependencies
         "wandb": ["wandb"],
     },
 )
