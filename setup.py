@@ -23,5 +23,8 @@ setup(
         "plot": ["matplotlib"],
         "data": ["pyarrow"],  # Parquet prompt sets
         "math": ["math-verify"],  # symbolic answer equality in rl.math_reward
+        "tensorboard": ["tensorboard"],  # monitor.tensorboard=true (core/monitor.py)
+        # monitor.wandb=offline; not in dev: a 20 MB wheel, 62 MB installed (a Go binary), 14+ dependencies
+        "wandb": ["wandb"],
     },
 )

@@ -51,7 +51,11 @@ class Monitor:
             except ImportError:
                 _note("monitor.wandb=offline but wandb is not installed; skipped (pip install wandb)")
             else:
-                self.wb = wb.init(mode="offline", dir=out_dir, config=config or {}, project="kltron")
+                # offline: nothing leaves the machine; the run folder is {out_dir}/wandb/offline-run-*
+                # (read it back with `wandb leet inspect --json RUN`, upload it with `wandb sync RUN`)
+                os.makedirs(out_dir, exist_ok=True)
+                self.wb = wb.init(mode="offline", dir=out_dir, config=config or {}, project="kltron",
+                                  settings=wb.Settings(disable_git=True))
 
     @property
     def active(self) -> bool:
@@ -97,7 +101,8 @@ class Monitor:
 
 
 def _position_hist(h: list[float]):
-    """(counts, edges) for wandb: bucket i holds the mean KL of position bucket i."""
+    """(counts, edges) for wandb: bucket i holds the mean KL of position bucket i, clamped at 0 as in
+    the TensorBoard histogram (a k1 bucket mean can be negative)."""
     import numpy as np
 
-    return np.asarray(h, dtype=np.float64), np.arange(len(h) + 1, dtype=np.float64)
+    return np.maximum(np.asarray(h, dtype=np.float64), 0.0), np.arange(len(h) + 1, dtype=np.float64)

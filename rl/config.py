@@ -114,10 +114,12 @@ class MonitorConfig:
     """The `monitor` section: where metrics go beside metrics.jsonl (rank 0; core/monitor.py)."""
 
     tensorboard: bool = False  # TensorBoard event files in {train.out_dir}/tensorboard (extra `tensorboard`)
-    wandb: str = "off"  # "off" | "offline": a Weights & Biases offline run in {train.out_dir}/wandb
+    wandb: str | bool = "off"  # "off" | "offline": a Weights & Biases offline run in {train.out_dir}/wandb
     corr_window: int = 20  # steps in the trainer's reward_kl_corr
 
     def __post_init__(self):
+        if self.wandb is False:  # YAML 1.1 reads a bare `off` as false
+            self.wandb = "off"
         if self.wandb not in ("off", "offline"):
             raise ValueError(f"monitor.wandb must be 'off' or 'offline', got {self.wandb!r}")
         if self.corr_window < 3:

@@ -295,10 +295,12 @@ def kl_quantiles(values: torch.Tensor, mask: torch.Tensor, qs=(0.5, 0.9, 0.99),
                  dp_group=None) -> dict[str, float]:
     """Quantiles and max of `values` over all valid tokens (of every DP rank, given dp_group).
 
-    values, mask: [B, S]. Returns {"p50": .., "p90": .., "p99": .., "max": .., "count": n} with
-    keys f"p{100*q:g}" (numpy's linear interpolation). Global over DP: every rank's valid values
-    are gathered (O(tokens) floats, fine for a metric), so each rank returns the same exact
-    numbers. No valid token anywhere: every statistic is 0.0 and count is 0.
+    values, mask: [B, S]. Returns {"p50": .., "p90": .., "p99": .., "max": .., "top1_share": ..,
+    "count": n} with keys f"p{100*q:g}" (numpy's linear interpolation); top1_share is the share of
+    the positive KL mass (sum of max(v, 0)) carried by the ceil(1%) largest tokens (0 without any).
+    Global over DP: every rank's valid values are gathered (O(tokens) floats, fine for a metric), so
+    each rank returns the same exact numbers. No valid token anywhere: every statistic is 0.0 and
+    count is 0.
     """
     m = _check_mask(values, mask, "kl_quantiles")
     for q in qs:
@@ -315,12 +317,15 @@ def kl_quantiles(values: torch.Tensor, mask: torch.Tensor, qs=(0.5, 0.9, 0.99),
     out: dict[str, float] = {}
     if local.numel() == 0:
         out = {f"p{100 * q:g}": 0.0 for q in qs}
-        out.update(max=0.0, count=0)
+        out.update(max=0.0, top1_share=0.0, count=0)
         return out
     xs = torch.sort(local).values
     for q in qs:
         out[f"p{100 * q:g}"] = _quantile_sorted(xs, q)
     out["max"] = float(xs[-1])
+    pos = xs.double().clamp(min=0)
+    total = float(pos.sum())
+    out["top1_share"] = float(pos[-math.ceil(0.01 * xs.numel()):].sum()) / total if total > 0 else 0.0
     out["count"] = int(xs.numel())
     return out
 

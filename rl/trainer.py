@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import torch
 
@@ -90,7 +90,7 @@ class RLTrainer:
         self.reward_kl = WindowCorr(cfg.monitor.corr_window)
         self.monitor = None
         if state.is_main and (cfg.monitor.tensorboard or cfg.monitor.wandb != "off"):
-            self.monitor = Monitor(cfg.train.out_dir, cfg.monitor.tensorboard, cfg.monitor.wandb)
+            self.monitor = Monitor(cfg.train.out_dir, cfg.monitor.tensorboard, cfg.monitor.wandb, asdict(cfg))
         if cfg.kl_ctl.preset and state.is_main:
             print(f"kltron: {cfg.kl_ctl.preset_summary}", flush=True)
         self.ref_sync = ReferenceSync(cfg.reference, cfg.kl_ctl.target)
@@ -342,6 +342,7 @@ class RLTrainer:
         self.ent_ctl.update(entropy)
         rec = {"step": step, "reward_mean": r_mean, "reward_std": r_std, "kl_mean": kl_mean,
                "kl_p50": q["p50"], "kl_p90": q["p90"], "kl_p99": q["p99"], "kl_max": q["max"],
+               "kl_top1_share": q["top1_share"],
                "kl_by_position": [float(x) for x in pos_mean], "beta": beta, "beta_next": new_beta,
                "entropy": entropy, "entropy_max": math.log(self.vocab), "entropy_coef": ent_coef, **grads,
                "repetition_rate": repetition_rate(data.ro.responses_ids, mask, 3, dpg),

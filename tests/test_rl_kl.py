@@ -165,8 +165,15 @@ def test_quantiles_vs_numpy_and_positions_vs_loop():
     for key, qq in (("p50", 0.5), ("p90", 0.9), ("p99", 0.99), ("p99.9", 0.999)):
         assert abs(q[key] - float(np.quantile(vs, qq))) < 1e-5, key
     assert q["max"] == pytest.approx(vs.max(), abs=1e-6) and q["count"] == len(vs)
+    top = np.sort(vs)[::-1][:int(np.ceil(0.01 * len(vs)))]  # the largest 1% of tokens, float64
+    assert q["top1_share"] == pytest.approx(top.sum() / vs.sum(), rel=1e-6)
+    spiky = v.clone()
+    spiky[0, 0], spiky[1, 1] = -3.0, 500.0  # one token carries most of the KL; a negative one does not count
+    sv = np.clip(np.array(_ref_masked(spiky, mask | (torch.arange(13) < 2))), 0, None)
+    got = kl_quantiles(spiky, mask | (torch.arange(13) < 2))["top1_share"]
+    assert got == pytest.approx(np.sort(sv)[::-1][:int(np.ceil(0.01 * len(sv)))].sum() / sv.sum(), rel=1e-6)
     assert kl_quantiles(v, torch.zeros_like(mask)) == {"p50": 0.0, "p90": 0.0, "p99": 0.0, "max": 0.0,
-                                                       "count": 0}
+                                                       "top1_share": 0.0, "count": 0}
     mean, count = kl_by_position(v, mask, n_buckets=4, max_len=16)
     sums, cnts = [0.0] * 4, [0] * 4
     for b in range(5):

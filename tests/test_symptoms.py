@@ -60,6 +60,19 @@ def test_kl_spikes_with_the_advantages():
     assert "kl_adv_spike" not in _names(_run(kl=lambda i: 0.8 if i in spike else 0.05 + 0.001 * (i % 3)))
 
 
+def test_kl_jumps_after_an_advantage_spike_and_stays():
+    """A batch of outlier advantages kicks the policy: the KL jumps one or two steps later (momentum) and
+    stays up; an advantage spike the KL does not answer is not this symptom."""
+    for lag in (1, 2):
+        rows = _run(kl=lambda i, lag=lag: 0.05 + 0.002 * (i % 3) if i < 20 + lag else 1.5 + 0.01 * (i % 2),
+                    adv_abs_mean=lambda i: 8.0 if i == 20 else 0.3 + 0.01 * (i % 2))
+        found = [f for f in diagnose(rows) if f.name == "kl_adv_spike"]
+        assert found and f"at steps [{20 + lag}]" in found[0].evidence, lag
+    rows = _run(kl=lambda i: 0.05 + 0.002 * (i % 3) if i < 24 else 1.5, adv_abs_mean=lambda i: 8.0 if i == 20 else 0.3)
+    assert "kl_adv_spike" not in _names(rows)  # three steps later: not driven by that batch
+    assert "kl_adv_spike" not in _names(_run(adv_abs_mean=lambda i: 8.0 if i == 20 else 0.3))
+
+
 def test_repetition_while_kl_low():
     assert _names(_run(kl=lambda i: 0.01, repetition_rate=lambda i: 0.5)) == ["repetition_low_kl"]
     assert _names(_run(kl=lambda i: 0.5, repetition_rate=lambda i: 0.5)) == []  # repetition the KL reports
@@ -134,19 +147,55 @@ def test_real_run_entropy_pushed_to_its_ends(tmp_path, coef, name):
 
 
 @pytest.mark.slow
-def test_real_default_job_raises_no_playbook_symptom(tmp_path):
-    """The README's GRPO job (its own batch size), first 12 steps: none of the playbook's detectors fires."""
+def test_real_default_job_raises_no_symptom(tmp_path):
+    """The README's GRPO job (its own batch size), first 30 steps: tools.diagnose names nothing -- every
+    check, the playbook's and the older ones (kl_climbing fired on its start-up rise from KL 0 and
+    kl_concentrated on the healthy heavy tail of per-token KL before they were fixed)."""
     from core.config import load_config
     from rl.config import RLConfig
     from rl.train import run as rl_run
 
     sft = os.environ.get("KLTRON_TINY_SFT", "runs/tiny_sft")
     cfg = load_config(RLConfig, "configs/grpo_tiny.yaml", [f"init.sft_dir={sft}", f"train.out_dir={tmp_path}",
-                                                           "train.steps=12", "train.progress=false",
+                                                           "train.stop_after=30", "train.progress=false",
                                                            "train.save_every=0"])
-    assert _playbook_names(rl_run(cfg), 20) == []
+    rows = rl_run(cfg)
+    assert len(rows) == 30
+    for n in (12, 20, 30):  # as diagnosed at any point of the run, not only at its end
+        assert [(f.name, f.evidence) for f in diagnose(rows[:n])] == [], n
 
 
-def outlier_reward(meta, response):
-    """The share of digits, and a rare outlier of 30 for a response with a 7: spikes in the advantages."""
-    return 30.0 if "7" in response else sum(c.isdigit() for c in response) / 6.0
+JUMP = {"calls": 0, "per_step": 256, "steps": (9,), "scale": 30.0}
+_TASK = []
+
+
+def jumping_reward(meta, response):
+    """The task's exact-match reward, its scale jumping x30 on the steps in JUMP["steps"] (counted by calls:
+    prompts x group per step, one process): an outlier batch the policy cannot aim at."""
+    if not _TASK:
+        from rl.tasks import make_task
+
+        _TASK.append(make_task("arithmetic", max_operand=9, ops="+", partial_credit=0.0))
+    step = JUMP["calls"] // JUMP["per_step"]
+    JUMP["calls"] += 1
+    return _TASK[0].reward(meta, response) * (JUMP["scale"] if step in JUMP["steps"] else 1.0)
+
+
+@pytest.mark.slow
+def test_real_run_reward_scale_jump_kicks_the_kl(tmp_path):
+    """The README's GRPO job with the reward's scale jumping x30 at step 9, advantages not divided by the
+    group std, no gradient clipping and an optimizer whose step scales with the gradient (AdamW with eps 1
+    >> sqrt(v) is SGD with momentum): the outlier batch's update kicks the policy and the KL jumps right
+    after the advantages spike. (With the default AdamW and grad_clip=1 the same jump leaves the KL alone:
+    the step size is normalised.)"""
+    JUMP["calls"] = 0
+    rows = _real_run(tmp_path, ["rollout.prompts_per_step=32", "rollout.group_size=8", "kl_ctl.horizon=2560",
+                                "reward.use_task_reward=false",
+                                "reward.fns=[tests.test_symptoms:jumping_reward]", "algo.adv_std_norm=false",
+                                "optim.eps=1.0", "optim.lr=0.03", "optim.min_lr=0.03", "optim.grad_clip=0"], 12)
+    rw = [r["reward_mean"] for r in rows]
+    assert rw[9] > 5 * max(rw[:9] + rw[10:])  # the plug-in's jump landed on step 9
+    found = {f.name: f for f in diagnose(rows)}
+    assert "kl_adv_spike" in found, [(f.name, f.evidence) for f in found.values()]
+    f = found["kl_adv_spike"]
+    assert "at steps [9]" in f.evidence and "outlier rewards" in f.causes and "reward.clip" in f.first_try

@@ -10,7 +10,7 @@ the likely cause, the first fix) or None:
 | reward_hacking       | reward rising while the KL climbs with it (beta shrinking or too small)    |
 | entropy_collapse     | entropy near zero, or falling fast                                         |
 | entropy_max          | entropy near its maximum log(vocab): a blown-up policy                     |
-| kl_adv_spike         | KL spikes at the same steps as the mean absolute advantage                 |
+| kl_adv_spike         | KL jumps at, or just after, a spike of the mean absolute advantage         |
 | repetition_low_kl    | responses repeat their n-grams while the KL stays low                      |
 """
 
@@ -48,6 +48,7 @@ KL_HIGH = 1.0  # nats per token: high for RL fine-tuning, though far below the d
 KL_HACK = 0.5  # the KL level a reward-hacking climb reaches
 ENTROPY_ZERO = 0.05  # nats per token
 KL_SPIKE = 0.05  # a KL spike below this (nats/token) is noise around a near-zero KL
+ADV_LAG = 2  # steps after an advantage spike in which the KL may jump
 REPEAT = 0.3  # share of repeated 3-grams per response
 
 
@@ -165,23 +166,31 @@ def _spikes(xs: list[float]) -> set[int]:
 
 
 def check_kl_adv_spike(rows, window: int) -> Finding | None:
+    """Fires when the mean KL jumps (a rise far above the window's step-to-step changes, >= KL_SPIKE and
+    by half its level) at a step of an outlier mean |advantage| or up to ADV_LAG steps after it, and the
+    KL's rises correlate with |adv| at that lag. The KL of step s is measured before step s's update, so
+    an update driven by huge advantages shows at s + 1, or later where momentum carries it; the KL may
+    come back (a spike) or stay up (a jump)."""
     recent = [r for r in rows[-window:] if isinstance(r.get("kl_mean"), (int, float))
               and isinstance(r.get("adv_abs_mean"), (int, float))]
     if len(recent) < 8:
         return None
     kl, adv = [r["kl_mean"] for r in recent], [r["adv_abs_mean"] for r in recent]
-    # the KL of step s is measured before step s's update, so a huge advantage shows in the KL at s or s + 1
-    ks, advs = _spikes(kl), _spikes(adv)
-    both = {i for i in ks if (i in advs or i - 1 in advs) and kl[i] >= KL_SPIKE}
-    corr = max(pearson(kl, adv) or 0.0, pearson(kl[1:], adv[:-1]) or 0.0)
+    rise = [0.0] + [b - a for a, b in zip(kl, kl[1:])]
+    advs = _spikes(adv)
+    jumps = {i for i in _spikes(rise) if rise[i] >= KL_SPIKE and rise[i] >= 0.5 * max(kl[i - 1], 0.0)}
+    both = {i for i in jumps if any(i - lag in advs for lag in range(ADV_LAG + 1))}
+    corr = max(pearson(rise[lag:], adv[:len(adv) - lag]) or 0.0 for lag in range(ADV_LAG + 1))
     if both and corr >= 0.5:
         steps = [recent[i].get("step") for i in sorted(both)]
-        return Finding("kl_adv_spike", f"the KL spikes with the mean |advantage| (at or one step after it; KL "
-                                       f"spikes at steps {steps}; correlation {corr:.2f} over {len(recent)} steps)",
+        at = [recent[i].get("step") for i in sorted(advs)]
+        return Finding("kl_adv_spike", f"the KL jumps at steps {steps}, at or just after outlier mean |advantage| "
+                                       f"at steps {at} ({max(adv):.3g} against a median {statistics.median(adv):.3g}"
+                                       f"; correlation of KL rises and |adv| {corr:.2f} over {len(recent)} steps)",
                        "a few outlier rewards (or a critic off scale) give huge advantages, and the update they "
                        "drive moves the policy far in one step",
-                       "reward.clip and reward.normalize=fixed; algo.whiten_advantages / algo.adv_std_norm; a "
-                       "smaller optim.lr or optim.grad_clip")
+                       "reward.clip and reward.normalize=fixed; algo.whiten_advantages / algo.adv_std_norm; "
+                       "optim.grad_clip; a smaller optim.lr")
     return None
 
 
