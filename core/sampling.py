@@ -284,14 +284,15 @@ def sample_from_sharded_logits(logits_local: torch.Tensor, *, vocab_size: int, t
         best = -best  # smaller wins, as in the race
     else:
         if thresholds:  # filtered-out columns become -inf logits: their race score is +inf, never drawn
-            drop = torch.zeros_like(z, dtype=torch.bool)
+            drop = None
             for kind, thr in thresholds:
                 if kind is None:
-                    drop |= z < thr
+                    d = z < thr
                 elif kind == "tempered":
-                    drop |= z * inv_t < thr
+                    d = z * inv_t < thr
                 else:
-                    drop |= (z - thr) * inv_t < log_min_p
+                    d = (z - thr) * inv_t < log_min_p
+                drop = d if drop is None else drop.logical_or_(d)
             z = z.masked_fill(drop, float("-inf"))
         rk = row_keys(seed, step, row_ids.to(z.device), position)
         ck = col_keys(torch.arange(start, start + Vl, device=z.device))
