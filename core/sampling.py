@@ -33,8 +33,8 @@ _C1, _C2 = 0x85EBCA6B - 2**32, 0xC2B2AE35 - 2**32  # murmur3 finaliser constants
 _CHUNK_ELEMS = 1 << 17  # elements per row chunk: 512 KiB per float32 buffer, fits in L2
 
 
-def _mix32(x: torch.Tensor) -> torch.Tensor:
-    """A 32-bit integer finaliser on int64 tensors holding values < 2**32 (used on [B] and [V] keys)."""
+def _mix32(x):
+    """A 32-bit integer finaliser on Python ints or int64 tensors holding values < 2**32 ([B] and [V] keys)."""
     x = x & _M32
     x = x ^ (x >> 16)
     x = (x * 0x7FEB352D) & _M32
@@ -50,15 +50,27 @@ def _as_int32(x: torch.Tensor) -> torch.Tensor:
 
 def row_keys(seed: int, step: int, row_ids: torch.Tensor, position: int) -> torch.Tensor:
     """[B] int32 key per (seed, step, row id, position)."""
-    h = _mix32(torch.full_like(row_ids, seed, dtype=torch.int64) ^ 0x9E3779B9)
-    h = _mix32(h ^ step)
-    h = _mix32(h ^ row_ids.to(torch.int64))
+    h = _mix32(_mix32(seed ^ 0x9E3779B9) ^ step)  # Python ints: the same bits as on int64 tensors
+    h = _mix32(row_ids.to(torch.int64) ^ h)
     return _as_int32(_mix32(h ^ position))
 
 
 def col_keys(vocab_ids: torch.Tensor) -> torch.Tensor:
     """[Vl] int32 key per global vocabulary id."""
     return _as_int32(_mix32(vocab_ids.to(torch.int64) ^ 0x5BD1E995))
+
+
+_col_cache: dict = {}
+
+
+def _col_keys_of(start: int, n: int, device) -> torch.Tensor:
+    """`col_keys` of global ids start..start+n-1, kept between decode positions."""
+    key = (start, n, str(device))
+    if key not in _col_cache:
+        if len(_col_cache) > 16:
+            _col_cache.clear()
+        _col_cache[key] = col_keys(torch.arange(start, start + n, device=device))
+    return _col_cache[key]
 
 
 def _race_chunk(z, rk, ck, inv_t: float, x, tmp, f):
@@ -295,7 +307,7 @@ def sample_from_sharded_logits(logits_local: torch.Tensor, *, vocab_size: int, t
                 drop = d if drop is None else drop.logical_or_(d)
             z = z.masked_fill(drop, float("-inf"))
         rk = row_keys(seed, step, row_ids.to(z.device), position)
-        ck = col_keys(torch.arange(start, start + Vl, device=z.device))
+        ck = _col_keys_of(start, Vl, z.device)
         best, idx = race_argmin(z, rk, ck, inv_t, compile)
     best, gid = _winner_over_tp(best, idx + start, tp_group)
     if not greedy and bool(torch.isinf(best).any()):

@@ -210,3 +210,23 @@ def test_pruned_race_matches_the_exact_race(inv_t):
                            ck[:nb * _BLK].view(1, nb, _BLK), inv_t)
     smin = s64[:, :nb * _BLK].view(48, nb, _BLK).min(-1).values
     assert (lo.double() <= smin).all() and (smin <= hi.double()).all()
+
+
+def test_row_keys_match_a_per_row_reference():
+    """row_keys (seed and step mixed as Python ints, rows and position on tensors) against the chain of
+    32-bit finalisers written out per row, including a negative seed and ids past 2**31."""
+    from core.sampling import row_keys
+
+    def mix(x):
+        x &= 0xFFFFFFFF
+        x ^= x >> 16
+        x = (x * 0x7FEB352D) & 0xFFFFFFFF
+        x ^= x >> 15
+        x = (x * 0x846CA68B) & 0xFFFFFFFF
+        return x ^ (x >> 16)
+
+    rows = [0, 5, 2**31 + 7, 12345678901]
+    for seed, step, pos in [(0, 0, 0), (1, 3, 5), (-7, 2**33, 9)]:
+        want = [mix(mix(mix(mix(seed ^ 0x9E3779B9) ^ step) ^ r) ^ pos) for r in rows]
+        want = [w - 2**32 if w >= 2**31 else w for w in want]
+        assert row_keys(seed, step, torch.tensor(rows), pos).tolist() == want
