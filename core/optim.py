@@ -99,20 +99,24 @@ def global_grad_norm(named_params, model_cfg: ModelConfig, tp: int, tp_group=Non
     total, device = None, None
     for reps, params in groups.items():
         device = device or local_tensor(params[0]).device
-        grads = [local_tensor(p.grad).detach().float() for p in params if p.grad is not None]
-        if not grads:
-            continue
-        sq = torch.stack(torch._foreach_norm(grads)).square().sum() / reps
-        total = sq if total is None else total + sq
+        by_dtype: dict = {}
+        for p in params:
+            if p.grad is not None:
+                g = local_tensor(p.grad).detach()
+                g = g if g.dtype in (torch.float32, torch.float64) else g.float()
+                by_dtype.setdefault(g.dtype, []).append(g)
+        for grads in by_dtype.values():  # squares summed in float64: the DP / TP split does not show
+            sq = torch.stack(torch._foreach_norm(grads)).double().square().sum() / reps
+            total = sq if total is None else total + sq
     if total is None:
-        total = torch.zeros((), dtype=torch.float32, device=device)
+        total = torch.zeros((), dtype=torch.float64, device=device)
     total = total.reshape(1)
     # squares of disjoint FSDP shards over dp and of disjoint (replica-weighted) TP shards add up
     all_reduce(total, "sum", dp_group)
     all_reduce(total, "sum", tp_group)
     if dp_replicated:
         total = total / group_size(dp_group)
-    return total.sqrt().reshape(())
+    return total.sqrt().float().reshape(())
 
 
 @dataclass
