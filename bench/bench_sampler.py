@@ -3,8 +3,8 @@
     python -m bench.bench_sampler [--threads 1] [--repeats 5] [--old-ref main] [--skip-gen] [--json OUT]
 
 1. Sampler at [256, 32000] fp32 logits: kltron's sampler (eager, and torch.compile'd with its
-   one-time compile cost), top-p / min-p variants, and the sampler of `--old-ref`'s
-   core/generate.py, each beside `torch.multinomial(torch.softmax(logits, -1), 1)` in the same
+   one-time compile cost), top-p / min-p variants, and `--old-ref`'s core/sampling.py (eager and
+   compiled), each beside `torch.multinomial(torch.softmax(logits, -1), 1)` in the same
    run; ratio = sampler / multinomial (lower is faster). Repeats interleave the two; medians.
 2. Generation (prefill + decode) of the tiny model and a ~60M model (hidden 512, 8 layers,
    vocab 32000), 32 prompts x 8 samples, with `--old-ref`'s generate (imported from git) and the
@@ -37,22 +37,26 @@ MODELS = {
 }
 
 
-def load_old_generate(ref: str):
-    """core/generate.py as of git `ref`, imported as a separate module (None when unavailable)."""
+def load_old(ref: str, path: str = "core/generate.py", name: str = "old_generate"):
+    """`path` as of git `ref`, imported as a separate module `name` (None when unavailable)."""
     try:
-        src = subprocess.run(["git", "show", f"{ref}:core/generate.py"], capture_output=True, text=True,
-                             check=True).stdout
+        src = subprocess.run(["git", "show", f"{ref}:{path}"], capture_output=True, text=True, check=True).stdout
     except (subprocess.CalledProcessError, FileNotFoundError) as e:
-        print(f"[old] cannot read {ref}:core/generate.py ({e}); skipping the before numbers")
+        print(f"[old] cannot read {ref}:{path} ({e}); skipping the before numbers")
         return None
-    path = tempfile.NamedTemporaryFile("w", suffix="_old_generate.py", delete=False)
-    path.write(src)
-    path.close()
-    spec = importlib.util.spec_from_file_location("old_generate", path.name)
+    tmp = tempfile.NamedTemporaryFile("w", suffix=f"_{name}.py", delete=False)
+    tmp.write(src)
+    tmp.close()
+    spec = importlib.util.spec_from_file_location(name, tmp.name)
     mod = importlib.util.module_from_spec(spec)
-    sys.modules["old_generate"] = mod  # dataclasses look their module up here
+    sys.modules[name] = mod  # dataclasses look their module up here
     spec.loader.exec_module(mod)
     return mod
+
+
+def load_old_generate(ref: str):
+    """core/generate.py as of git `ref` (its sampler is whatever core/sampling.py this tree has)."""
+    return load_old(ref)
 
 
 def timed(fn) -> float:
@@ -71,7 +75,7 @@ def side_by_side(fn, ref, repeats: int) -> tuple[float, float]:
     return statistics.median(a), statistics.median(b)
 
 
-def bench_sampler(repeats: int, old, out: dict) -> None:
+def bench_sampler(repeats: int, old_ref: str, out: dict) -> None:
     B, V = 256, 32000
     torch.manual_seed(0)
     logits = torch.randn(B, V) * 2
@@ -99,8 +103,10 @@ def bench_sampler(repeats: int, old, out: dict) -> None:
         return torch.multinomial(torch.softmax(masked, -1), 1, generator=gen)
 
     t_hf, t_ours = side_by_side(hf_top_p, lambda: sample_from_sharded_logits(logits, top_p=0.9, **kw), repeats)
+    old = load_old(old_ref, "core/sampling.py", "old_sampling")
     if old is not None:
-        cases["old (float64 hash)"] = lambda: old.sample_from_sharded_logits(logits, top_k=0, **kw)
+        cases[f"eager, {old_ref}'s sampler"] = lambda: old.sample_from_sharded_logits(logits, **kw)
+        cases[f"compiled, {old_ref}'s"] = lambda: old.sample_from_sharded_logits(logits, compile=True, **kw)
     print(f"\n== sampler at [{B}, {V}] fp32, threads={torch.get_num_threads()}; compile (one-time) {compile_s:.1f} s")
     print(f"{'case':22s} {'sampler ms':>11s} {'multinomial ms':>15s} {'ratio':>7s}")
     out["sampler"] = {"compile_s": compile_s}
@@ -171,7 +177,7 @@ def main(argv=None) -> None:
     torch.set_num_threads(args.threads)
     old = load_old_generate(args.old_ref)
     out = {"threads": args.threads, "torch": torch.__version__}
-    bench_sampler(args.repeats, old, out)
+    bench_sampler(args.repeats, args.old_ref, out)
     if not args.skip_gen:
         bench_generation(args.gen_repeats, old, out)
     if args.json:

@@ -184,13 +184,15 @@ class RLTrainer:
             return [torch.arange(row_ids.numel(), device=self.state.device)]
         if row_ids.numel() % n:
             raise ValueError(f"algo.mini_batches={n} must divide the {row_ids.numel()} rows each DP rank holds")
-        pos = []
+        pos, perms = [], {}
         for rid in row_ids.tolist():
             prompt, j = divmod(rid, G)
-            # the key as the first session defined it (runs stay bit-compatible); it repeats once prompts
-            # reach 131 per step or epochs 61 (see the closing note of the second session)
-            g = torch.Generator().manual_seed(derive_seed(self.cfg.train.seed, step * 7919 + epoch * 131 + prompt))
-            pos.append(prompt * G + int(torch.randperm(G, generator=g, device="cpu")[j]))
+            if prompt not in perms:  # one permutation per prompt, not per row
+                # the key as the first session defined it (runs stay bit-compatible); it repeats once prompts
+                # reach 131 per step or epochs 61 (see the closing note of the second session)
+                key = derive_seed(self.cfg.train.seed, step * 7919 + epoch * 131 + prompt)
+                perms[prompt] = torch.randperm(G, generator=torch.Generator().manual_seed(key), device="cpu").tolist()
+            pos.append(prompt * G + perms[prompt][j])
         mb = torch.tensor(pos, device="cpu") % n
         return [torch.nonzero(mb == k).flatten().to(self.state.device) for k in range(n)]
 

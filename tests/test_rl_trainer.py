@@ -213,3 +213,21 @@ def test_adaptive_controller_clock_through_the_trainer():
         rec = trainer.step(s)
         assert rec["kl_mean"] == pytest.approx(0.5)
         assert rec["beta_next"] == pytest.approx(0.1 * (1 + 0.2 * 16 / 64) ** (s + 1), rel=1e-12)
+
+
+def test_mini_batch_split_matches_the_per_row_definition():
+    """The split by global row id against its definition written out row by row: within each prompt's
+    group a permutation keyed by (seed, step, epoch, prompt), global position p to mini-batch p mod n."""
+    from parallel.dims import derive_seed
+
+    trainer, _ = _trainer(1, 1, GRPO + ["algo.mini_batches=4", "rollout.group_size=4"])
+    G, n = 4, 4
+    row_ids = torch.tensor([5, 0, 7, 12, 3, 9, 14, 1, 2, 8, 6, 15, 4, 13, 10, 11])  # 4 prompts, shuffled
+    for step, epoch in ((0, 0), (3, 1)):
+        want = [[] for _ in range(n)]
+        for i, rid in enumerate(row_ids.tolist()):
+            prompt, j = divmod(rid, G)
+            g = torch.Generator().manual_seed(derive_seed(trainer.cfg.train.seed, step * 7919 + epoch * 131 + prompt))
+            want[(prompt * G + int(torch.randperm(G, generator=g)[j])) % n].append(i)
+        got = trainer._mini_batches(row_ids, step, epoch)
+        assert [g.tolist() for g in got] == want

@@ -153,3 +153,80 @@ def test_compiled_sampler_draws_the_same_tokens():
     for extra in (dict(), dict(top_k=20, min_p=0.01)):
         eager = sample_from_sharded_logits(z, **kw, **extra)
         assert torch.equal(sample_from_sharded_logits(z, compile=True, **kw, **extra), eager)
+    # wide shards take the pruned path under compile (and a second batch size: the dynamic recompile)
+    z = _wide_logits()
+    for rows, extra in ((48, dict()), (40, dict(top_k=50, top_p=0.9, min_p=0.001))):
+        kw = dict(vocab_size=4050, temperature=0.8, seed=5, step=1, row_ids=torch.arange(rows), position=2, **extra)
+        eager = sample_from_sharded_logits(z[:rows], **kw)
+        assert torch.equal(sample_from_sharded_logits(z[:rows], compile=True, **kw), eager)
+
+
+@pytest.mark.slow
+def test_compiled_wide_sampler_frequencies():
+    """compile=True on a 4096-column shard (the pruned race) draws from the softmax (chi-square)."""
+    z = torch.full((1, 4096), -3.0)
+    z[0, :V] = _logits()[0, :V] + 3.0  # ten likely tokens, 4086 unlikely ones pooled into one bin
+    toks = sample_from_sharded_logits(z.expand(N, 4096), vocab_size=4096, temperature=1.0, seed=11, step=3,
+                                      row_ids=torch.arange(N), position=5, compile=True)
+    p = torch.softmax(z[0].double(), -1)
+    counts = torch.bincount(toks.clamp(max=V), minlength=V + 1)
+    probs = torch.cat([p[:V], p[V:].sum().reshape(1)])
+    assert _chi2_pvalue(counts, probs) > 1e-4
+
+
+def _wide_logits(B=48, Vl=4100, seed=7):
+    g = torch.Generator().manual_seed(seed)
+    z = torch.randn(B, Vl, generator=g) * torch.tensor([0.0, 0.5, 3.0, 40.0]).repeat(B // 4)[:, None]
+    z[:, -70:] = float("-inf")  # past the vocabulary
+    z[5] = float("-inf")
+    z[5, 4000] = 2.0  # one allowed column
+    z[6, 100:300] = 7.0  # a plateau of equal logits
+    return z
+
+
+def _scores64(z, rk, ck, inv_t):
+    """float64 race scores log E - z / T from the hash's integers, written out independently."""
+    from core.sampling import _hash
+    w = _hash(rk[:, None], ck[None, :]).to(torch.float32).double() * 2.0**-31
+    return torch.log(-torch.log1p(-w)) - z.double() * inv_t
+
+
+@pytest.mark.parametrize("inv_t", [1.0, 1 / 0.3, 1 / 3.0])
+def test_pruned_race_matches_the_exact_race(inv_t):
+    """The block-pruned race (compile=True's algorithm, here with eager bounds) picks the same column and
+    score as the race over every column, and that column minimises the float64 scores; each block's
+    bounds hold around the float64 scores of its columns."""
+    from core.sampling import _BLK, _block_bounds, _race_exact, _race_pruned, col_keys, row_keys
+    z = _wide_logits()
+    rk, ck = row_keys(9, 2, torch.arange(100, 148), 4), col_keys(torch.arange(3000, 3000 + z.shape[1]))
+    best, idx = _race_pruned(z, rk, ck, inv_t, _block_bounds)
+    ref_best, ref_idx = _race_exact(z, rk, ck, inv_t)
+    assert torch.equal(idx, ref_idx) and torch.equal(best, ref_best)
+    s64 = _scores64(z, rk, ck, inv_t)
+    tol = 1e-5 * (1 + z.abs().nan_to_num(posinf=0, neginf=0).max() * inv_t)
+    assert (s64.gather(1, idx[:, None])[:, 0] <= s64.min(-1).values + tol).all()
+    nb = z.shape[1] // _BLK
+    lo, hi = _block_bounds(z[:, :nb * _BLK].view(48, nb, _BLK), rk.view(-1, 1, 1),
+                           ck[:nb * _BLK].view(1, nb, _BLK), inv_t)
+    smin = s64[:, :nb * _BLK].view(48, nb, _BLK).min(-1).values
+    assert (lo.double() <= smin).all() and (smin <= hi.double()).all()
+
+
+def test_row_keys_match_a_per_row_reference():
+    """row_keys (seed and step mixed as Python ints, rows and position on tensors) against the chain of
+    32-bit finalisers written out per row, including a negative seed and ids past 2**31."""
+    from core.sampling import row_keys
+
+    def mix(x):
+        x &= 0xFFFFFFFF
+        x ^= x >> 16
+        x = (x * 0x7FEB352D) & 0xFFFFFFFF
+        x ^= x >> 15
+        x = (x * 0x846CA68B) & 0xFFFFFFFF
+        return x ^ (x >> 16)
+
+    rows = [0, 5, 2**31 + 7, 12345678901]
+    for seed, step, pos in [(0, 0, 0), (1, 3, 5), (-7, 2**33, 9)]:
+        want = [mix(mix(mix(mix(seed ^ 0x9E3779B9) ^ step) ^ r) ^ pos) for r in rows]
+        want = [w - 2**32 if w >= 2**31 else w for w in want]
+        assert row_keys(seed, step, torch.tensor(rows), pos).tolist() == want
