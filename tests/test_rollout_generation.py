@@ -84,3 +84,23 @@ def test_rollout_stops_on_stop_strings():
         n_cut += n < len(r)
     assert n_cut > 0  # some responses were cut by the stop string
     assert torch.equal(cut.responses_ids[cut.response_mask], free.responses_ids[cut.response_mask])
+
+
+def test_left_pad_matches_a_per_row_loop():
+    """left_pad against the definition written out row by row: ids right-aligned over pad_id, mask 1
+    exactly on the real tokens."""
+    import random
+
+    from rl.rollout import left_pad
+    rng = random.Random(0)
+    for _ in range(50):
+        rows = [[rng.randrange(100) for _ in range(rng.randint(1, 9))] for _ in range(rng.randint(1, 7))]
+        P = max(len(r) for r in rows)
+        want_ids = torch.full((len(rows), P), 3, dtype=torch.long)
+        want_mask = torch.zeros((len(rows), P), dtype=torch.long)
+        for i, r in enumerate(rows):
+            want_ids[i, P - len(r):] = torch.tensor(r)
+            want_mask[i, P - len(r):] = 1
+        ids, mask = left_pad(rows, 3)
+        assert torch.equal(ids, want_ids) and torch.equal(mask, want_mask)
+        assert ids.dtype == mask.dtype == torch.long
