@@ -113,8 +113,32 @@ def check_targets(targets: torch.Tensor, shape, vocab: int, ignore_index: int | 
     return t
 
 
+AUTO_CHUNK_ELEMENTS = 2**25  # chunk x Vp/tp elements of one [chunk, Vp/tp] fp32 temporary: 128 MiB
+AUTO_CHUNK_MIN = 64  # tokens: below this the head's matmuls get thin
+
+
+def auto_chunk_size(tokens: int, width: int) -> int:
+    """The fused heads' default tokens per chunk for [T, width] logits (width = Vp/tp, this rank's
+    shard): the largest multiple of 64 with chunk x width <= AUTO_CHUNK_ELEMENTS (2^25), at least
+    AUTO_CHUNK_MIN, at most T. So each [chunk, Vp/tp] fp32 temporary is <= 128 MiB whatever the
+    vocabulary and tp: 256 tokens at Vp = 128256, tp 1; 2048 at tp 8."""
+    c = AUTO_CHUNK_ELEMENTS // max(int(width), 1) // AUTO_CHUNK_MIN * AUTO_CHUNK_MIN
+    return max(1, min(max(c, AUTO_CHUNK_MIN), int(tokens)))
+
+
+def resolve_chunk_size(chunk_size, tokens: int, width: int) -> int:
+    """A fused head's chunk: `chunk_size` None or "auto" -> auto_chunk_size(tokens, width); a
+    positive int as given. One clear error otherwise."""
+    if chunk_size is None or chunk_size == "auto":
+        return auto_chunk_size(tokens, width)
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size <= 0:
+        raise ValueError(f"chunk_size must be a positive int, None or 'auto', got {chunk_size!r}")
+    return chunk_size
+
+
 def chunks(n: int, chunk_size: int | None):
-    """[(start, end)] token ranges of `chunk_size` (all of them at once for None)."""
+    """[(start, end)] token ranges of `chunk_size` (all of them at once for None: parallel/vocab.py's
+    materialised functions; the fused heads resolve None to `auto_chunk_size` before calling this)."""
     c = max(n, 1) if chunk_size is None else int(chunk_size)
     if c <= 0:
         raise ValueError(f"chunk_size must be positive, got {chunk_size}")
