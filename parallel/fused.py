@@ -133,7 +133,7 @@ class _FusedHead(torch.autograd.Function):
             zp = mm_p(hidden[s:e], kc)
             zq = mm_q(ref_hidden[s:e], kc) if spec.has_q else None
             tsel = None if tl is None else (tl[0][s:e], tl[1][s:e])
-            local_stats(zp, zq, tsel, spec, maxes[s:e], sums[s:e])
+            local_stats(zp, zq, tsel, spec, maxes[s:e], sums[s:e], inplace=True)  # the logits die here
             del zp, zq
         st = reduce_stats(maxes, sums, spec, sh.group)
         ctx.sh, ctx.spec, ctx.chunk_size = sh, spec, chunk_size
@@ -161,7 +161,7 @@ class _FusedHead(torch.autograd.Function):
             tsel = None if tl is None else (tl[0][s:e], tl[1][s:e])
             g = {k: masked(part(v, s, e), kc) for k, v in g_all.items()}
             gp, gq = grad_logits(zp, zq, tsel, {k: v[s:e] for k, v in st_all.items()}, g, spec, want_q,
-                                 sh.temperature)
+                                 sh.temperature, inplace=True)  # gp, log q in the logits' buffers
             del zp, zq
             acc.add(s, e, kc, gp, gq if want_q else None)
         return (*acc.grads(), None, None, None, None, None)

@@ -81,7 +81,7 @@ class _FusedHeadLoss(torch.autograd.Function):
             loss = chunk_loss if loss is None else loss + chunk_loss
             if any(v is not None for v in g.values()):
                 g = {k: masked(v.to(sh.dtype), kc) for k, v in g.items() if v is not None}
-                gp, _ = grad_logits(zp, zq, tsel, st, g, spec, False, sh.temperature)
+                gp, _ = grad_logits(zp, zq, tsel, st, g, spec, False, sh.temperature, inplace=True)  # last use
                 acc.add(s, e, kc, gp, None)
                 del gp
             del zp, zq
