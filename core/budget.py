@@ -17,8 +17,10 @@
 
 Three phases peak separately: rollout (weights, optimizer state, reference, KV cache), experience
 (weights, optimizer state, the reference's no-grad forward: its weights plus one layer's
-transients) and update (weights, optimizer state, reference, then the larger of activations + KL head + the head's
-gradient and all gradients: backward frees activations as it makes gradients); the
+transients and the copy of its head weight that reference_hidden keeps) and update (weights,
+optimizer state, reference, then the larger of activations + KL head + the head's gradient and all
+gradients, plus with tied embeddings the embedding's dense gradient: backward frees activations as
+it makes gradients); the
 step's peak is the largest. Checked against MemTracker peaks of bench/bench_rl_step.py in tests/test_budget.py.
 """
 
@@ -131,11 +133,16 @@ def step_budget(cfg: ModelConfig, lay: Layout, batch: Batch, placement: str = "t
     # backward frees activations as it makes gradients: the head's transients meet the head's gradient
     # only (the first made), the full gradients meet no activations; the larger of the two is the top
     head_grad = -(-pc["vocab"] // shard) * 4 // (1 if cfg.tie_embeddings else 2)
-    update = master + gathered + 2 * master + ref + max(acts + head + head_grad, master)
+    # tied embeddings: the embedding's backward (the last) makes a dense [Vp/tp, H] gradient that
+    # meets the head's, already accumulated in the shared .grad, before it is added
+    tied_extra = head_grad if cfg.tie_embeddings else 0
+    update = master + gathered + 2 * master + ref + max(acts + head + head_grad, master + tied_extra)
     vp_local = cfg.padded_vocab_size(lay.tp) // lay.tp
-    # the reference's no-grad forward (experience phase): one layer's transients alive at a time
-    # and its log-probs by the fused head: ~3 [chunk, Vp/tp] fp32 logits tensors
-    ref_fwd = (ref + forward_transient(cfg, lay.tp, batch.update_rows * batch.seq_len, act_b)
+    # the reference's no-grad forward (experience phase): one layer's transients alive at a time,
+    # the copy of its head weight [Vp/tp, H] that rl/logprobs.py's reference_hidden keeps, and its
+    # log-probs by the fused head: ~3 [chunk, Vp/tp] fp32 logits tensors
+    ref_head_copy = vp_local * cfg.hidden_size * DTYPE_BYTES[ref_dtype or lay.compute_dtype]
+    ref_fwd = (ref + forward_transient(cfg, lay.tp, batch.update_rows * batch.seq_len, act_b) + ref_head_copy
                + 3 * head_chunk(batch.kl_chunk, batch.update_rows * batch.response_len, vp_local) * vp_local * 4)
     experience = parts["policy weights"] + parts["AdamW state"] + ref_fwd
     return {"parts": parts, "rollout_peak": rollout, "update_peak": update, "experience_peak": experience,

@@ -21,8 +21,9 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from core.config import ModelConfig
+from parallel.vocab_stats import resolve_chunk_size
 from tools.klcost.measure import describe, measure
-from tools.klcost.methods import DTYPES, METHODS
+from tools.klcost.methods import CHUNKED, DTYPES, METHODS
 
 PROJECTABLE = set(METHODS) | {"verl_k3", "trl_k3"}  # plain torch code: runs under FakeTensorMode
 _FAKE_WORLD = 64  # ranks of the fake group; tp groups are its first tp ranks
@@ -56,8 +57,32 @@ def fake_group(tp: int):
     return _groups[tp]
 
 
-def project(name, pass_, T, H, V, tp, dtype, chunk, seed=0, device="cuda") -> dict:
+EXTRAPOLATE_FROM = (4, 8)  # chunks: a chunked method's row at many chunks is extrapolated from these two
+
+
+def project(name, pass_, T, H, V, tp, dtype, chunk, seed=0, device="cuda", extrapolate=True) -> dict:
     """One projected row: `name`'s peak (and comm) at this shape, one rank of tp, without allocating.
+
+    A chunked method (every chunk the same work, the O(T) buffers made up front) has a peak, comm
+    bytes and calls affine in T at a fixed chunk c once T holds a few chunks; with `extrapolate` and
+    T = n c, n > 8, the row is projected at 4 c and 8 c and extrapolated linearly to T (exact
+    integers; tests/test_kl_memory.py checks it equals the direct projection), so 128k tokens cost
+    as much as 8 chunks. `extrapolated_from` [4 c, 8 c] marks such a row.
+    """
+    c = resolve_chunk_size(chunk, T, ModelConfig(vocab_size=V).padded_vocab_size(tp) // tp)
+    a, b = EXTRAPOLATE_FROM
+    if extrapolate and name in CHUNKED and T % c == 0 and T // c > b:
+        ra = project(name, pass_, a * c, H, V, tp, dtype, c, seed, device, extrapolate=False)
+        rb = project(name, pass_, b * c, H, V, tp, dtype, c, seed, device, extrapolate=False)
+        for k in ("peak_bytes", "comm_bytes", "comm_calls"):
+            rb[k] += (rb[k] - ra[k]) * (T - b * c) // ((b - a) * c)
+        rb.update(tokens=T, extrapolated_from=[a * c, b * c])
+        return rb
+    return _project_one(name, pass_, T, H, V, tp, dtype, c, seed, device)
+
+
+def _project_one(name, pass_, T, H, V, tp, dtype, chunk, seed, device) -> dict:
+    """project() of one shape, run in full; `device` as for project():
     `device`: whose code path to project. "cuda": the GPU's path (the head's fp32 logits straight out
     of torch.mm(out_dtype=float32)), run on meta tensors, which take that path and allocate
     nothing (and dispatch ~2x faster than fake tensors); "cpu": this machine's path (bf16 weights
