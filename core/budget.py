@@ -134,16 +134,18 @@ def step_budget(cfg: ModelConfig, lay: Layout, batch: Batch, placement: str = "t
     # only (the first made), the full gradients meet no activations; the larger of the two is the top
     head_grad = -(-pc["vocab"] // shard) * 4 // (1 if cfg.tie_embeddings else 2)
     # tied embeddings: the embedding's backward (the last) makes a dense [Vp/tp, H] gradient that
-    # meets the head's, already accumulated in the shared .grad, before it is added
-    tied_extra = head_grad if cfg.tie_embeddings else 0
+    # meets the head's, already in the shared .grad, and autograd adds the two out of place: two
+    # more vocabulary-table gradients (measured: MemTracker's Temp = 3 of them at the peak)
+    tied_extra = 2 * head_grad if cfg.tie_embeddings else 0
     update = master + gathered + 2 * master + ref + max(acts + head + head_grad, master + tied_extra)
     vp_local = cfg.padded_vocab_size(lay.tp) // lay.tp
-    # the reference's no-grad forward (experience phase): one layer's transients alive at a time,
-    # the copy of its head weight [Vp/tp, H] that rl/logprobs.py's reference_hidden keeps, and its
-    # log-probs by the fused head: ~3 [chunk, Vp/tp] fp32 logits tensors
+    # the reference's no-grad pass (experience phase): the copy of its head weight [Vp/tp, H] that
+    # rl/logprobs.py's reference_hidden keeps, plus the larger of one layer's forward transients and
+    # its log-probs by the fused head: one [chunk, Vp/tp] fp32 logits tensor (statistics in place)
     ref_head_copy = vp_local * cfg.hidden_size * DTYPE_BYTES[ref_dtype or lay.compute_dtype]
-    ref_fwd = (ref + forward_transient(cfg, lay.tp, batch.update_rows * batch.seq_len, act_b) + ref_head_copy
-               + 3 * head_chunk(batch.kl_chunk, batch.update_rows * batch.response_len, vp_local) * vp_local * 4)
+    ref_logits = head_chunk(batch.kl_chunk, batch.update_rows * batch.response_len, vp_local) * vp_local * 4
+    ref_fwd = ref + ref_head_copy + max(forward_transient(cfg, lay.tp, batch.update_rows * batch.seq_len, act_b),
+                                        ref_logits)
     experience = parts["policy weights"] + parts["AdamW state"] + ref_fwd
     return {"parts": parts, "rollout_peak": rollout, "update_peak": update, "experience_peak": experience,
             "reference_forward_peak": ref_fwd, "peak": max(rollout, update, experience),
