@@ -64,19 +64,20 @@ def project(name, pass_, T, H, V, tp, dtype, chunk, seed=0, device="cuda", extra
     """One projected row: `name`'s peak (and comm) at this shape, one rank of tp, without allocating.
 
     A chunked method (every chunk the same work, the O(T) buffers made up front) has a peak, comm
-    bytes and calls affine in T at a fixed chunk c once T holds a few chunks; with `extrapolate` and
-    T = n c, n > 8, the row is projected at 4 c and 8 c and extrapolated linearly to T (exact
-    integers; tests/test_kl_memory.py checks it equals the direct projection), so 128k tokens cost
-    as much as 8 chunks. `extrapolated_from` [4 c, 8 c] marks such a row.
+    bytes and calls affine in the number of chunks at a fixed chunk c and remainder r = T mod c;
+    with `extrapolate` and T = n c + r, n > 8, the row is projected at 4 c + r and 8 c + r and
+    extrapolated linearly to n (exact integers; tests/test_kl_memory.py checks it equals the direct
+    projection), so 128k tokens cost as much as 8 chunks. `extrapolated_from` marks such a row.
     """
     c = resolve_chunk_size(chunk, T, ModelConfig(vocab_size=V).padded_vocab_size(tp) // tp)
     a, b = EXTRAPOLATE_FROM
-    if extrapolate and name in CHUNKED and T % c == 0 and T // c > b:
-        ra = project(name, pass_, a * c, H, V, tp, dtype, c, seed, device, extrapolate=False)
-        rb = project(name, pass_, b * c, H, V, tp, dtype, c, seed, device, extrapolate=False)
+    r = T % c  # the last, short chunk: the same in the two runs extrapolated from
+    if extrapolate and name in CHUNKED and T // c > b:
+        ra = project(name, pass_, a * c + r, H, V, tp, dtype, c, seed, device, extrapolate=False)
+        rb = project(name, pass_, b * c + r, H, V, tp, dtype, c, seed, device, extrapolate=False)
         for k in ("peak_bytes", "comm_bytes", "comm_calls"):
-            rb[k] += (rb[k] - ra[k]) * (T - b * c) // ((b - a) * c)
-        rb.update(tokens=T, extrapolated_from=[a * c, b * c])
+            rb[k] += (rb[k] - ra[k]) * (T // c - b) // (b - a)
+        rb.update(tokens=T, extrapolated_from=[a * c + r, b * c + r])
         return rb
     return _project_one(name, pass_, T, H, V, tp, dtype, c, seed, device)
 
