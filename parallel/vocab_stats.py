@@ -183,12 +183,13 @@ def _shift(z: torch.Tensor, inplace: bool = False):
 
 
 def local_stats(zp, zq, tsel, spec: StatsSpec, maxes: torch.Tensor, sums: torch.Tensor,
-                inplace: bool = False) -> None:
+                inplace: bool = False, keep_shifted: bool = False) -> None:
     """Fill one chunk's rows of `maxes` [c, 1|2] (local max, -inf if nv == 0) and `sums` [c, k]
     (sums of exp(s) with s = z - local max, of the entropy/KL integrands in s, and the picked
     target logits). Working memory besides zp and zq: at most four [c, nv] temporaries, two with
     `inplace` (the caller's zp and zq are then overwritten: the fused head's forward, whose
-    logits die here)."""
+    logits die here). With `inplace` and `keep_shifted` zp and zq are left holding s = z - local
+    max (for grad_logits with `shifted_stats`: fused_head_loss), at one more temporary."""
     cols = spec.cols
     if zp.shape[1] == 0:  # this rank holds only padding: contributes nothing
         maxes.fill_(float("-inf"))
@@ -202,7 +203,7 @@ def local_stats(zp, zq, tsel, spec: StatsSpec, maxes: torch.Tensor, sums: torch.
             sums[:, cols["t_q"]] = torch.where(held, zq.gather(1, idx[:, None])[:, 0], zero)
     mp, sp = _shift(zp, inplace)
     maxes[:, 0] = mp[:, 0]
-    need_sp = spec.entropy or spec.kl is not None  # s_p is needed again
+    need_sp = keep_shifted or spec.entropy or spec.kl is not None  # s_p is needed again
     ep = sp.exp() if need_sp else sp.exp_()
     sums[:, cols["S_p"]] = ep.sum(1)
     if spec.has_q:
@@ -212,18 +213,31 @@ def local_stats(zp, zq, tsel, spec: StatsSpec, maxes: torch.Tensor, sums: torch.
         # where the weight is 0 the term is 0 (never 0 * inf = NaN), +inf survives (p > 0, q = 0)
         if spec.kl == "forward":
             sums[:, cols["S_q"]] = sq.exp().sum(1)  # a transient: the weight is p
-            sums[:, cols["KL"]] = _finite_at_zero(sq.sub_(sp).neg_().mul_(ep)).sum(1)
+            d = torch.sub(sp, sq) if keep_shifted else sq.sub_(sp).neg_()
+            sums[:, cols["KL"]] = _finite_at_zero(d.mul_(ep)).sum(1)
         elif spec.kl == "reverse":
             eq = sq.exp()
             sums[:, cols["S_q"]] = eq.sum(1)
-            sums[:, cols["KL"]] = _finite_at_zero(sq.sub_(sp).mul_(eq)).sum(1)
+            d = torch.sub(sq, sp) if keep_shifted else sq.sub_(sp)
+            sums[:, cols["KL"]] = _finite_at_zero(d.mul_(eq)).sum(1)
             del eq
         else:
-            sums[:, cols["S_q"]] = sq.exp_().sum(1)
+            sums[:, cols["S_q"]] = (sq.exp() if keep_shifted else sq.exp_()).sum(1)
         del sq
-    if spec.entropy:
-        sums[:, cols["H"]] = _finite_at_zero(sp.mul_(ep)).sum(1)
+    if spec.entropy:  # s_p * p, in p's buffer when s_p must survive (the same product, bitwise)
+        sums[:, cols["H"]] = _finite_at_zero(ep.mul_(sp) if keep_shifted else sp.mul_(ep)).sum(1)
     del ep, sp
+
+
+def shifted_stats(st: dict, maxes: torch.Tensor, spec: StatsSpec) -> dict:
+    """`st` for grad_logits on logits left shifted by local_stats(keep_shifted=True): s = z - l with
+    l the local max (0 where it is not finite), so log p = s - (m - l) - log S: m and m_q minus l.
+    At tp = 1, l = m and the result is bitwise that of the unshifted logits."""
+    shift = torch.where(torch.isfinite(maxes), maxes, maxes.new_zeros(()))
+    out = dict(st, m=st["m"] - shift[:, 0])
+    if spec.has_q:
+        out["m_q"] = st["m_q"] - shift[:, 1]
+    return out
 
 
 def _finite_at_zero(x: torch.Tensor) -> torch.Tensor:
