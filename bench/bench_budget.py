@@ -37,14 +37,13 @@ def check(json_path=None) -> dict:
 
     torch.set_num_threads(max(1, (os.cpu_count() or 1)))
     spec = bench.BenchConfig(QWEN05B, ["rollout.prompts_per_step=2", "rollout.group_size=2",
-                                       "rollout.max_new_tokens=16", "algo.epochs=1", "algo.mini_batches=1",
-                                       "algo.kl_chunk_size=256"])
+                                       "rollout.max_new_tokens=16", "algo.epochs=1", "algo.mini_batches=1"])
     tr = bench.build_trainer(spec, "grpo")
     tr.step(0)
     pol, ref = bench.component_memory(tr, 2)
     P = tr.make_experience(3).ro.prompt_len
     batch = Batch(rollout_rows=pol["rows"], update_rows=pol["rows"], seq_len=pol["seq_len"],
-                  response_len=pol["seq_len"] - P, kl_chunk=256)
+                  response_len=pol["seq_len"] - P, kl_chunk=tr.cfg.algo.kl_chunk_size)
     b = step_budget(QWEN05B, Layout(), batch, placement="tp", kl_method="fused")
     parts = b["parts"]
     rows = [("policy update forward+backward", pol["peak_total"], b["update_peak"] - parts["reference"]),
@@ -54,7 +53,11 @@ def check(json_path=None) -> dict:
     for name, got, want in rows:
         print(f"| {name} | {got / GB:.3f} | {want / GB:.3f} | {want / got:.3f} |")
     print("budget parts (GB): " + ", ".join(f"{k} {v / GB:.3f}" for k, v in parts.items()))
-    out = {"rows": [dict(phase=n, measured=g, budget=w) for n, g, w in rows], "parts": parts}
+    cats = ("peak_param", "peak_grad", "peak_opt", "peak_act", "peak_temp", "peak_other")
+    for name, m in (("policy", pol), ("reference", ref)):
+        print(f"measured {name} by MemTracker category (GB): " + ", ".join(f"{c[5:]} {m[c] / GB:.3f}" for c in cats))
+    out = {"rows": [dict(phase=n, measured=g, budget=w) for n, g, w in rows], "parts": parts,
+           "measured": {"policy": pol, "reference": ref}}
     if json_path:
         with open(json_path, "w") as f:
             json.dump(out, f, indent=1)
@@ -64,7 +67,7 @@ def check(json_path=None) -> dict:
 def projections():
     """(label, budget) for 8B and 70B on 8 and 64 GPUs, bf16, 8k update tokens per rank."""
     out = []
-    batch = Batch(rollout_rows=64, update_rows=4, seq_len=2048, response_len=1536, kl_chunk=1024)
+    batch = Batch(rollout_rows=64, update_rows=4, seq_len=2048, response_len=1536)  # kl_chunk: auto
     for name, cfg, layouts in (("8B", LLAMA8B, [(1, 8), (8, 1), (8, 8)]), ("70B", LLAMA70B, [(8, 1), (8, 8)])):
         for tp, dp in layouts:
             for ac in (False, True):

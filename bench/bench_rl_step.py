@@ -44,7 +44,7 @@ from core.tokenizer import load_tokenizer
 from parallel.dims import ParallelDims, init_parallel
 from rl.config import RLConfig
 from rl.critic import Critic
-from rl.logprobs import critic_values, policy_token_stats, reference_hidden
+from rl.logprobs import critic_values, logprobs_from_hidden, policy_token_stats, reference_hidden
 from rl.losses import aggregate, clipped_value_loss, loss_scale, policy_loss
 from rl.tasks import CHARSET
 from rl.train import assemble
@@ -198,12 +198,12 @@ def _policy_pass(tr, data, r, mt):
 
 @torch.no_grad()
 def _reference_pass(tr, data, r, mt):
-    """What make_experience does with the reference: its hidden states, then its log-probs."""
+    """What make_experience does with the reference: its hidden states and a copy of its head weight,
+    then its log-probs from them by the fused head (both kept alive meanwhile, as there)."""
     ro = data.ro
-    reference_hidden(tr.ref, ro.sequences[r], ro.attention_mask[r], ro.prompt_len)
-    mt.reset_mod_stats()
-    policy_token_stats(tr.ref, ro.sequences[r], ro.attention_mask[r], ro.prompt_len, vocab_size=tr.vocab,
-                       chunk_size=tr.cfg.algo.kl_chunk_size, entropy=False)
+    ref_h, ref_w = reference_hidden(tr.ref, ro.sequences[r], ro.attention_mask[r], ro.prompt_len)
+    logprobs_from_hidden(ref_h, ref_w, ro.responses_ids[r], vocab_size=tr.vocab,
+                         chunk_size=tr.cfg.algo.kl_chunk_size, mask=ro.response_mask[r])
 
 
 def _critic_pass(tr, data, r, mt):

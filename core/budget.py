@@ -17,8 +17,10 @@
 
 Three phases peak separately: rollout (weights, optimizer state, reference, KV cache), experience
 (weights, optimizer state, the reference's no-grad forward: its weights plus one layer's
-transients) and update (weights, optimizer state, reference, then the larger of activations + KL head + the head's
-gradient and all gradients: backward frees activations as it makes gradients); the
+transients and the copy of its head weight that reference_hidden keeps) and update (weights,
+optimizer state, reference, then the larger of activations + KL head + the head's gradient and all
+gradients, plus with tied embeddings the embedding's dense gradient: backward frees activations as
+it makes gradients); the
 step's peak is the largest. Checked against MemTracker peaks of bench/bench_rl_step.py in tests/test_budget.py.
 """
 
@@ -27,6 +29,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from core.config import ModelConfig
+from parallel.vocab_stats import resolve_chunk_size
 
 PLACEMENTS = ("replicated", "tp", "tp_fsdp", "cpu_offload")
 KL_METHODS = ("gather", "vp_materialized", "fused")
@@ -49,7 +52,7 @@ class Batch:
     update_rows: int  # rows per forward+backward of the update (a micro-batch)
     seq_len: int  # prompt + response tokens
     response_len: int  # tokens the KL head sees per row
-    kl_chunk: int = 1024
+    kl_chunk: int | None = None  # tokens per fused-head chunk; None: "auto" (parallel/vocab_stats.py's rule)
 
 
 def param_counts(cfg: ModelConfig, tp: int) -> dict[str, int]:
@@ -81,8 +84,13 @@ def kl_head_bytes(method: str, tokens: int, cfg: ModelConfig, tp: int, chunk: in
     if method == "vp_materialized":
         return 6 * tokens * vp // tp * 4 + grad_hidden
     if method == "fused":
-        return 6 * min(chunk, tokens) * vp // tp * 4 + grad_hidden
+        return 6 * head_chunk(chunk, tokens, vp // tp) * vp // tp * 4 + grad_hidden
     raise ValueError(f"kl method {method!r}: choose from {KL_METHODS}")
+
+
+def head_chunk(chunk: int | None, tokens: int, width: int) -> int:
+    """Tokens per fused-head chunk: `chunk` (None: auto_chunk_size(tokens, width = Vp/tp)), at most tokens."""
+    return min(resolve_chunk_size(chunk, tokens, width), max(tokens, 1))
 
 
 def reference_bytes(placement: str, cfg: ModelConfig, lay: Layout, ref_bytes: int) -> tuple[int, float]:
@@ -125,12 +133,19 @@ def step_budget(cfg: ModelConfig, lay: Layout, batch: Batch, placement: str = "t
     # backward frees activations as it makes gradients: the head's transients meet the head's gradient
     # only (the first made), the full gradients meet no activations; the larger of the two is the top
     head_grad = -(-pc["vocab"] // shard) * 4 // (1 if cfg.tie_embeddings else 2)
-    update = master + gathered + 2 * master + ref + max(acts + head + head_grad, master)
-    # the reference's no-grad forward (experience phase): one layer's transients alive at a time
-    # and its log-probs by the fused head: ~3 [chunk, Vp/tp] fp32 logits tensors
-    ref_fwd = (ref + forward_transient(cfg, lay.tp, batch.update_rows * batch.seq_len, act_b)
-               + 3 * min(batch.kl_chunk, batch.update_rows * batch.response_len) * cfg.padded_vocab_size(lay.tp)
-               // lay.tp * 4)
+    # tied embeddings: the embedding's backward (the last) makes a dense [Vp/tp, H] gradient that
+    # meets the head's, already in the shared .grad, and autograd adds the two out of place: two
+    # more vocabulary-table gradients (measured: MemTracker's Temp = 3 of them at the peak)
+    tied_extra = 2 * head_grad if cfg.tie_embeddings else 0
+    update = master + gathered + 2 * master + ref + max(acts + head + head_grad, master + tied_extra)
+    vp_local = cfg.padded_vocab_size(lay.tp) // lay.tp
+    # the reference's no-grad pass (experience phase): the copy of its head weight [Vp/tp, H] that
+    # rl/logprobs.py's reference_hidden keeps, plus the larger of one layer's forward transients and
+    # its log-probs by the fused head: one [chunk, Vp/tp] fp32 logits tensor (statistics in place)
+    ref_head_copy = vp_local * cfg.hidden_size * DTYPE_BYTES[ref_dtype or lay.compute_dtype]
+    ref_logits = head_chunk(batch.kl_chunk, batch.update_rows * batch.response_len, vp_local) * vp_local * 4
+    ref_fwd = ref + ref_head_copy + max(forward_transient(cfg, lay.tp, batch.update_rows * batch.seq_len, act_b),
+                                        ref_logits)
     experience = parts["policy weights"] + parts["AdamW state"] + ref_fwd
     return {"parts": parts, "rollout_peak": rollout, "update_peak": update, "experience_peak": experience,
             "reference_forward_peak": ref_fwd, "peak": max(rollout, update, experience),

@@ -10,7 +10,9 @@ the exact KL to a reference, chunked over tokens, never holding a [T, V] logits 
 | targets            | [...]          | global token ids                                      |
 | outputs            | [...] each     | replicated                                            |
 
-Forward, per chunk of `chunk_size` tokens: logits = hidden_c @ weight_local.T (no bias), reduced
+Forward, per chunk of `chunk_size` tokens (None or "auto", the default: chosen from this rank's
+vocabulary shard by parallel/vocab_stats.py's auto_chunk_size, chunk x Vp/tp <= 2^25 elements,
+clamped to [64, T]; the results do not depend on it): logits = hidden_c @ weight_local.T (no bias), reduced
 to local statistics (parallel/vocab.py's core) and freed; after the last chunk the same two O(T)
 collectives as the unfused functions finish the values. Backward recomputes each chunk's logits,
 forms d/dlogits locally and accumulates grad_hidden and grad_weight; no collective. So the extra
@@ -56,6 +58,7 @@ from parallel.vocab_stats import (
     local_stats,
     masked,
     reduce_stats,
+    resolve_chunk_size,
     vocab_shard,
 )
 
@@ -130,7 +133,7 @@ class _FusedHead(torch.autograd.Function):
             zp = mm_p(hidden[s:e], kc)
             zq = mm_q(ref_hidden[s:e], kc) if spec.has_q else None
             tsel = None if tl is None else (tl[0][s:e], tl[1][s:e])
-            local_stats(zp, zq, tsel, spec, maxes[s:e], sums[s:e])
+            local_stats(zp, zq, tsel, spec, maxes[s:e], sums[s:e], inplace=True)  # the logits die here
             del zp, zq
         st = reduce_stats(maxes, sums, spec, sh.group)
         ctx.sh, ctx.spec, ctx.chunk_size = sh, spec, chunk_size
@@ -158,7 +161,7 @@ class _FusedHead(torch.autograd.Function):
             tsel = None if tl is None else (tl[0][s:e], tl[1][s:e])
             g = {k: masked(part(v, s, e), kc) for k, v in g_all.items()}
             gp, gq = grad_logits(zp, zq, tsel, {k: v[s:e] for k, v in st_all.items()}, g, spec, want_q,
-                                 sh.temperature)
+                                 sh.temperature, inplace=True)  # gp, log q in the logits' buffers
             del zp, zq
             acc.add(s, e, kc, gp, gq if want_q else None)
         return (*acc.grads(), None, None, None, None, None)
@@ -197,6 +200,7 @@ class PreparedHead(NamedTuple):
     sh: VocabShard
     spec: StatsSpec
     lead: torch.Size  # hidden's leading dims, the outputs' shape
+    chunk_size: int  # tokens per chunk, resolved ("auto" -> from T and Vp/tp)
 
 
 def _check_ref(hidden, weight_local, ref_hidden, ref_weight_local, kl):
@@ -224,8 +228,9 @@ def _check_ref(hidden, weight_local, ref_hidden, ref_weight_local, kl):
 
 
 def prepare_head(hidden, weight_local, targets, tp_group, vocab_size, ref_hidden, ref_weight_local, temperature,
-                 entropy, kl, fp32, who, mask=None) -> PreparedHead:
-    """Validate the fused head's inputs (one clear error naming the culprit) and flatten them.
+                 entropy, kl, fp32, who, mask=None, chunk_size=None) -> PreparedHead:
+    """Validate the fused head's inputs (one clear error naming the culprit), flatten them and
+    resolve the chunk size (None / "auto": auto_chunk_size(T, Vp/tp)).
     Shared by fused_head and parallel/fused_loss.py's fused_head_loss."""
     ref_hidden = _check_ref(hidden, weight_local, ref_hidden, ref_weight_local, kl)
     lead, width = hidden.shape[:-1], weight_local.shape[0]
@@ -240,21 +245,24 @@ def prepare_head(hidden, weight_local, targets, tp_group, vocab_size, ref_hidden
     if not outputs:
         raise ValueError(f"{who} was asked for nothing: pass targets, entropy=True or kl=...")
     spec = StatsSpec(has_q, t is not None, bool(entropy), kl, outputs)
-    return PreparedHead(hidden.reshape(-1, hidden.shape[-1]), ref_hidden, t, keep, sh, spec, lead)
+    flat = hidden.reshape(-1, hidden.shape[-1])
+    chunk = resolve_chunk_size(chunk_size, flat.shape[0], width)
+    return PreparedHead(flat, ref_hidden, t, keep, sh, spec, lead, chunk)
 
 
 def fused_head(hidden, weight_local, targets=None, tp_group=None, *, vocab_size=None, ref_hidden=None,
-               ref_weight_local=None, temperature=1.0, chunk_size=1024, entropy=True, kl=None,
+               ref_weight_local=None, temperature=1.0, chunk_size=None, entropy=True, kl=None,
                fp32=True, mask=None) -> FusedHeadOutput:
     """Log-probs of `targets`, entropy and exact KL (kl="forward": KL(p||q), "reverse": KL(q||p)) of
     the head logits = hidden @ weight_local.T, sharded on the vocabulary over tp_group, against the
     reference logits = ref_hidden @ ref_weight_local.T. Fields not requested are None; ref_logprobs
     is filled when both targets and ref_weight_local are given. `mask` [...] (optional, like
-    targets): tokens to drop, exactly (see the module docstring). See the module docstring for the
-    copy_to_tp contract at tp > 1."""
+    targets): tokens to drop, exactly (see the module docstring). `chunk_size`: tokens per chunk, an
+    int or None / "auto" (chunk x Vp/tp <= 2^25 elements, in [64, T]; auto_chunk_size). See the
+    module docstring for the copy_to_tp contract at tp > 1."""
     ph = prepare_head(hidden, weight_local, targets, tp_group, vocab_size, ref_hidden, ref_weight_local,
-                      temperature, entropy, kl, fp32, "fused_head", mask)
+                      temperature, entropy, kl, fp32, "fused_head", mask, chunk_size)
     outs = _FusedHead.apply(ph.hidden, weight_local, ph.ref_hidden, ref_weight_local, ph.targets, ph.keep, ph.sh,
-                            ph.spec, chunk_size)
+                            ph.spec, ph.chunk_size)
     got = {name: o.reshape(ph.lead) for name, o in zip(ph.spec.outputs, outs)}
     return FusedHeadOutput(*(got.get(k) for k in FusedHeadOutput._fields))

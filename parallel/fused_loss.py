@@ -12,12 +12,13 @@ per-token log-probs, entropy and exact KL, whose gradient is computed during the
 | loss               | []             | replicated                                            |
 | stats              | [...] each     | replicated, detached                                  |
 
-Per chunk of `chunk_size` tokens, in the forward pass: the policy (and reference) logits
-[c, Vp/tp], the chunk's statistics reduced over tp_group, the chunk's per-token values, then
-`token_loss` and its gradient with respect to those [c] values (torch.autograd on [c] tensors
-only), then d loss / d logits locally (parallel/vocab.py's grad_logits), then
+Per chunk of `chunk_size` tokens (default "auto": see parallel/fused.py), in the forward pass: the
+policy (and reference) logits [c, Vp/tp], the chunk's statistics reduced over tp_group, the
+chunk's per-token values, then `token_loss` and its gradient with respect to those [c] values
+(torch.autograd on [c] tensors only), then d loss / d logits locally (parallel/vocab.py's grad_logits), then
 grad_hidden[chunk] = dz @ W and grad_weight += dz^T @ h; the logits are freed before the next chunk.
-The autograd backward only scales the saved grad_hidden / grad_weight by the incoming scalar.
+The autograd backward only scales the saved grad_hidden / grad_weight by the incoming scalar, in
+place, and hands them over (no second weight-gradient-sized tensor: 1 GiB at Llama-3-8B's head in bf16).
 
 Compared with parallel/fused.py (policy and reference logits computed twice: forward and the
 recomputing backward, 6 head-sized matmuls), this does 4: two logit matmuls and two gradient matmuls.
@@ -35,8 +36,9 @@ that the closure computes at a padded position reaches neither the loss nor a gr
 
 The reference is frozen: no gradient reaches ref_hidden or ref_weight_local (they are read
 detached), nor `hidden` through the reference side when ref_hidden is None.
-The gradient is that of the loss at the moment of the call: a second backward through the
-returned loss gives the same (saved) gradients scaled again, not a graph of higher order.
+The gradient is that of the loss at the moment of the call, handed over by the first backward;
+a second backward through the same loss (retain_graph=True) raises a RuntimeError, and there is no
+graph of higher order.
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ from __future__ import annotations
 import torch
 
 from parallel.fused import FusedHeadOutput, GradAccumulator, HeadMatmul, part, prepare_head
-from parallel.vocab_stats import chunks, grad_logits, local_stats, masked, reduce_stats
+from parallel.vocab_stats import chunks, grad_logits, local_stats, masked, reduce_stats, shifted_stats
 
 _VALUES = ("logprobs", "entropy", "kl")  # what token_loss sees, in its argument order
 
@@ -69,7 +71,7 @@ class _FusedHeadLoss(torch.autograd.Function):
             zq = mm_q(ref_hidden[s:e], kc) if spec.has_q else None
             tsel = None if tl is None else (tl[0][s:e], tl[1][s:e])
             maxes, sums = spec.buffers(e - s, hidden, sh.dtype)
-            local_stats(zp, zq, tsel, spec, maxes, sums)
+            local_stats(zp, zq, tsel, spec, maxes, sums, inplace=True, keep_shifted=True)  # zp, zq: z - local max
             # this chunk's values must be final before its gradient: the max all-reduce and the
             # partial-sum all-gather run per chunk, each O(chunk) floats (see the module docstring)
             st = reduce_stats(maxes, sums, spec, sh.group)
@@ -79,7 +81,8 @@ class _FusedHeadLoss(torch.autograd.Function):
             loss = chunk_loss if loss is None else loss + chunk_loss
             if any(v is not None for v in g.values()):
                 g = {k: masked(v.to(sh.dtype), kc) for k, v in g.items() if v is not None}
-                gp, _ = grad_logits(zp, zq, tsel, st, g, spec, False, sh.temperature)
+                gp, _ = grad_logits(zp, zq, tsel, shifted_stats(st, maxes, spec), g, spec, False, sh.temperature,
+                                    inplace=True)  # the logits' last use
                 acc.add(s, e, kc, gp, None)
                 del gp
             del zp, zq
@@ -91,9 +94,18 @@ class _FusedHeadLoss(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_loss, *_):
+        # the saved gradients are scaled in place and handed over (no second weight-sized tensor);
+        # so they can be handed out once only
+        if getattr(ctx, "handed_out", False):
+            raise RuntimeError("fused_head_loss: a second backward through the same loss (retain_graph=True). "
+                               "Its gradient was formed in forward and handed over by the first backward; call "
+                               "fused_head_loss again for another gradient")
+        ctx.handed_out = True
         gh, gw = ctx.saved_tensors
-        return (None if gh is None else gh * grad_loss, None if gw is None else gw * grad_loss,
-                None, None, None, None, None, None, None, None)
+        for g in (gh, gw):
+            if g is not None:
+                g.mul_(grad_loss)  # exact when grad_loss is 1; no device sync to test it
+        return (gh, gw, None, None, None, None, None, None, None, None)
 
 
 def _token_loss_and_grads(token_loss, st: dict, keep, s: int, e: int, need: bool):
@@ -114,7 +126,7 @@ def _token_loss_and_grads(token_loss, st: dict, keep, s: int, e: int, need: bool
 
 
 def fused_head_loss(hidden, weight_local, targets=None, tp_group=None, *, token_loss, vocab_size=None,
-                    ref_hidden=None, ref_weight_local=None, temperature=1.0, chunk_size=1024, kl=None,
+                    ref_hidden=None, ref_weight_local=None, temperature=1.0, chunk_size=None, kl=None,
                     entropy=True, fp32=True, mask=None) -> tuple[torch.Tensor, FusedHeadOutput]:
     """loss = sum over chunks of token_loss(logprobs, entropy, kl, tokens).sum(), with the gradient
     to hidden and weight_local computed chunk by chunk in this call.
@@ -123,6 +135,8 @@ def fused_head_loss(hidden, weight_local, targets=None, tp_group=None, *, token_
     on the vocabulary over tp_group, targets [...] global ids (or None), kl None / "forward" /
     "reverse" against the frozen reference ref_hidden @ ref_weight_local.T, mask [...] (optional):
     the tokens that exist (a masked token adds exactly nothing to the loss or the gradients).
+    `chunk_size`: tokens per chunk, an int or None / "auto" (the default: chunk x Vp/tp <= 2^25
+    elements, in [64, T]; parallel/vocab_stats.py's auto_chunk_size).
 
     token_loss(logprobs, entropy, kl, tokens) -> [c]: called once per chunk with that chunk's [c]
     values (None for those not requested) and `tokens`, the chunk's slice of the flattened leading
@@ -135,10 +149,10 @@ def fused_head_loss(hidden, weight_local, targets=None, tp_group=None, *, token_
     if not callable(token_loss):
         raise TypeError(f"token_loss must be callable, got {type(token_loss).__name__}")
     ph = prepare_head(hidden, weight_local, targets, tp_group, vocab_size, ref_hidden, ref_weight_local,
-                      temperature, entropy, kl, fp32, "fused_head_loss", mask)
+                      temperature, entropy, kl, fp32, "fused_head_loss", mask, chunk_size)
     ref_hidden = None if ph.ref_hidden is None else ph.ref_hidden.detach()
     ref_weight = None if ref_weight_local is None else ref_weight_local.detach()
     loss, *outs = _FusedHeadLoss.apply(ph.hidden, weight_local, ref_hidden, ref_weight, ph.targets, ph.keep,
-                                       ph.sh, ph.spec, chunk_size, token_loss)
+                                       ph.sh, ph.spec, ph.chunk_size, token_loss)
     got = {name: o.reshape(ph.lead) for name, o in zip(ph.spec.outputs, outs)}
     return loss, FusedHeadOutput(*(got.get(k) for k in FusedHeadOutput._fields))

@@ -113,8 +113,32 @@ def check_targets(targets: torch.Tensor, shape, vocab: int, ignore_index: int | 
     return t
 
 
+AUTO_CHUNK_ELEMENTS = 2**25  # chunk x Vp/tp elements of one [chunk, Vp/tp] fp32 temporary: 128 MiB
+AUTO_CHUNK_MIN = 64  # tokens: below this the head's matmuls get thin
+
+
+def auto_chunk_size(tokens: int, width: int) -> int:
+    """The fused heads' default tokens per chunk for [T, width] logits (width = Vp/tp, this rank's
+    shard): the largest multiple of 64 with chunk x width <= AUTO_CHUNK_ELEMENTS (2^25), at least
+    AUTO_CHUNK_MIN, at most T. So each [chunk, Vp/tp] fp32 temporary is <= 128 MiB whatever the
+    vocabulary and tp: 256 tokens at Vp = 128256, tp 1; 2048 at tp 8."""
+    c = AUTO_CHUNK_ELEMENTS // max(int(width), 1) // AUTO_CHUNK_MIN * AUTO_CHUNK_MIN
+    return max(1, min(max(c, AUTO_CHUNK_MIN), int(tokens)))
+
+
+def resolve_chunk_size(chunk_size, tokens: int, width: int) -> int:
+    """A fused head's chunk: `chunk_size` None or "auto" -> auto_chunk_size(tokens, width); a
+    positive int as given. One clear error otherwise."""
+    if chunk_size is None or chunk_size == "auto":
+        return auto_chunk_size(tokens, width)
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size <= 0:
+        raise ValueError(f"chunk_size must be a positive int, None or 'auto', got {chunk_size!r}")
+    return chunk_size
+
+
 def chunks(n: int, chunk_size: int | None):
-    """[(start, end)] token ranges of `chunk_size` (all of them at once for None)."""
+    """[(start, end)] token ranges of `chunk_size` (all of them at once for None: parallel/vocab.py's
+    materialised functions; the fused heads resolve None to `auto_chunk_size` before calling this)."""
     c = max(n, 1) if chunk_size is None else int(chunk_size)
     if c <= 0:
         raise ValueError(f"chunk_size must be positive, got {chunk_size}")
@@ -150,46 +174,70 @@ class StatsSpec:
                 like.new_empty((n, len(self.cols)), dtype=dtype))
 
 
-def _shift(z: torch.Tensor):
-    """(local max [c, 1], z - max [c, nv]); a row of -inf (all p = 0 here) shifts by 0, not NaN."""
+def _shift(z: torch.Tensor, inplace: bool = False):
+    """(local max [c, 1], z - max [c, nv], in z's buffer with `inplace`); a row of -inf (all p = 0
+    here) shifts by 0, not NaN."""
     m = z.amax(1, keepdim=True)
-    return m, z - torch.where(torch.isfinite(m), m, m.new_zeros(()))
+    shift = torch.where(torch.isfinite(m), m, m.new_zeros(()))
+    return m, (z.sub_(shift) if inplace else z - shift)
 
 
-def local_stats(zp, zq, tsel, spec: StatsSpec, maxes: torch.Tensor, sums: torch.Tensor) -> None:
+def local_stats(zp, zq, tsel, spec: StatsSpec, maxes: torch.Tensor, sums: torch.Tensor,
+                inplace: bool = False, keep_shifted: bool = False) -> None:
     """Fill one chunk's rows of `maxes` [c, 1|2] (local max, -inf if nv == 0) and `sums` [c, k]
     (sums of exp(s) with s = z - local max, of the entropy/KL integrands in s, and the picked
-    target logits). Working memory: at most five [c, nv] temporaries besides zp and zq."""
+    target logits). Working memory besides zp and zq: at most four [c, nv] temporaries, two with
+    `inplace` (the caller's zp and zq are then overwritten: the fused head's forward, whose
+    logits die here). With `inplace` and `keep_shifted` zp and zq are left holding s = z - local
+    max (for grad_logits with `shifted_stats`: fused_head_loss), at one more temporary."""
     cols = spec.cols
     if zp.shape[1] == 0:  # this rank holds only padding: contributes nothing
         maxes.fill_(float("-inf"))
         sums.zero_()
         return
-    mp, sp = _shift(zp)
-    maxes[:, 0] = mp[:, 0]
-    ep = sp.exp() if (spec.entropy or spec.kl is not None) else sp.exp_()  # s_p is needed again?
-    sums[:, cols["S_p"]] = ep.sum(1)
-    if spec.has_q:
-        mq, sq = _shift(zq)
-        maxes[:, 1] = mq[:, 0]
-        eq = sq.exp() if spec.kl is not None else sq.exp_()
-        sums[:, cols["S_q"]] = eq.sum(1)
-        # integrands in shifted logits; where the weight is 0 the term is 0 (never 0 * inf = NaN),
-        # +inf survives (p > 0 meeting q = 0)
-        if spec.kl == "forward":
-            sums[:, cols["KL"]] = _finite_at_zero((sp - sq).mul_(ep)).sum(1)
-        elif spec.kl == "reverse":
-            sums[:, cols["KL"]] = _finite_at_zero((sq - sp).mul_(eq)).sum(1)
-        del eq, sq
-    if spec.entropy:
-        sums[:, cols["H"]] = _finite_at_zero(sp.mul_(ep)).sum(1)
-    del ep, sp
-    if spec.targets:
+    if spec.targets:  # picked before any shift: the raw logits
         idx, held = tsel
         zero = zp.new_zeros(())
         sums[:, cols["t_p"]] = torch.where(held, zp.gather(1, idx[:, None])[:, 0], zero)
         if spec.has_q:
             sums[:, cols["t_q"]] = torch.where(held, zq.gather(1, idx[:, None])[:, 0], zero)
+    mp, sp = _shift(zp, inplace)
+    maxes[:, 0] = mp[:, 0]
+    need_sp = keep_shifted or spec.entropy or spec.kl is not None  # s_p is needed again
+    ep = sp.exp() if need_sp else sp.exp_()
+    sums[:, cols["S_p"]] = ep.sum(1)
+    if spec.has_q:
+        mq, sq = _shift(zq, inplace)
+        maxes[:, 1] = mq[:, 0]
+        # integrands in shifted logits, formed in s_q's buffer (s_p - s_q = -(s_q - s_p), exactly);
+        # where the weight is 0 the term is 0 (never 0 * inf = NaN), +inf survives (p > 0, q = 0)
+        if spec.kl == "forward":
+            sums[:, cols["S_q"]] = sq.exp().sum(1)  # a transient: the weight is p
+            d = torch.sub(sp, sq) if keep_shifted else sq.sub_(sp).neg_()
+            sums[:, cols["KL"]] = _finite_at_zero(d.mul_(ep)).sum(1)
+        elif spec.kl == "reverse":
+            eq = sq.exp()
+            sums[:, cols["S_q"]] = eq.sum(1)
+            d = torch.sub(sq, sp) if keep_shifted else sq.sub_(sp)
+            sums[:, cols["KL"]] = _finite_at_zero(d.mul_(eq)).sum(1)
+            del eq
+        else:
+            sums[:, cols["S_q"]] = (sq.exp() if keep_shifted else sq.exp_()).sum(1)
+        del sq
+    if spec.entropy:  # s_p * p, in p's buffer when s_p must survive (the same product, bitwise)
+        sums[:, cols["H"]] = _finite_at_zero(ep.mul_(sp) if keep_shifted else sp.mul_(ep)).sum(1)
+    del ep, sp
+
+
+def shifted_stats(st: dict, maxes: torch.Tensor, spec: StatsSpec) -> dict:
+    """`st` for grad_logits on logits left shifted by local_stats(keep_shifted=True): s = z - l with
+    l the local max (0 where it is not finite), so log p = s - (m - l) - log S: m and m_q minus l.
+    At tp = 1, l = m and the result is bitwise that of the unshifted logits."""
+    shift = torch.where(torch.isfinite(maxes), maxes, maxes.new_zeros(()))
+    out = dict(st, m=st["m"] - shift[:, 0])
+    if spec.has_q:
+        out["m_q"] = st["m_q"] - shift[:, 1]
+    return out
 
 
 def _finite_at_zero(x: torch.Tensor) -> torch.Tensor:
@@ -255,9 +303,9 @@ def reduce_stats(maxes: torch.Tensor, sums: torch.Tensor, spec: StatsSpec, group
 SAVED = ("m", "logS", "m_q", "logS_q", "entropy", "kl")  # what grad_logits reads from reduce_stats
 
 
-def _log_softmax(z: torch.Tensor, m: torch.Tensor, log_s: torch.Tensor) -> torch.Tensor:
-    """log p = (z - m) - log S for one chunk [c, nv] (a fresh tensor)."""
-    return (z - m[:, None]).sub_(log_s[:, None])
+def _log_softmax(z: torch.Tensor, m: torch.Tensor, log_s: torch.Tensor, inplace: bool = False) -> torch.Tensor:
+    """log p = (z - m) - log S for one chunk [c, nv] (a fresh tensor, or z's buffer with `inplace`)."""
+    return (z.sub_(m[:, None]) if inplace else z - m[:, None]).sub_(log_s[:, None])
 
 
 def _zero_where_unlikely(g: torch.Tensor, prob: torch.Tensor) -> torch.Tensor:
@@ -265,12 +313,14 @@ def _zero_where_unlikely(g: torch.Tensor, prob: torch.Tensor) -> torch.Tensor:
     return g.mul_(prob).masked_fill_(prob == 0, 0.0)
 
 
-def grad_logits(zp, zq, tsel, st: dict, g: dict, spec: StatsSpec, want_q: bool, temperature: float):
+def grad_logits(zp, zq, tsel, st: dict, g: dict, spec: StatsSpec, want_q: bool, temperature: float,
+                inplace: bool = False):
     """d(sum_k g_k . out_k)/d(logits) for one chunk's valid columns: (grad_p [c, nv], grad_q or None).
 
     `st` holds the chunk's rows of the saved values (SAVED); `g` the upstream gradients [c] by
     output name (absent or None where unused; the caller has zeroed masked tokens). Purely local:
-    no collective. At most five [c, nv] temporaries besides zp and zq."""
+    no collective. At most five [c, nv] temporaries besides zp and zq; three with `inplace` (then
+    grad_p is formed in zp's buffer and log q in zq's: the caller's logits are overwritten)."""
     def col(name):
         v = g.get(name)
         return None if v is None else v[:, None]
@@ -278,9 +328,10 @@ def grad_logits(zp, zq, tsel, st: dict, g: dict, spec: StatsSpec, want_q: bool, 
     g_lse, g_lp, g_h, g_kl, g_rlp = (col(k) for k in ("lse", "logprobs", "entropy", "kl", "ref_logprobs"))
     kl_fwd = spec.kl == "forward" and g_kl is not None
     kl_rev = spec.kl == "reverse" and g_kl is not None
-    gp = _log_softmax(zp, st["m"], st["logS"])
+    gp = _log_softmax(zp, st["m"], st["logS"], inplace)
     p = torch.exp(gp)
-    lq = _log_softmax(zq, st["m_q"], st["logS_q"]) if spec.has_q and (kl_fwd or kl_rev or want_q) else None
+    lq = (_log_softmax(zq, st["m_q"], st["logS_q"], inplace) if spec.has_q and (kl_fwd or kl_rev or want_q)
+          else None)
     kterm = gq = None
     if kl_fwd:  # g_kl (log p - log q - KL): exactly 0 when p == q
         kterm = torch.sub(gp, lq).sub_(st["kl"][:, None]).mul_(g_kl)

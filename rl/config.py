@@ -60,7 +60,9 @@ class AlgoConfig:
     lam: float = 0.95
     whiten_advantages: bool = True  # PPO
     early_stop_kl: float | None = None  # stop the update epochs once approx KL(old||new) exceeds this
-    kl_chunk_size: int = 1024  # tokens per chunk of the fused head
+    # tokens per chunk of the fused head; null or "auto": chunk x Vp/tp <= 2^25 elements, in [64, T]
+    # (parallel/vocab_stats.py's auto_chunk_size)
+    kl_chunk_size: int | str | None = "auto"
     fused_loss: bool = True  # policy loss inside the fused head, gradient formed in forward (no logits recomputed)
 
     def __post_init__(self):
@@ -72,6 +74,11 @@ class AlgoConfig:
         if self.micro_batch_size and self.micro_batch_tokens:
             raise ValueError(f"algo.micro_batch_size={self.micro_batch_size} (rows) and algo.micro_batch_tokens="
                              f"{self.micro_batch_tokens} (tokens) both set: set one of them")
+        if self.kl_chunk_size == "auto":
+            self.kl_chunk_size = None  # the fused heads' "auto"
+        if self.kl_chunk_size is not None and (isinstance(self.kl_chunk_size, (str, bool)) or self.kl_chunk_size < 1):
+            raise ValueError(f"algo.kl_chunk_size must be a positive integer, null or 'auto', "
+                             f"got {self.kl_chunk_size!r}")
         if self.pack_sequences and not self.micro_batch_tokens:
             raise ValueError("algo.pack_sequences=true needs algo.micro_batch_tokens > 0 (the tokens per packed "
                              "sequence)")

@@ -137,6 +137,34 @@ def test_projected_rows_at_llama_scale_allocate_nothing(tmp_path):
     assert by["fused_exact", 8] < by["fused_exact", 1] / 4  # the chunk's logits shrink with the shard
 
 
+@pytest.mark.parametrize("tp", [1, 2])
+def test_projection_extrapolated_in_tokens_equals_the_direct_one(tp):
+    """13 chunks of 64 tokens and a short one of 5, extrapolated from 4 and 8 chunks (+ 5): the same
+    peak, bytes and calls as running them all (the chunked loops repeat the same work; the O(T)
+    buffers are made up front)."""
+    for name in ("matmul_floor", "vp_chunked", "fused_exact", "fused_exact_loss", "fused_k3", "fused_k3_loss"):
+        for p in ("forward", "forward+backward"):
+            ext = project(name, p, 64 * 13 + 5, 16, 1000, tp, "bf16", 64)
+            direct = project(name, p, 64 * 13 + 5, 16, 1000, tp, "bf16", 64, extrapolate=False)
+            assert ext["extrapolated_from"] == [261, 517] and "extrapolated_from" not in direct
+            for k in ("tokens", "peak_bytes", "comm_bytes", "comm_calls"):
+                assert ext[k] == direct[k], (name, p, k, ext[k], direct[k])
+
+
+def test_default_chunk_is_auto_and_meets_the_10x_target_at_llama_scale(tmp_path):
+    """Issue 13's target at T=8192, H=4096, V=128256 bf16, tp 1, at the default chunk: the fused exact
+    KL peaks >= 10x below gathering the logits. The chunk reported is the fused heads' rule."""
+    rows = kl_memory.main(["--model", "llama3-8b", "--tokens", "8k", "--dtype", "bf16", "--project", "--json",
+                           str(tmp_path / "p.json"), "--methods", "gather,fused_exact,fused_exact_loss"])
+    by = {r["name"]: r for r in rows}
+    Vp = ModelConfig(vocab_size=128256).padded_vocab_size(1)
+    assert by["fused_exact"]["chunk_size"] == 256 == (2**25 // Vp) // 64 * 64
+    assert by["gather"]["peak_bytes"] >= 10 * by["fused_exact"]["peak_bytes"]
+    assert by["gather"]["peak_bytes"] >= 10 * by["fused_exact_loss"]["peak_bytes"]
+    # the head's weight gradient (bf16 [Vp, H]), grad hidden (bf16 [T, H]) and at most 7 [256, Vp] fp32
+    assert by["fused_exact"]["peak_bytes"] <= Vp * 4096 * 2 + 8192 * 4096 * 2 + 7 * 256 * Vp * 4
+
+
 def test_sweep_parsing():
     assert cli.parse_sweep("tokens=8k,16K,tp=1,2") == {"tokens": [8192, 16384], "tp": [1, 2]}
     with pytest.raises(ValueError, match="unknown key 'depth'"):

@@ -26,6 +26,11 @@ def parse_int(s: str) -> int:
     return int(s[:-1]) * 1024 if s.endswith("k") else int(s)
 
 
+def parse_chunk(s: str):
+    """'auto' -> None (the fused heads' default); '256' or '1k' -> an int."""
+    return None if s.strip().lower() == "auto" else parse_int(s)
+
+
 def parse_sweep(text: str) -> dict[str, list[int]]:
     """'tokens=8k,16k,tp=1,2' -> {'tokens': [8192, 16384], 'tp': [1, 2]}: a piece with '=' starts a key."""
     out: dict[str, list[int]] = {}
@@ -57,11 +62,15 @@ def build_parser():
     ap.add_argument("--report", default=None, help="folder for rows.json, table.md and the PNG plots")
     ap.add_argument("--methods", default=",".join(DEFAULT), help=f"comma-separated subset of {list(METHODS)}")
     ap.add_argument("--peers", default="", help=f"comma-separated subset of {list(PEERS)} (tp = 1)")
-    ap.add_argument("--chunk-size", type=int, default=None, help="tokens per chunk (default min(256, T))")
+    ap.add_argument("--chunk-size", type=parse_chunk, default="auto",
+                    help="tokens per chunk of the chunked methods, or 'auto' (default: what the fused heads pick, "
+                    "chunk x Vp/tp <= 2^25 elements, in [64, T])")
     ap.add_argument("--pass", dest="pass_", choices=["forward", "forward+backward", "both"],
                     default="forward+backward")
     ap.add_argument("--project", action="store_true", help="projected rows (FakeTensorMode), nothing allocated")
-    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    ap.add_argument("--device", choices=["cpu", "cuda"], default=None,
+                    help="measured rows: cpu (default) or cuda; projected rows: the device path to project "
+                    "(default cuda: fp32 logits straight from the matmul, as on a GPU)")
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--timeout", type=float, default=1800.0, help="seconds before ranks still running are killed")
@@ -115,11 +124,11 @@ def check_args(ap, a):
     names = _names(ap, a.methods, METHODS, "--methods")
     peers = _names(ap, a.peers, PEERS, "--peers")
     shapes, tps = _grid(ap, a)
-    if a.chunk_size is None:
-        a.chunk_size = min(256, min(T for T, _, _ in shapes))
-    if a.chunk_size < 1:
-        ap.error(f"--chunk-size must be positive, got {a.chunk_size}")
-    if a.chunk_size > min(T for T, _, _ in shapes):
+    if a.device is None:
+        a.device = "cuda" if a.project else "cpu"
+    if a.chunk_size is not None and a.chunk_size < 1:
+        ap.error(f"--chunk-size must be positive or 'auto', got {a.chunk_size}")
+    if a.chunk_size is not None and a.chunk_size > min(T for T, _, _ in shapes):
         ap.error(f"--chunk-size {a.chunk_size} is larger than --tokens {min(T for T, _, _ in shapes)}")
     if a.warmup < 0 or a.repeats < 1:
         ap.error(f"--warmup must be >= 0 and --repeats >= 1, got {a.warmup} and {a.repeats}")
@@ -132,7 +141,7 @@ def check_args(ap, a):
     notes = []
     if peers and (max(tps) > 1):
         ap.error(f"--peers {peers} run at tp = 1 only (none of them shards the vocabulary); got tp {tps}")
-    if a.device == "cuda":
+    if a.device == "cuda" and not a.project:
         import torch
 
         if not torch.cuda.is_available():
@@ -168,7 +177,7 @@ def main(argv=None) -> list[dict]:
         print(f"note: {n}", file=sys.stderr, flush=True)
     if a.project:
 
-        rows = project_all(names, passes, shapes, tps, a.dtype, a.chunk_size, log=_log)
+        rows = project_all(names, passes, shapes, tps, a.dtype, a.chunk_size, log=_log, device=a.device)
     else:
 
         refuse_if_too_big(ap, names, passes, shapes, tps, a)

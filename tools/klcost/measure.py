@@ -19,6 +19,7 @@ import time
 import torch
 
 from parallel import comm
+from parallel.vocab_stats import resolve_chunk_size
 from tools.klcost.methods import CHUNKED, DTYPES, METHODS, Inputs, outputs
 from tools.klcost.peers import PEERS, peer_outputs
 
@@ -44,10 +45,12 @@ def _sync(device):
         torch.cuda.synchronize()
 
 
-def _tracked_peak(name, x, group, chunk, backward, device):
-    """(peak bytes above the start, outputs, CommCounter) of one run."""
-    gc.collect()
-    if device == "cuda":
+def _tracked_peak(name, x, group, chunk, backward, device, fake=False):
+    """(peak bytes above the start, outputs, CommCounter) of one run; MemTracker on CPU and under a
+    fake mode or on meta tensors (tools/klcost/project.py), the allocator's peak on a real GPU."""
+    if not fake:
+        gc.collect()
+    if device == "cuda" and not fake:
         _sync(device)
         base = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
@@ -70,14 +73,18 @@ def _mean(t):
     return None if t is None else float(t.double().mean())
 
 
-def measure(name, pass_, T, H, V, dtype, chunk, group=None, seed=0, device="cpu", warmup=1, repeats=3) -> dict:
-    """One measured row for `name` at this shape on this rank (see the module docstring)."""
+def measure(name, pass_, T, H, V, dtype, chunk, group=None, seed=0, device="cpu", warmup=1, repeats=3,
+            fake=False) -> dict:
+    """One measured row for `name` at this shape on this rank (see the module docstring). `chunk`:
+    tokens per chunk, or None / "auto" (parallel/vocab_stats.py's auto_chunk_size for T and this
+    rank's Vp/tp, what the fused heads pick by default); the row reports the chunk used."""
     tp, rank = comm.group_size(group), comm.group_rank(group)
     backward = pass_ == "forward+backward"
-    x = Inputs(T, H, V, tp, rank, DTYPES[dtype], seed, backward, device)
+    x = Inputs(T, H, V, tp, rank, DTYPES[dtype], seed, backward, device, fake)
+    chunk = resolve_chunk_size(chunk, T, x.Vp // tp)
     for _ in range(warmup):
         _run(name, x, group, chunk, backward)
-    peak, outs, counter = _tracked_peak(name, x, group, chunk, backward, device)
+    peak, outs, counter = _tracked_peak(name, x, group, chunk, backward, device, fake)
     times = []
     for _ in range(repeats):
         gc.collect()
@@ -95,7 +102,8 @@ def measure(name, pass_, T, H, V, dtype, chunk, group=None, seed=0, device="cpu"
                logprob_mean=_mean(outs[0]), entropy_mean=_mean(outs[1]), kl_mean=_mean(outs[2]),
                **{"pass": pass_})
     del x, outs
-    gc.collect()
+    if not fake:
+        gc.collect()
     return row
 
 

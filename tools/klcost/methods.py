@@ -49,9 +49,12 @@ class Inputs:
     """One rank's inputs: policy / reference hidden [T, H] (replicated), head shards [Vp/tp, H]
     (rows of this rank's vocabulary slice), targets [T] (global ids), loss coefficients [3, T]."""
 
-    def __init__(self, T, H, V, tp, rank, dtype, seed, grad, device="cpu"):
+    def __init__(self, T, H, V, tp, rank, dtype, seed, grad, device="cpu", fake=False):
         self.V, self.Vp = V, ModelConfig(vocab_size=V).padded_vocab_size(tp)
         width = self.Vp // tp
+        if fake:  # under a fake mode (projection): shapes only, made on the device itself
+            self._empty(T, H, width, dtype, grad, device)
+            return
         g = torch.Generator(device="cpu").manual_seed(seed)
         put = lambda x: x.to(device=device, dtype=dtype)  # drawn on CPU: the same numbers on every device
         self.h = put(torch.randn(T, H, generator=g, device="cpu")).requires_grad_(grad)
@@ -62,6 +65,14 @@ class Inputs:
         self.w = put(w).requires_grad_(grad)
         self.t = torch.randint(0, V, (T,), generator=g, device="cpu").to(device)
         self.coef = torch.randn(3, T, generator=g, device="cpu").to(device)
+
+    def _empty(self, T, H, width, dtype, grad, device):
+        self.h = torch.empty(T, H, dtype=dtype, device=device).requires_grad_(grad)
+        self.hr = torch.empty(T, H, dtype=dtype, device=device)
+        self.w = torch.empty(width, H, dtype=dtype, device=device).requires_grad_(grad)
+        self.wr = torch.empty(width, H, dtype=dtype, device=device)
+        self.t = torch.zeros(T, dtype=torch.long, device=device)
+        self.coef = torch.empty(3, T, device=device)
 
     def tensors(self):
         return self.h, self.w, self.hr, self.wr, self.t, self.coef

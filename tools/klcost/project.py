@@ -1,7 +1,8 @@
-"""Projected rows: the same code as a measured row (tools/klcost/measure.py's run of a method) run
-under torch._subclasses.FakeTensorMode, so tensors have shapes, dtypes and storages but no memory;
-MemTracker counts the fake storages exactly as it counts real ones. At tp > 1 the rank runs in this
-one process against a "fake" process group (torch.testing's FakeStore backend: collectives return
+"""Projected rows: the same code as a measured row (tools/klcost/measure.py's run of a method) run on
+tensors that have shapes, dtypes and storages but no memory: meta tensors for the GPU's code path
+(the default, `device="cuda"`), fake CPU tensors (torch._subclasses.FakeTensorMode) for this
+machine's; MemTracker counts their storages exactly as it counts real ones. At tp > 1 the rank
+runs in this one process against a "fake" process group (torch.testing's FakeStore backend: collectives return
 at once), so its shard widths, buffers and collective payloads are those of a real rank; comm
 bytes come from the same parallel.comm counter. No time is projected (time_s is None).
 
@@ -12,12 +13,15 @@ Two liberties, both outside the memory path: data-dependent scalars (validation 
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from core.config import ModelConfig
+from parallel.vocab_stats import resolve_chunk_size
 from tools.klcost.measure import describe, measure
 from tools.klcost.methods import CHUNKED, DTYPES, METHODS
 
@@ -53,34 +57,65 @@ def fake_group(tp: int):
     return _groups[tp]
 
 
-def project(name, pass_, T, H, V, tp, dtype, chunk, seed=0) -> dict:
-    """One projected row: `name`'s peak (and comm) at this shape, one rank of tp, without allocating."""
+EXTRAPOLATE_FROM = (4, 8)  # chunks: a chunked method's row at many chunks is extrapolated from these two
+
+
+def project(name, pass_, T, H, V, tp, dtype, chunk, seed=0, device="cuda", extrapolate=True) -> dict:
+    """One projected row: `name`'s peak (and comm) at this shape, one rank of tp, without allocating.
+
+    A chunked method (every chunk the same work, the O(T) buffers made up front) has a peak, comm
+    bytes and calls affine in the number of chunks at a fixed chunk c and remainder r = T mod c;
+    with `extrapolate` and T = n c + r, n > 8, the row is projected at 4 c + r and 8 c + r and
+    extrapolated linearly to n (exact integers; tests/test_kl_memory.py checks it equals the direct
+    projection), so 128k tokens cost as much as 8 chunks. `extrapolated_from` marks such a row.
+    """
+    c = resolve_chunk_size(chunk, T, ModelConfig(vocab_size=V).padded_vocab_size(tp) // tp)
+    a, b = EXTRAPOLATE_FROM
+    r = T % c  # the last, short chunk: the same in the two runs extrapolated from
+    if extrapolate and name in CHUNKED and T // c > b:
+        ra = project(name, pass_, a * c + r, H, V, tp, dtype, c, seed, device, extrapolate=False)
+        rb = project(name, pass_, b * c + r, H, V, tp, dtype, c, seed, device, extrapolate=False)
+        for k in ("peak_bytes", "comm_bytes", "comm_calls"):
+            rb[k] += (rb[k] - ra[k]) * (T // c - b) // (b - a)
+        rb.update(tokens=T, extrapolated_from=[a * c + r, b * c + r])
+        return rb
+    return _project_one(name, pass_, T, H, V, tp, dtype, c, seed, device)
+
+
+def _project_one(name, pass_, T, H, V, tp, dtype, chunk, seed, device) -> dict:
+    """project() of one shape, run in full; `device` as for project():
+    `device`: whose code path to project. "cuda": the GPU's path (the head's fp32 logits straight out
+    of torch.mm(out_dtype=float32)), run on meta tensors, which take that path and allocate
+    nothing (and dispatch ~2x faster than fake tensors); "cpu": this machine's path (bf16 weights
+    upcast block by block), run on fake CPU tensors, as measured rows here run it."""
     if name not in PROJECTABLE:
         raise ValueError(f"{name} cannot be projected (compiled or Triton kernels); projectable: {sorted(PROJECTABLE)}")
+    if device not in ("cuda", "cpu"):
+        raise ValueError(f"project: device must be 'cuda' or 'cpu', got {device!r}")
     created = tp > 1 and not dist.is_initialized()
     group = fake_group(tp)
     try:
-        with FakeTensorMode(), _ZeroScalars():
-            row = measure(name, pass_, T, H, V, dtype, chunk, group, seed, device="cpu", warmup=0, repeats=0)
+        with FakeTensorMode() if device == "cpu" else contextlib.nullcontext(), _ZeroScalars():
+            row = measure(name, pass_, T, H, V, dtype, chunk, group, seed, warmup=0, repeats=0, fake=True,
+                          device="meta" if device == "cuda" else device)
     finally:
         if created:  # leave no fake default group behind (the process may run real work afterwards)
             _groups.clear()
             dist.destroy_process_group()
     method, mode = describe(name)
-    row.update(source="projected", tp=tp, method=method, mode=mode, device=None, time_s=None, time_min_s=None,
-               time_vs_floor=None, repeats=0, warmup=0, logprob_mean=None, entropy_mean=None, kl_mean=None,
-               chunk_size=chunk if name in CHUNKED else None)
+    row.update(source="projected", tp=tp, method=method, mode=mode, device=device, time_s=None, time_min_s=None,
+               time_vs_floor=None, repeats=0, warmup=0, logprob_mean=None, entropy_mean=None, kl_mean=None)
     return row
 
 
-def project_all(names, passes, shapes, tps, dtype, chunk, log=None) -> list[dict]:
+def project_all(names, passes, shapes, tps, dtype, chunk, log=None, device="cuda") -> list[dict]:
     """Projected rows for every (shape (T, H, V), tp, pass, name)."""
     rows = []
     for T, H, V in shapes:
         for tp in tps:
             for pass_ in passes:
                 for name in names:
-                    rows.append(project(name, pass_, T, H, V, tp, dtype, chunk))
+                    rows.append(project(name, pass_, T, H, V, tp, dtype, chunk, device=device))
                     if log:
                         log(rows[-1])
     return rows
@@ -115,7 +150,7 @@ def refuse_if_too_big(ap, names, passes, shapes, tps, a):
             crude = (10 * T * ModelConfig(vocab_size=V).padded_vocab_size(1) * 4 + 4 * T * H * 4) * tp
             if crude < 0.5 * free:
                 continue  # far below the free memory whatever the method: no need to project
-            peaks = [project(n, p, T, H, V, tp, a.dtype, a.chunk_size)["peak_bytes"]
+            peaks = [project(n, p, T, H, V, tp, a.dtype, a.chunk_size, device=a.device)["peak_bytes"]
                      for n in names if n in PROJECTABLE for p in passes]
             need = (max(peaks, default=0) + input_bytes(T, H, V, tp, a.dtype)) * (tp if a.device == "cpu" else 1)
             if need > 0.9 * free:

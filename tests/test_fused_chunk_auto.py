@@ -1,0 +1,120 @@
+"""The fused heads' default chunk ("auto": chunk x Vp/tp <= 2^25 elements, in [64, T]) and the
+loss-inside head's backward, which hands its saved gradients over without a second weight-sized
+tensor and refuses a second backward."""
+
+import pytest
+import torch
+from torch.distributed._tools.mem_tracker import MemTracker
+
+from parallel import vocab_stats
+from parallel.fused import fused_head
+from parallel.fused_loss import fused_head_loss
+
+
+@pytest.mark.parametrize("T, width, want", [
+    (8192, 128256, 256),  # Llama-3 head, tp 1: 2^25 / 128256 = 261.6 -> 256 (a multiple of 64)
+    (8192, 128256 // 8, 2048),  # tp 8: 2^25 / 16032 = 2093 -> 2048
+    (131072, 152064, 192),  # Qwen2.5: 2^25 / 152064 = 220.7 -> 192
+    (8192, 2**24, 64),  # a huge shard: 2 tokens by the budget, clamped up to 64
+    (100, 1000, 100),  # 33554 tokens by the budget, clamped down to T
+    (0, 1000, 1),
+])
+def test_auto_chunk_rule(T, width, want):
+    assert vocab_stats.auto_chunk_size(T, width) == want
+    assert vocab_stats.resolve_chunk_size(None, T, width) == want
+    assert vocab_stats.resolve_chunk_size("auto", T, width) == want
+    assert vocab_stats.resolve_chunk_size(7, T, width) == 7
+
+
+@pytest.mark.parametrize("bad", [0, -3, "big", 2.5, True])
+def test_bad_chunk_size(bad):
+    h, w = torch.randn(4, 3), torch.randn(10, 3)
+    with pytest.raises(ValueError, match="chunk_size must be a positive int, None or 'auto'"):
+        fused_head(h, w, torch.tensor([1, 2, 3, 4]), chunk_size=bad)
+
+
+def _inputs(T=200, H=16, V=1000, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    h = torch.randn(T, H, generator=g, dtype=torch.float64)
+    w = torch.randn(V, H, generator=g, dtype=torch.float64) * 0.5
+    hr = torch.randn(T, H, generator=g, dtype=torch.float64)
+    wr = w + 0.1 * torch.randn(V, H, generator=g, dtype=torch.float64)
+    t = torch.randint(0, V, (T,), generator=g)
+    return h, w, hr, wr, t
+
+
+def _fused_grads(chunk, loss_inside):
+    h, w, hr, wr, t = _inputs()
+    h.requires_grad_(True)
+    w.requires_grad_(True)
+    kw = dict(ref_hidden=hr, ref_weight_local=wr, kl="forward", entropy=True)
+    if loss_inside:
+        token_loss = lambda lp, ent, kl, s: lp - 0.3 * ent + 0.7 * kl  # noqa: E731
+        loss, out = fused_head_loss(h, w, t, token_loss=token_loss, **kw) if chunk == "default" else \
+            fused_head_loss(h, w, t, token_loss=token_loss, chunk_size=chunk, **kw)
+    else:
+        out = fused_head(h, w, t, **kw) if chunk == "default" else fused_head(h, w, t, chunk_size=chunk, **kw)
+        loss = (out.logprobs - 0.3 * out.entropy + 0.7 * out.kl).sum()
+    loss.backward()
+    return [out.logprobs, out.entropy, out.kl, h.grad, w.grad]
+
+
+@pytest.mark.parametrize("loss_inside", [False, True])
+def test_auto_chunk_equals_the_explicit_chunk(monkeypatch, loss_inside):
+    """With a budget of 64 x 1000 elements the default chunk of a [200, 1000] head is 64 (4 chunks,
+    the last one short); the results are bitwise those of chunk_size=64, and within float64
+    rounding of one chunk of all 200 tokens."""
+    monkeypatch.setattr(vocab_stats, "AUTO_CHUNK_ELEMENTS", 64 * 1000 + 999)
+    calls = []
+    real = vocab_stats.chunks
+    monkeypatch.setattr("parallel.fused.chunks" if not loss_inside else "parallel.fused_loss.chunks",
+                        lambda n, c: calls.append(c) or real(n, c))
+    auto = _fused_grads("default", loss_inside)
+    assert set(calls) == {64}
+    explicit = _fused_grads(64, loss_inside)
+    whole = _fused_grads(200, loss_inside)
+    for a, b, c in zip(auto, explicit, whole):
+        assert torch.equal(a, b)
+        torch.testing.assert_close(a, c, rtol=1e-10, atol=1e-10)
+
+
+def _loss_inside_backward_peak(T, H, V):
+    g = torch.Generator().manual_seed(1)
+    h = torch.randn(T, H, generator=g).requires_grad_(True)
+    w = torch.randn(V, H, generator=g).requires_grad_(True)
+    t = torch.randint(0, V, (T,), generator=g)
+    loss, _ = fused_head_loss(h, w, t, token_loss=lambda lp, ent, kl, s: -lp, entropy=False, chunk_size=16)
+    total = lambda snap: sum(d["Total"] for d in snap.values())  # noqa: E731
+    mt = MemTracker()
+    mt.track_external(h, w, t, loss, *loss.grad_fn.saved_tensors)  # the gradients saved in forward exist already
+    with mt:  # (no reference to them is kept here: backward may hand them over)
+        base = total(mt.get_tracker_snapshot("current"))
+        loss.backward()
+    torch.testing.assert_close(w.grad, _plain_grad(h, w, t), rtol=1e-4, atol=1e-5)
+    return total(mt.get_tracker_snapshot("peak")) - base
+
+
+def _plain_grad(h, w, t):
+    hh, ww = h.detach().clone().requires_grad_(True), w.detach().clone().requires_grad_(True)
+    torch.nn.functional.cross_entropy(hh @ ww.T, t, reduction="sum").backward()
+    return ww.grad
+
+
+def test_loss_inside_backward_makes_no_second_weight_gradient():
+    """The backward of the loss-inside head scales its saved gradients in place: no new tensor of
+    the weight gradient's size [V, H] (nor of grad hidden's [T, H]). The old `gw * grad_loss`
+    allocated both: the peak above the start was >= V x H x 4 bytes."""
+    T, H, V = 64, 32, 4000
+    peak = _loss_inside_backward_peak(T, H, V)
+    assert peak < V * H * 4 // 4, peak  # old code: V*H*4 + T*H*4 = 520 KiB; now ~0
+
+
+def test_loss_inside_scales_by_the_incoming_gradient_and_refuses_a_second_backward():
+    h, w, hr, wr, t = _inputs(T=40, V=300)
+    h.requires_grad_(True)
+    w.requires_grad_(True)
+    loss, _ = fused_head_loss(h, w, t, token_loss=lambda lp, ent, kl, s: -lp, entropy=False, chunk_size=16)
+    (2.5 * loss).backward(retain_graph=True)
+    torch.testing.assert_close(w.grad, 2.5 * _plain_grad(h, w, t), rtol=1e-10, atol=1e-10)
+    with pytest.raises(RuntimeError, match="second backward through the same loss"):
+        loss.backward()
