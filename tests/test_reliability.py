@@ -254,13 +254,15 @@ def _stall():
 
     from core.lifecycle import Watchdog
 
-    dog = Watchdog(0.5, dist.get_rank(), 2, dist.distributed_c10d._get_default_store(), log=lambda m: None)
+    # stall 1 s, frozen for 2.5 s: rank 0's own heartbeat thread must not look frozen when a loaded
+    # machine delays it (with 0.5 s it did, once, in the fast tier next to other jobs)
+    dog = Watchdog(1.0, dist.get_rank(), 2, dist.distributed_c10d._get_default_store(), log=lambda m: None)
     dog.beat("update", 3)
     dog.start()
     dist.barrier()  # both heartbeats are in the store
     if dist.get_rank() == 1:
         dog.stop()  # rank 1 freezes: no thread of it runs any more
-    time.sleep(1.2)
+    time.sleep(2.5)
     dog.beat("rollout", 4)  # rank 0 advances (rank 1's phase write is as it would be before SIGSTOP)
     found = dog.check() if dist.get_rank() == 0 else None
     dog.stop()
