@@ -10,6 +10,12 @@ p_i real prompt tokens and a response that ends at column n_i (its last valid to
 |                                       | k * (max p + max n) <= T; trimmed to that    |                        |
 | micro_batch_tokens=T, pack_sequences  | rows concatenated, sum(p_i + n_i) <= T       | [1, sum(p_i + n_i)]    |
 |                                       | (first-fit decreasing), padding dropped      | block-diagonal causal  |
+| share_prompts (with micro_batch_size) | m rows in mini-batch order; per prompt group | [R groups, max_g       |
+|                                       | [prompt once | response 1 | response 2 ...]  |  (p_g + sum_i n_i)]    |
+|                                       | (rl/shared_prompts.py)                       | prompt + own response  |
+
+share_prompts does not compose with micro_batch_tokens (rl/config.py refuses the pair): the shared
+layout's cost is not the per-row cost the token-budget plans count.
 
 A row longer than T forms a micro-batch of its own. Rows without a valid response token are left
 out: their loss, gradient and statistics are exactly 0 (losses are normalised by the mini-batch's
@@ -31,6 +37,7 @@ import torch
 
 from parallel import comm
 from rl.rollout import Rollout
+from rl.shared_prompts import prompt_keys, share_rows
 
 
 @dataclass
@@ -40,7 +47,9 @@ class PackedRows:
 
     input_ids, position_ids (each row's own positions), document_ids (0..k-1): [1, T].
     src_rows, src_cols: [M] local row and response column of each head token, in packed order.
-    head_pos: [M] packed position of the hidden state that predicts it; targets: [M] its token id."""
+    head_pos: [M] packed position of the hidden state that predicts it; targets: [M] its token id.
+    The shared-prompt layout (rl/shared_prompts.py) has R rows: inputs [R, T], `prefix_ids` [R, T]
+    set, and head_pos indexes the flattened [R * T] positions (R = 1 when packed)."""
 
     input_ids: torch.Tensor
     position_ids: torch.Tensor
@@ -49,6 +58,7 @@ class PackedRows:
     src_cols: torch.Tensor
     head_pos: torch.Tensor
     targets: torch.Tensor
+    prefix_ids: torch.Tensor | None = None
 
 
 @dataclass
@@ -96,11 +106,18 @@ def row_lengths(ro: Rollout, rows: torch.Tensor) -> tuple[list[int], list[int]]:
     return p.tolist(), n.tolist()
 
 
-def by_row_count(ro: Rollout, rows: torch.Tensor, size: int) -> list[MicroBatch]:
-    """`size` rows per micro-batch in the given order (0: all), untrimmed: [m, P + N] each."""
+def by_row_count(ro: Rollout, rows: torch.Tensor, size: int, share: bool = False) -> list[MicroBatch]:
+    """`size` rows per micro-batch in the given order (0: all), untrimmed: [m, P + N] each; with
+    `share`, each in the shared-prompt layout (rl/shared_prompts.py), or padded when none of its
+    rows has a response token (it still runs: every DP rank runs as many micro-batches)."""
     m = size or rows.numel()
     N = ro.response_mask.shape[1]
-    return [MicroBatch(rows[i:i + m], ro.prompt_len, N) for i in range(0, rows.numel(), m)]
+    out = [MicroBatch(rows[i:i + m], ro.prompt_len, N) for i in range(0, rows.numel(), m)]
+    if share:
+        for mb in out:
+            p, n = row_lengths(ro, mb.rows)
+            mb.packed = share_rows(ro, mb.rows.tolist(), p, n, prompt_keys(ro, mb.rows))
+    return out
 
 
 def _padded_cost(g: list[int], p: dict, n: dict) -> int:
