@@ -56,7 +56,7 @@ class AlgoConfig:
     # rows x (longest prompt + longest response) <= this, each trimmed to its longest row
     micro_batch_tokens: int = 0
     pack_sequences: bool = False  # with micro_batch_tokens: rows concatenated, <= that many tokens per sequence
-    # each distinct prompt once, its responses after it, in the ref/old passes and the update (rl/shared_prompts.py)
+    # each distinct prompt once, its responses after it, in the ref/old passes and the update (rl/micro_batches.py)
     share_prompts: bool = False
     group_mini_batches: bool = False  # mini-batches of whole prompt groups (global prompt id mod mini_batches)
     adv_std_norm: bool = True  # GRPO: divide by the group's std

@@ -39,10 +39,9 @@ from rl.logprobs import (
     reference_hidden,
 )
 from rl.losses import TokenPolicyLoss, aggregate, clipped_value_loss, loss_scale, token_weights
-from rl.micro_batches import MicroBatch, by_row_count, by_token_budget
+from rl.micro_batches import MicroBatch, by_row_count, by_token_budget, share_rollout
 from rl.reference import ReferenceSync
 from rl.rollout import Rollout, collect_rollout, evaluate
-from rl.shared_prompts import share_rollout
 from rl.signals import WindowCorr, loss_term_grad_norms, repetition_rate
 from rl.update_stats import UpdateStats
 
@@ -136,7 +135,7 @@ class RLTrainer:
                                  stats=self.rollout_stats)
         mask = ro.response_mask
         exact = cfg.kl.exact
-        shared = share_rollout(ro) if cfg.algo.share_prompts else None  # each prompt once (rl/shared_prompts.py)
+        shared = share_rollout(ro) if cfg.algo.share_prompts else None  # each prompt once (rl/micro_batches.py)
         with self.timer("ref_logprobs"):
             ref_h, ref_w = reference_hidden(self.ref, ro.sequences, ro.attention_mask, ro.prompt_len, packed=shared)
             ref_logp = logprobs_from_hidden(ref_h, ref_w, ro.responses_ids, tp_group=self.tp_group,

@@ -1,4 +1,4 @@
-"""Shared-prompt forward for GRPO groups (rl/shared_prompts.py, core/model.py's prefix_ids,
+"""Shared-prompt forward for GRPO groups (rl/micro_batches.py, core/model.py's prefix_ids,
 core/generate.py's share_prefill).
 
 References: the layout against a hand-written example; per-token log-probs, entropy, exact KL,
@@ -19,9 +19,8 @@ from core.generate import generate
 from core.model import build_model, document_mask_4d
 from rl.config import AlgoConfig
 from rl.logprobs import policy_fused_loss, policy_token_stats, reference_hidden
-from rl.micro_batches import by_row_count
+from rl.micro_batches import by_row_count, gather_tokens, prompt_keys, share_rollout
 from rl.rollout import Rollout
-from rl.shared_prompts import gather_tokens, prompt_keys, share_rollout
 
 MODEL = dict(vocab_size=131, hidden_size=32, n_layers=2, n_heads=4, n_kv_heads=2, intermediate_size=64,
              max_seq_len=32, tie_embeddings=False)
