@@ -56,8 +56,9 @@ class AlgoConfig:
     # rows x (longest prompt + longest response) <= this, each trimmed to its longest row
     micro_batch_tokens: int = 0
     pack_sequences: bool = False  # with micro_batch_tokens: rows concatenated, <= that many tokens per sequence
-    # each distinct prompt once, its responses after it, in the ref/old passes and the update (rl/micro_batches.py)
-    share_prompts: bool = False
+    # each distinct prompt once, its responses after it, in the ref/old passes and the update (rl/micro_batches.py);
+    # None: on for GRPO without micro_batch_tokens, off otherwise
+    share_prompts: bool | None = None
     group_mini_batches: bool = False  # mini-batches of whole prompt groups (global prompt id mod mini_batches)
     adv_std_norm: bool = True  # GRPO: divide by the group's std
     gamma: float = 1.0  # PPO GAE
@@ -76,6 +77,8 @@ class AlgoConfig:
         if self.micro_batch_size and self.micro_batch_tokens:
             raise ValueError(f"algo.micro_batch_size={self.micro_batch_size} (rows) and algo.micro_batch_tokens="
                              f"{self.micro_batch_tokens} (tokens) both set: set one of them")
+        if self.share_prompts is None:
+            self.share_prompts = self.name == "grpo" and not self.micro_batch_tokens
         if self.share_prompts and self.micro_batch_tokens:
             raise ValueError(f"algo.share_prompts=true does not compose with algo.micro_batch_tokens="
                              f"{self.micro_batch_tokens} (nor algo.pack_sequences): use algo.micro_batch_size")

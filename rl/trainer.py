@@ -180,7 +180,8 @@ class RLTrainer:
         the same whatever the DP layout, and every rank gets the same number of rows per
         mini-batch (no rank waits in an FSDP collective for another): within each prompt's group
         the samples are shuffled (keyed by seed, step, epoch, prompt), then global position p goes
-        to mini-batch p mod n."""
+        to mini-batch p mod n. `algo.group_mini_batches`: whole prompt groups instead, global prompt
+        id mod n (each rank's prompts are contiguous, so each gets the same count when n divides them)."""
         n, G = self.cfg.algo.mini_batches, self.cfg.rollout.group_size
         if n == 1:
             return [torch.arange(row_ids.numel(), device=self.state.device)]
