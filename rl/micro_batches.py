@@ -6,16 +6,18 @@ p_i real prompt tokens and a response that ends at column n_i (its last valid to
 | mode (algo.*)                         | a micro-batch is                            | forward shape          |
 |---------------------------------------|---------------------------------------------|------------------------|
 | micro_batch_size=m (or 0: all rows)   | m rows in mini-batch order, untrimmed        | [m, P + N]             |
+| (share_prompts=false)                 |                                              |                        |
 | micro_batch_tokens=T                  | rows sorted by length, cut into runs of      | [k, max p + max n]     |
 |                                       | k * (max p + max n) <= T; trimmed to that    |                        |
 | micro_batch_tokens=T, pack_sequences  | rows concatenated, sum(p_i + n_i) <= T       | [1, sum(p_i + n_i)]    |
 |                                       | (first-fit decreasing), padding dropped      | block-diagonal causal  |
 | share_prompts (with micro_batch_size) | m rows in mini-batch order; per prompt group | [R groups, max_g       |
-|                                       | [prompt once | response 1 | response 2 ...]  |  (p_g + sum_i n_i)]    |
-|                                       | (below)                       | prompt + own response  |
+|                                       | prompt once, then each response (`share_rows`)| (p_g + sum_i n_i)]     |
+|                                       |                                              | prompt + own response  |
 
-share_prompts does not compose with micro_batch_tokens (rl/config.py refuses the pair): the shared
-layout's cost is not the per-row cost the token-budget plans count.
+share_prompts is on by default for GRPO without micro_batch_tokens (rl/config.py); it does not
+compose with micro_batch_tokens (refused): the shared layout's cost is not the per-row cost the
+token-budget plans count.
 
 A row longer than T forms a micro-batch of its own. Rows without a valid response token are left
 out: their loss, gradient and statistics are exactly 0 (losses are normalised by the mini-batch's
