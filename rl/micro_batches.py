@@ -15,7 +15,7 @@ p_i real prompt tokens and a response that ends at column n_i (its last valid to
 |                                       | prompt once, then each response (`share_rows`)| (p_g + sum_i n_i)]     |
 |                                       |                                              | prompt + own response  |
 
-share_prompts is on by default for GRPO without micro_batch_tokens (rl/config.py); it does not
+share_prompts is off by default (null: on for GRPO without micro_batch_tokens; rl/config.py); it does not
 compose with micro_batch_tokens (refused): the shared layout's cost is not the per-row cost the
 token-budget plans count.
 

@@ -149,9 +149,9 @@ def test_micro_batches_share_and_fall_back():
     assert mbs[0].packed is None  # runs padded (its mask all False): no head token to share
     with pytest.raises(ValueError, match="share_prompts.*micro_batch_tokens=64"):
         AlgoConfig(share_prompts=True, micro_batch_tokens=64)
-    # the default: on for GRPO with row micro-batches, off for PPO and under a token budget
-    assert AlgoConfig().share_prompts and not AlgoConfig(name="ppo").share_prompts
-    assert not AlgoConfig(micro_batch_tokens=64).share_prompts
+    # "auto" (None): on for GRPO with row micro-batches, off for PPO and under a token budget
+    assert AlgoConfig(share_prompts=None).share_prompts and not AlgoConfig(name="ppo", share_prompts=None).share_prompts
+    assert not AlgoConfig(micro_batch_tokens=64, share_prompts=None).share_prompts and not AlgoConfig().share_prompts
 
 
 def _tp_stats(tp: int):
