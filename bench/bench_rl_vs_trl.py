@@ -152,7 +152,7 @@ def kltron_side(a) -> dict:
             "optim.warmup_steps=0", "optim.weight_decay=0.0", "optim.betas=[0.9, 0.999]", "optim.grad_clip=1.0",
             "reward.task=arithmetic", "reward.task_args={max_operand: 9, ops: '+', partial_credit: 0.0}",
             f"train.seed={SEED}", "train.steps=100", "train.progress=false", f"tokenizer={a.hf_dir}"]
-    cfg = load_config(RLConfig, None, over)
+    cfg = load_config(RLConfig, None, over + list(getattr(a, "override", None) or []))  # bench_shared_prompts' extras
     state = init_parallel(ParallelDims(1, 1), "cpu", mc.n_heads, mc.n_kv_heads)
     tok = load_tokenizer(a.hf_dir)
     models = [Transformer(mc, state.tp_group, device="meta").to_empty(device="cpu") for _ in range(2)]

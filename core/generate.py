@@ -6,7 +6,9 @@ draws the same token for the same row, with O(B) communication per position.
 
 The decode loop:
   - prefill runs the left-padded prompts once and projects only the last position through the LM
-    head ([B, 1, Vp/tp], not [B, P, Vp/tp]);
+    head ([B, 1, Vp/tp], not [B, P, Vp/tp]); with `share_prefill`, each distinct prompt (equal real
+    token ids) is prefilled once and its KV cache and last logits copied to its rows (GRPO's G
+    samples of a prompt): the noise is keyed by row id, so the same tokens are drawn;
   - the KV cache is preallocated for the batch and P + max_new_tokens positions;
   - a row stops on any EOS id, on a stop token sequence, on `stop_check(response_ids)` (e.g. a
     decoded-text check for stop strings), or at max_new_tokens; the stop token is part of the
@@ -101,6 +103,25 @@ class _Stopper:
         return torch.tensor(flags, dtype=torch.bool, device=tok.device)
 
 
+def _prefill(model, prompt_ids, prompt_mask, cache: KVCache, head, share: bool) -> torch.Tensor:
+    """Run the prompts [B, P] into `cache` -> last-position logits [B, Vp/tp]. `share`: each distinct
+    prompt once ([U, P]), its cache rows and logits then copied to the B rows that hold it."""
+    if not share:
+        return model(prompt_ids, attention_mask=prompt_mask, kv_cache=cache, head=head)[:, -1]
+    key = torch.where(prompt_mask.bool(), prompt_ids, torch.full_like(prompt_ids, -1))  # padding is no token
+    uniq, inv = torch.unique(key, dim=0, return_inverse=True)  # (U, P), (B,)
+    B = prompt_ids.shape[0]
+    first = torch.full((uniq.shape[0],), B, dtype=torch.long, device=inv.device)
+    first = first.scatter_reduce(0, inv, torch.arange(B, device=inv.device), "amin")  # a row holding each prompt
+    once = KVCache([k[:uniq.shape[0]] for k in cache.k], [v[:uniq.shape[0]] for v in cache.v])
+    logits = model(prompt_ids[first], attention_mask=prompt_mask[first], kv_cache=once, head=head)[:, -1]
+    P = prompt_ids.shape[1]
+    for k in cache.k + cache.v:  # rows [:U] hold the distinct prompts; k[inv] is a copy, read before the write
+        k[:, :, :P] = k[inv, :, :P]
+    cache.length = P
+    return logits[inv]
+
+
 def _check_lengths(cfg, P: int, max_new_tokens: int, vocab_limit: int | None) -> int:
     """Refuse a prompt plus response longer than the model's context, or a bad vocab_limit -> the
     number of ids that may be sampled."""
@@ -118,15 +139,16 @@ def generate(model: Transformer, prompt_ids: torch.Tensor, prompt_mask: torch.Te
              step: int = 0, row_ids: torch.Tensor | None = None, tp_group=None, dp_group=None,
              eos_ids: Sequence[int] | None = None, stop_sequences: Sequence[Sequence[int]] | None = None,
              stop_check: Callable[[list[int]], bool] | None = None, top_p: float = 1.0, min_p: float = 0.0,
-             vocab_limit: int | None = None, compact: bool = True, compile_sampler: bool = False
-             ) -> GenerationOutput:
+             vocab_limit: int | None = None, compact: bool = True, compile_sampler: bool = False,
+             share_prefill: bool = False) -> GenerationOutput:
     """Sample up to `max_new_tokens` after left-padded prompts.
 
     prompt_ids, prompt_mask: [B, P], left-padded (mask 1 on real tokens). row_ids [B]: a global id
     per row (e.g. prompt index * group size + sample), keying the noise so results do not depend
     on how rows are spread over DP ranks. eos_id and eos_ids: every id that ends a row.
     vocab_limit: ids >= it (e.g. the tokenizer's vocabulary when the embedding is padded past it)
-    are never sampled. Returns tokens on every TP rank (identical).
+    are never sampled. `share_prefill`: prefill each distinct prompt once (see the module docstring).
+    Returns tokens on every TP rank (identical).
     """
     t0 = time.perf_counter()
     cfg = model.cfg
@@ -151,7 +173,7 @@ def generate(model: Transformer, prompt_ids: torch.Tensor, prompt_mask: torch.Te
     was_training = model.training
     model.eval()
     with _keep_unsharded(model):
-        logits = model(prompt_ids, attention_mask=mask[:, :P], kv_cache=cache, head=head)[:, -1]  # (B, Vp/tp)
+        logits = _prefill(model, prompt_ids, mask[:, :P], cache, head, share_prefill)  # (B, Vp/tp)
         for t in range(max_new_tokens):
             tok = sample_from_sharded_logits(logits, row_ids=row_ids[rows], position=t, **sample_kw)
             at = rows[live]

@@ -37,7 +37,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim, device=device, dtype=dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()  # statistics in fp32 whatever the activation dtype
+        # statistics in fp32 or wider (fp64 stays fp64: a float64 check of gradients summed over rows that
+        # share activations, rl/micro_batches.py, would otherwise see fp32 rounding of each backward)
+        xf = x.to(torch.promote_types(x.dtype, torch.float32))
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(x.dtype)
 
@@ -108,14 +110,17 @@ def attention_mask_4d(key_valid: torch.Tensor, q_len: int) -> torch.Tensor:
     return mask.unsqueeze(1)
 
 
-def document_mask_4d(document_ids: torch.Tensor) -> torch.Tensor:
+def document_mask_4d(document_ids: torch.Tensor, prefix_ids: torch.Tensor | None = None) -> torch.Tensor:
     """document_ids [B, S] (packed sequences: each row several documents, each a contiguous run of
     one id) -> bool [B, 1, S, S]: block-diagonal causal, a query sees the earlier keys of its own
-    document only."""
+    document only. prefix_ids [B, S] (shared prompts): a query also sees the earlier keys of document
+    prefix_ids[q] (its group's prompt); prefix_ids == document_ids gives exactly the mask without."""
     S = document_ids.shape[1]
     pos = torch.arange(S, device=document_ids.device)
     causal = pos[None, :] <= pos[:, None]  # (S, S)
     same = document_ids[:, :, None] == document_ids[:, None, :]  # (B, S, S)
+    if prefix_ids is not None:
+        same = same | (prefix_ids[:, :, None] == document_ids[:, None, :])
     return (causal[None] & same).unsqueeze(1)
 
 
@@ -129,13 +134,19 @@ def document_positions(document_ids: torch.Tensor) -> torch.Tensor:
     return pos - first
 
 
-def check_packed(input_ids: torch.Tensor, document_ids: torch.Tensor, attention_mask, kv_cache) -> None:
+def check_packed(input_ids: torch.Tensor, document_ids, attention_mask, kv_cache, prefix_ids=None,
+                 position_ids=None) -> None:
+    if prefix_ids is not None and (document_ids is None or position_ids is None):
+        raise ValueError("Transformer.forward: prefix_ids (shared prompts) need document_ids and position_ids")
+    if document_ids is None:
+        return
     if kv_cache is not None or attention_mask is not None:
         raise ValueError("Transformer.forward: document_ids (packed sequences) take no kv_cache and no "
                          "attention_mask (the documents are the mask)")
-    if document_ids.shape != input_ids.shape:
-        raise ValueError(f"Transformer.forward: document_ids {tuple(document_ids.shape)} must have the shape of "
-                         f"input_ids {tuple(input_ids.shape)}")
+    for name, t in (("document_ids", document_ids), ("prefix_ids", prefix_ids)):
+        if t is not None and t.shape != input_ids.shape:
+            raise ValueError(f"Transformer.forward: {name} {tuple(t.shape)} must have the shape of "
+                             f"input_ids {tuple(input_ids.shape)}")
 
 
 class Attention(nn.Module):
@@ -278,7 +289,7 @@ class Transformer(nn.Module):
         return self.embed.weight if self.cfg.tie_embeddings else self.lm_head.weight
 
     def forward(self, input_ids: torch.Tensor, *, position_ids=None, attention_mask=None,
-                kv_cache: KVCache | None = None, head=None, document_ids=None):
+                kv_cache: KVCache | None = None, head=None, document_ids=None, prefix_ids=None):
         """input_ids [B, S] -> logits_local [B, S, Vp/tp] (sharded on the vocabulary).
 
         attention_mask [B, L] marks real tokens (L = cache length + S; needed with padding).
@@ -292,11 +303,13 @@ class Transformer(nn.Module):
         document_ids [B, S] (packed sequences; no kv_cache, no attention_mask): several documents per
         row, each a contiguous run of one id; attention is block-diagonal causal (no token sees
         another document) and positions restart at 0 per document unless `position_ids` are given.
+        prefix_ids [B, S] (shared prompts, with document_ids and position_ids): a token also sees the
+        earlier tokens of document prefix_ids (its group's prompt; `document_mask_4d`).
         """
         B, S = input_ids.shape
         past = kv_cache.length if kv_cache is not None else 0
+        check_packed(input_ids, document_ids, attention_mask, kv_cache, prefix_ids, position_ids)
         if document_ids is not None:  # packed: positions restart per document
-            check_packed(input_ids, document_ids, attention_mask, kv_cache)
             position_ids = document_positions(document_ids) if position_ids is None else position_ids
         if position_ids is None:
             if attention_mask is not None:
@@ -309,7 +322,7 @@ class Transformer(nn.Module):
         elif kv_cache is not None and past > 0:
             mask = attention_mask_4d(torch.ones(B, past + S, dtype=torch.bool, device=input_ids.device), S)
         if document_ids is not None:  # packed: block-diagonal causal attention
-            mask = document_mask_4d(document_ids)
+            mask = document_mask_4d(document_ids, prefix_ids)
         with self._autocast(input_ids.device):
             x = self.embed(input_ids)  # (B, S, H), replicated over tp
             cos, sin = rope_cos_sin(self.inv_freq, position_ids, self.compute_dtype or x.dtype)

@@ -22,6 +22,7 @@ class RolloutConfig:
     top_p: float = 1.0  # nucleus: keep tokens while the mass of strictly larger logits is below top_p
     min_p: float = 0.0  # keep tokens with p >= min_p * max p
     stop: list[str] = field(default_factory=list)  # stop strings (beside the tokenizer's EOS ids)
+    share_prefill: bool = True  # prefill each distinct prompt once, its KV cache copied to its G rows
     eval_prompts: int = 0  # task prompts: >0 scores this many fixed prompts; data set: caps the eval set (0: all)
     eval_every: int = 10  # held-out eval before steps 0, K, 2K, ... and after the last step (0: never)
     eval_k: int = 0  # >0: also sample k responses per eval prompt (rollout temperature): eval_mean_at_k
@@ -55,6 +56,10 @@ class AlgoConfig:
     # rows x (longest prompt + longest response) <= this, each trimmed to its longest row
     micro_batch_tokens: int = 0
     pack_sequences: bool = False  # with micro_batch_tokens: rows concatenated, <= that many tokens per sequence
+    # each distinct prompt once, its responses after it, in the ref/old passes and the update (rl/micro_batches.py);
+    # None: on for GRPO without micro_batch_tokens, off otherwise. Default off until measured on a quiet machine
+    share_prompts: bool | None = False
+    group_mini_batches: bool = False  # mini-batches of whole prompt groups (global prompt id mod mini_batches)
     adv_std_norm: bool = True  # GRPO: divide by the group's std
     gamma: float = 1.0  # PPO GAE
     lam: float = 0.95
@@ -79,6 +84,11 @@ class AlgoConfig:
         if self.kl_chunk_size is not None and (isinstance(self.kl_chunk_size, (str, bool)) or self.kl_chunk_size < 1):
             raise ValueError(f"algo.kl_chunk_size must be a positive integer, null or 'auto', "
                              f"got {self.kl_chunk_size!r}")
+        if self.share_prompts is None:
+            self.share_prompts = self.name == "grpo" and not self.micro_batch_tokens
+        if self.share_prompts and self.micro_batch_tokens:
+            raise ValueError(f"algo.share_prompts=true does not compose with algo.micro_batch_tokens="
+                             f"{self.micro_batch_tokens} (nor algo.pack_sequences): use algo.micro_batch_size")
         if self.pack_sequences and not self.micro_batch_tokens:
             raise ValueError("algo.pack_sequences=true needs algo.micro_batch_tokens > 0 (the tokens per packed "
                              "sequence)")

@@ -8,7 +8,10 @@ Positions: the response token at index t (0-based, sequence position P + t) is p
 hidden state at position P + t - 1, so a response of N tokens uses hidden[:, P-1 : P+N-1].
 Packed sequences (`packed_token_stats`, `packed_fused_loss`; rl/micro_batches.py's PackedRows):
 several rows in one [1, T] sequence, block-diagonal causal attention, each row's own positions;
-the head reads the M hidden states at `head_pos` and returns [1, M].
+the head reads the M hidden states at `head_pos` and returns [1, M]. The shared-prompt layout
+(rl/micro_batches.py) is a PackedRows of R rows with `prefix_ids`: the same heads read it
+(head_pos indexes the flattened [R * T] positions). `policy_token_stats` and `reference_hidden`
+take it as `packed=` and return the padded [B, N] shapes (0 where no head token).
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import torch
 from parallel.comm import copy_to_tp
 from parallel.fused import fused_head
 from parallel.fused_loss import fused_head_loss
+from rl.micro_batches import gather_tokens, scatter_tokens
 
 
 class TokenStats(NamedTuple):
@@ -43,10 +47,13 @@ def _through_head(model, sequences, attention_mask, prompt_len: int, tp_group, r
 
 def _through_head_packed(model, packed, tp_group, ref_hidden, mask, fn):
     """`_through_head` over one packed sequence (rl/micro_batches.py's PackedRows): the head reads the
-    hidden states at `packed.head_pos` [M]; ref_hidden and mask are [1, M, H] and [1, M]."""
-    return _run_head(model, packed.input_ids, dict(position_ids=packed.position_ids,
-                                                   document_ids=packed.document_ids),
-                     lambda h: h[:, packed.head_pos], packed.targets[None], tp_group, ref_hidden, mask, fn)
+    hidden states at `packed.head_pos` [M] of the flattened [R * T] positions (R = 1 packed, R prompt
+    groups shared); ref_hidden and mask are [1, M, H] and [1, M]."""
+    kw = dict(position_ids=packed.position_ids, document_ids=packed.document_ids)
+    if packed.prefix_ids is not None:
+        kw["prefix_ids"] = packed.prefix_ids
+    return _run_head(model, packed.input_ids, kw, lambda h: h.reshape(1, -1, h.shape[-1])[:, packed.head_pos],
+                     packed.targets[None], tp_group, ref_hidden, mask, fn)
 
 
 def _run_head(model, input_ids, model_kw: dict, select, targets, tp_group, ref_hidden, mask, fn):
@@ -69,12 +76,19 @@ def _stats(out, shape) -> TokenStats:
 def policy_token_stats(model, sequences, attention_mask, prompt_len: int, *, tp_group=None, vocab_size: int,
                        temperature: float = 1.0, chunk_size: int = 1024, entropy: bool = True,
                        kl: str | None = None, ref_hidden: torch.Tensor | None = None,
-                       ref_weight: torch.Tensor | None = None, mask: torch.Tensor | None = None) -> TokenStats:
+                       ref_weight: torch.Tensor | None = None, mask: torch.Tensor | None = None,
+                       packed=None) -> TokenStats:
     """Log-probs (and entropy, exact KL against the given reference hidden states and head
     weight) of the response tokens of `sequences` [B, P + N] under `model`; 0 where `mask` [B, N]
-    is False."""
+    is False. `packed`: the shared-prompt layout of these rows (rl/micro_batches.py) to run instead;
+    the results are the same [B, N] (0 outside its head tokens)."""
     fn = _stats_head(tp_group, vocab_size, temperature, chunk_size, entropy, kl, ref_weight)
-    return _stats(*_through_head(model, sequences, attention_mask, prompt_len, tp_group, ref_hidden, mask, fn))
+    if packed is None:
+        return _stats(*_through_head(model, sequences, attention_mask, prompt_len, tp_group, ref_hidden, mask, fn))
+    B, N = sequences.shape[0], sequences.shape[1] - prompt_len
+    out = _stats(*_through_head_packed(model, packed, tp_group, gather_tokens(packed, ref_hidden),
+                                       gather_tokens(packed, mask), fn))
+    return TokenStats(*(scatter_tokens(packed, t, B, N) for t in out))
 
 
 def packed_token_stats(model, packed, *, tp_group=None, vocab_size: int, temperature: float = 1.0,
@@ -109,11 +123,17 @@ def logprobs_from_hidden(hidden: torch.Tensor, weight_local: torch.Tensor, targe
 
 
 @torch.no_grad()
-def reference_hidden(ref, sequences, attention_mask, prompt_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+def reference_hidden(ref, sequences, attention_mask, prompt_len: int, packed=None) -> tuple[torch.Tensor, torch.Tensor]:
     """The reference's final hidden states at the response positions [B, N, H] and its local head
-    weight [Vp/tp, H] (copied: under FSDP the gathered weight is freed after forward)."""
-    return ref(sequences, attention_mask=attention_mask,
-               head=lambda h, w: (_response_hidden(h, prompt_len).clone(), w.detach().clone()))
+    weight [Vp/tp, H] (copied: under FSDP the gathered weight is freed after forward). `packed`: the
+    shared-prompt layout of these rows to run instead (hidden states 0 outside its head tokens)."""
+    if packed is None:
+        return ref(sequences, attention_mask=attention_mask,
+                   head=lambda h, w: (_response_hidden(h, prompt_len).clone(), w.detach().clone()))
+    kw = dict(position_ids=packed.position_ids, document_ids=packed.document_ids, prefix_ids=packed.prefix_ids)
+    h, w = ref(packed.input_ids, **kw,
+               head=lambda h, w: (h.reshape(1, -1, h.shape[-1])[:, packed.head_pos], w.detach().clone()))
+    return scatter_tokens(packed, h, sequences.shape[0], sequences.shape[1] - prompt_len), w
 
 
 def critic_values(critic, sequences, attention_mask, prompt_len: int) -> torch.Tensor:

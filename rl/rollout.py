@@ -164,7 +164,8 @@ def _generate(policy, tokenizer, prompt_ids: list[list[int]], G: int, cfg: Rollo
                    eos_id=tokenizer.eos_id, eos_ids=eos_ids_of(tokenizer), pad_id=pad,
                    stop_check=stop_string_check(tokenizer, cfg.stop),
                    vocab_limit=getattr(tokenizer, "vocab_size", None), seed=seed, step=step,
-                   row_ids=row_ids.to(device), tp_group=tp_group, dp_group=dp_group, **sample)
+                   row_ids=row_ids.to(device), tp_group=tp_group, dp_group=dp_group,
+                   share_prefill=cfg.share_prefill and G > 1, **sample)
     return gen, decode_responses(tokenizer, gen.sequences[:, gen.prompt_len:].cpu(), gen.response_mask.cpu())
 
 

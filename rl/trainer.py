@@ -39,7 +39,7 @@ from rl.logprobs import (
     reference_hidden,
 )
 from rl.losses import TokenPolicyLoss, aggregate, clipped_value_loss, loss_scale, token_weights
-from rl.micro_batches import MicroBatch, by_row_count, by_token_budget
+from rl.micro_batches import MicroBatch, by_row_count, by_token_budget, share_rollout
 from rl.reference import ReferenceSync
 from rl.rollout import Rollout, collect_rollout, evaluate
 from rl.signals import WindowCorr, loss_term_grad_norms, repetition_rate
@@ -135,14 +135,16 @@ class RLTrainer:
                                  stats=self.rollout_stats)
         mask = ro.response_mask
         exact = cfg.kl.exact
+        shared = share_rollout(ro) if cfg.algo.share_prompts else None  # each prompt once (rl/micro_batches.py)
         with self.timer("ref_logprobs"):
-            ref_h, ref_w = reference_hidden(self.ref, ro.sequences, ro.attention_mask, ro.prompt_len)
+            ref_h, ref_w = reference_hidden(self.ref, ro.sequences, ro.attention_mask, ro.prompt_len, packed=shared)
             ref_logp = logprobs_from_hidden(ref_h, ref_w, ro.responses_ids, tp_group=self.tp_group,
                                             vocab_size=self.vocab, temperature=self._temperature,
                                             chunk_size=cfg.algo.kl_chunk_size, mask=mask)
         with self.timer("old_logprobs"):
             kl_dir = HEAD_DIRECTION[cfg.kl.direction] if exact else None
-            old = self._token_stats(self.policy, ro, entropy=True, kl=kl_dir, ref_hidden=ref_h, ref_weight=ref_w)
+            old = self._token_stats(self.policy, ro, entropy=True, kl=kl_dir, ref_hidden=ref_h, ref_weight=ref_w,
+                                    packed=shared)
         # padding is replaced here, once, before anything reaches advantages, losses or the heads
         old_logp, ref_logp = sanitize(old.logprobs, mask), sanitize(ref_logp, mask)
         kl = sanitize(old.kl.float(), mask) if exact else kl_from_config(cfg.kl, old_logp, ref_logp, mask)
@@ -178,12 +180,19 @@ class RLTrainer:
         the same whatever the DP layout, and every rank gets the same number of rows per
         mini-batch (no rank waits in an FSDP collective for another): within each prompt's group
         the samples are shuffled (keyed by seed, step, epoch, prompt), then global position p goes
-        to mini-batch p mod n."""
+        to mini-batch p mod n. `algo.group_mini_batches`: whole prompt groups instead, global prompt
+        id mod n (each rank's prompts are contiguous, so each gets the same count when n divides them)."""
         n, G = self.cfg.algo.mini_batches, self.cfg.rollout.group_size
         if n == 1:
             return [torch.arange(row_ids.numel(), device=self.state.device)]
         if row_ids.numel() % n:
             raise ValueError(f"algo.mini_batches={n} must divide the {row_ids.numel()} rows each DP rank holds")
+        if self.cfg.algo.group_mini_batches:  # whole prompt groups: global prompt id mod n
+            if (row_ids.numel() // G) % n:
+                raise ValueError(f"algo.group_mini_batches: algo.mini_batches={n} must divide the "
+                                 f"{row_ids.numel() // G} prompts each DP rank holds")
+            mb = (row_ids // G) % n
+            return [torch.nonzero(mb == k).flatten().to(self.state.device) for k in range(n)]
         pos, perms = [], {}
         for rid in row_ids.tolist():
             prompt, j = divmod(rid, G)
@@ -201,7 +210,7 @@ class RLTrainer:
         `algo.micro_batch_tokens` (trimmed or packed; the same count on every DP rank): rl/micro_batches.py."""
         a = self.cfg.algo
         if not a.micro_batch_tokens:
-            return by_row_count(data.ro, rows, a.micro_batch_size)
+            return by_row_count(data.ro, rows, a.micro_batch_size, share=a.share_prompts)
         return by_token_budget(data.ro, rows, a.micro_batch_tokens, a.pack_sequences, self.dp_group)
 
     def update(self, data: StepData, step: int) -> dict:

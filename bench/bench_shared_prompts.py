@@ -1,0 +1,72 @@
+"""kltron's GRPO step with and without the shared-prompt forward (rl/micro_batches.py), same run.
+
+The workload of bench/bench_rl_vs_trl.py (same weights, prompts, batch 32 x 8, 6 new tokens, 2 epochs
+x 2 mini-batches), kltron side only, once per variant in a fresh child process, variants alternated
+over --rounds; prints the median per-phase seconds of each.
+
+    python -m bench.bench_shared_prompts --size 60m --steps 2 --warmup 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+
+VARIANTS = {
+    "unshared": ["algo.share_prompts=false", "rollout.share_prefill=false"],
+    "shared": ["algo.share_prompts=true", "rollout.share_prefill=true"],
+    "shared+groups": ["algo.share_prompts=true", "rollout.share_prefill=true", "algo.group_mini_batches=true"],
+}
+KEYS = ("step", "rollout", "ref_logprobs", "old_logprobs", "update")
+
+
+def child(a) -> None:
+    import torch
+
+    from bench.bench_rl_vs_trl import kltron_side
+    torch.set_num_threads(a.threads)
+    ns = argparse.Namespace(size=a.size, ckpt=a.ckpt, hf_dir=a.hf_dir, warmup=a.warmup, steps=a.steps,
+                            override=VARIANTS[a.variant])
+    print(json.dumps(kltron_side(ns)))
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--size", default="60m")
+    ap.add_argument("--steps", type=int, default=2)
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--rounds", type=int, default=1)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--variants", default=",".join(VARIANTS))
+    for internal in ("--variant", "--ckpt", "--hf-dir"):
+        ap.add_argument(internal, default=None, help=argparse.SUPPRESS)
+    a = ap.parse_args(argv)
+    if a.variant:
+        return child(a)
+    from bench.bench_rl_vs_trl import prepare
+    out: dict = {v: [] for v in a.variants.split(",")}
+    with tempfile.TemporaryDirectory() as tmp:
+        setup = prepare(a.size, os.path.join(tmp, a.size), a.warmup + a.steps)
+        for _ in range(a.rounds):
+            for v in out:
+                cmd = [sys.executable, "-m", "bench.bench_shared_prompts", "--variant", v, "--size", a.size,
+                       "--ckpt", setup["ckpt"], "--hf-dir", setup["hf_dir"], "--steps", str(a.steps),
+                       "--warmup", str(a.warmup), "--threads", str(a.threads)]
+                run = subprocess.run(cmd, check=True, capture_output=True, text=True)
+                res = json.loads(run.stdout.splitlines()[-1])
+                out[v].append(res)
+                print(f"{v}: " + " ".join(f"{k} {res[k]:.2f}" for k in KEYS), file=sys.stderr, flush=True)
+    print(f"| variant ({a.size}, median s) | " + " | ".join(KEYS) + " |")
+    print("|---" * (len(KEYS) + 1) + "|")
+    for v, runs in out.items():
+        print(f"| {v} | " + " | ".join(f"{statistics.median(r[k] for r in runs):.2f}" for k in KEYS) + " |")
+    return out
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,227 @@
+"""Shared-prompt forward for GRPO groups (rl/micro_batches.py, core/model.py's prefix_ids,
+core/generate.py's share_prefill).
+
+References: the layout against a hand-written example; per-token log-probs, entropy, exact KL,
+losses and every parameter gradient against the padded row-by-row forward in float64 (prompts of
+different lengths, a single-row group, an empty response, rows of a group not adjacent); one
+response against its row run alone, unpadded, while the other responses of its group change; tp=2
+against tp=1; a trainer update with share_prompts on against off; shared prefill against the
+unshared rollout's tokens.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from core.config import ModelConfig, load_config
+from core.generate import generate
+from core.model import build_model, document_mask_4d
+from rl.config import AlgoConfig
+from rl.logprobs import policy_fused_loss, policy_token_stats, reference_hidden
+from rl.micro_batches import by_row_count, gather_tokens, prompt_keys, share_rollout
+from rl.rollout import Rollout
+
+MODEL = dict(vocab_size=131, hidden_size=32, n_layers=2, n_heads=4, n_kv_heads=2, intermediate_size=64,
+             max_seq_len=32, tie_embeddings=False)
+# rows (not in group order): prompt of group, response length; group 1 has a single row, row 4 no response
+GROUPS, RESP, PLEN = [0, 1, 2, 0, 2, 0, 3], [4, 2, 3, 1, 0, 4, 2], {0: 3, 1: 5, 2: 2, 3: 3}
+
+
+def _rollout(P: int = 5, N: int = 4, seed: int = 0, resp_seed: int = 1) -> Rollout:
+    """Rows of GROUPS with prompts of PLEN tokens (groups 0 and 3: same length, other tokens),
+    left-padded to P, and RESP response tokens (drawn from `resp_seed`)."""
+    g, gr = torch.Generator().manual_seed(seed), torch.Generator().manual_seed(resp_seed)
+    prompts = {k: torch.randint(3, 131, (n,), generator=g, device="cpu") for k, n in PLEN.items()}
+    B = len(GROUPS)
+    seq = torch.zeros(B, P + N, dtype=torch.long, device="cpu")
+    am = torch.zeros(B, P + N, dtype=torch.long, device="cpu")
+    rm = torch.zeros(B, N, dtype=torch.bool, device="cpu")
+    for i, (k, n) in enumerate(zip(GROUPS, RESP)):
+        seq[i, P - PLEN[k]:P] = prompts[k]
+        seq[i, P:P + n] = torch.randint(3, 131, (n,), generator=gr, device="cpu")
+        am[i, P - PLEN[k]:P + n] = 1
+        rm[i, :n] = True
+    return Rollout(seq, am, rm, P, torch.zeros(B, device="cpu"), torch.arange(B, device="cpu"), [], [])
+
+
+def _models(tp_group=None, dtype=torch.float64):
+    cfg = ModelConfig(**MODEL)
+    return build_model(cfg, tp_group, seed=3, dtype=dtype), build_model(cfg, tp_group, seed=4, dtype=dtype)
+
+
+def test_layout_by_hand():
+    ro = _rollout()
+    keys = prompt_keys(ro, torch.arange(7, device="cpu"))
+    assert keys[0] == keys[3] == keys[5] and keys[2] == keys[4] and len(set(keys)) == 4  # group 3: other tokens
+    sh = share_rollout(ro, torch.tensor([3, 1, 0, 4], device="cpu"))  # groups 0 (rows 3, 0) and 2 (row 4: empty)
+    s, P = ro.sequences, ro.prompt_len
+    # one sequence per group with a response: group 0's prompt, row 3's 1 token, row 0's 4; group 1's 5 + 2; padded
+    assert sh.input_ids.tolist() == [s[3, 2:6].tolist() + s[0, 5:9].tolist(), s[1, 0:7].tolist() + [0]]
+    assert sh.document_ids.tolist() == [[0, 0, 0, 1, 2, 2, 2, 2], [0, 0, 0, 0, 0, 1, 1, -1]]
+    assert sh.prefix_ids.tolist() == [[0] * 8, [0] * 7 + [-1]]
+    assert sh.position_ids.tolist() == [[0, 1, 2, 3, 3, 4, 5, 6], [0, 1, 2, 3, 4, 5, 6, 0]]
+    assert sh.src_rows.tolist() == [3, 0, 0, 0, 0, 1, 1] and sh.src_cols.tolist() == [0, 0, 1, 2, 3, 0, 1]
+    assert sh.head_pos.tolist() == [2, 2, 4, 5, 6, 8 + 4, 8 + 5]  # token 0 of both rows: the prompt's last
+    assert sh.targets.tolist() == [s[3, P], *s[0, P:P + 4].tolist(), *s[1, P:P + 2].tolist()]
+
+
+def test_prefix_mask_reduces_to_document_mask():
+    doc = torch.tensor([[0, 0, 1, 1, 1, 2], [0, 1, 1, 2, 2, 2]], device="cpu")
+    assert torch.equal(document_mask_4d(doc, doc), document_mask_4d(doc))
+    m = document_mask_4d(torch.tensor([[0, 0, 1, 1, 2, -1]]), torch.tensor([[0, 0, 0, 0, 0, -1]]))[0, 0]
+    assert m.tolist()[4] == [True, True, False, False, True, False]  # response 2 sees the prompt, not response 1
+
+
+def _stats_and_grads(shared: bool, fused: bool):
+    """float64: log-probs, entropy, exact KL [B, N] and every policy gradient of a weighted sum of them."""
+    torch.manual_seed(0)
+    policy, ref = _models()
+    ro = _rollout()
+    B, N = ro.response_mask.shape
+    sh = share_rollout(ro) if shared else None
+    ref_h, ref_w = reference_hidden(ref, ro.sequences, ro.attention_mask, ro.prompt_len, packed=sh)
+    w = torch.randn(3, B, N, dtype=torch.float64, generator=torch.Generator().manual_seed(9), device="cpu")
+    kw = dict(vocab_size=131, entropy=True, kl="forward", ref_hidden=ref_h, ref_weight=ref_w,
+              mask=ro.response_mask, temperature=0.7, chunk_size=5)
+    if fused:
+        wt = [gather_tokens(sh, x).reshape(-1) if shared else x.reshape(-1) for x in w]
+
+        def token_loss(lp, ent, kl, t):
+            return lp * wt[0][t] + ent * wt[1][t] + kl * wt[2][t]
+
+        if shared:
+            from rl.logprobs import packed_fused_loss
+            kw["ref_hidden"], kw["mask"] = gather_tokens(sh, ref_h), gather_tokens(sh, ro.response_mask)
+            loss, _ = packed_fused_loss(policy, sh, token_loss, **kw)
+        else:
+            loss, _ = policy_fused_loss(policy, ro.sequences, ro.attention_mask, ro.prompt_len, token_loss, **kw)
+        stats = None
+    else:
+        stats = policy_token_stats(policy, ro.sequences, ro.attention_mask, ro.prompt_len, packed=sh, **kw)
+        m = ro.response_mask
+        loss = sum((x * wi).where(m, 0.0).sum() for x, wi in zip(stats, w))
+    loss.backward()
+    ref_h = ref_h.where(ro.response_mask[..., None], 0.0)
+    return ref_h, stats, loss.detach(), {n: p.grad.clone() for n, p in policy.named_parameters()}
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["stats", "fused_loss"])
+def test_shared_equals_padded_float64(fused):
+    a, b = _stats_and_grads(False, fused), _stats_and_grads(True, fused)
+    m = _rollout().response_mask
+    tol = dict(atol=1e-12, rtol=1e-12)
+    torch.testing.assert_close(b[0], a[0], **tol)  # reference hidden states at the response tokens
+    if not fused:
+        for x, y in zip(a[1], b[1]):  # log-probs, entropy, exact KL
+            torch.testing.assert_close(y.where(m, 0.0), x.where(m, 0.0), **tol)
+    torch.testing.assert_close(b[2], a[2], **tol)
+    assert set(a[3]) == set(b[3])
+    for k in a[3]:
+        assert a[3][k].abs().sum() > 0, k
+        torch.testing.assert_close(b[3][k], a[3][k], **tol, msg=lambda s, k=k: f"{k}: {s}")
+
+
+def test_isolation_from_other_responses():
+    """Row 0's log-probs do not move when the other responses of its group change, and equal its row
+    run alone without padding."""
+    policy, _ = _models()
+    got = []
+    for resp_seed in (1, 2):
+        ro = _rollout(resp_seed=resp_seed)
+        ro.sequences[0] = _rollout(resp_seed=1).sequences[0]  # row 0 itself unchanged
+        assert (resp_seed == 1) == torch.equal(ro.sequences[3], _rollout(resp_seed=1).sequences[3])
+        st = policy_token_stats(policy, ro.sequences, ro.attention_mask, ro.prompt_len, vocab_size=131,
+                                mask=ro.response_mask, packed=share_rollout(ro))
+        got.append(st.logprobs[0])
+    torch.testing.assert_close(got[1], got[0], atol=0, rtol=0)
+    ro = _rollout()
+    alone = ro.sequences[:1, 2:]  # row 0 without its padding: 3 prompt + 4 response tokens
+    one = policy_token_stats(policy, alone, torch.ones_like(alone), 3, vocab_size=131).logprobs[0]
+    torch.testing.assert_close(got[0], one, atol=1e-12, rtol=1e-12)
+
+
+def test_micro_batches_share_and_fall_back():
+    ro = _rollout()
+    mbs = by_row_count(ro, torch.tensor([4, 2, 0, 1, 3, 5, 6], device="cpu"), 2, share=True)
+    assert [m.packed is None for m in mbs] == [False, False, False, False]
+    mbs = by_row_count(ro, torch.tensor([4], device="cpu"), 0, share=True)  # only an empty response
+    assert mbs[0].packed is None  # runs padded (its mask all False): no head token to share
+    with pytest.raises(ValueError, match="share_prompts.*micro_batch_tokens=64"):
+        AlgoConfig(share_prompts=True, micro_batch_tokens=64)
+    # "auto" (None): on for GRPO with row micro-batches, off for PPO and under a token budget
+    assert AlgoConfig(share_prompts=None).share_prompts and not AlgoConfig(name="ppo", share_prompts=None).share_prompts
+    assert not AlgoConfig(micro_batch_tokens=64, share_prompts=None).share_prompts and not AlgoConfig().share_prompts
+
+
+def _tp_stats(tp: int):
+    from parallel.dims import ParallelDims, init_parallel
+
+    torch.set_num_threads(1)
+    state = init_parallel(ParallelDims(1, tp), "cpu", MODEL["n_heads"], MODEL["n_kv_heads"])
+    policy, ref = _models(state.tp_group)
+    ro = _rollout()
+    sh = share_rollout(ro)
+    ref_h, ref_w = reference_hidden(ref, ro.sequences, ro.attention_mask, ro.prompt_len, packed=sh)
+    st = policy_token_stats(policy, ro.sequences, ro.attention_mask, ro.prompt_len, tp_group=state.tp_group,
+                            vocab_size=131, kl="forward", ref_hidden=ref_h, ref_weight=ref_w,
+                            mask=ro.response_mask, packed=sh)
+    (st.logprobs * ro.response_mask).sum().backward()
+    return [t.detach().where(ro.response_mask, 0.0) for t in st], policy.norm.weight.grad.clone()
+
+
+@pytest.mark.slow
+def test_tp2_equals_tp1(dist_pools):
+    ref, g1 = _tp_stats(1)
+    for got, g2 in dist_pools.run(2, _tp_stats, 2):
+        for x, y in zip(ref, got):  # log-probs, entropy, exact KL
+            torch.testing.assert_close(y, x, atol=1e-10, rtol=1e-10)
+        torch.testing.assert_close(g2, g1, atol=1e-10, rtol=1e-10)  # a replicated parameter's gradient
+
+
+def _trainer_params(overrides: list[str]):
+    from core.tokenizer import load_tokenizer
+    from parallel.dims import ParallelDims, init_parallel
+    from rl.config import RLConfig
+    from rl.train import assemble
+
+    torch.set_num_threads(1)
+    base = ["rollout.prompts_per_step=4", "rollout.group_size=4", "rollout.max_new_tokens=5", "train.steps=1",
+            "reward.use_task_reward=false", "reward.fns=[tests.test_shared_prompts:digit_reward]", "optim.lr=1e-2",
+            "optim.warmup_steps=0", "kl_ctl.beta=0.1", "train.progress=false", "algo.epochs=2",
+            "algo.mini_batches=2", "algo.name=grpo", "loss.entropy_coef=0.01", "algo.micro_batch_size=3"]
+    cfg = load_config(RLConfig, None, base + overrides)
+    mc = ModelConfig(**{**MODEL, "vocab_size": 256, "max_seq_len": 64})
+    state = init_parallel(ParallelDims(1, 1), "cpu", mc.n_heads, mc.n_kv_heads)
+    policy, ref = (build_model(mc, state.tp_group, seed=11, dtype=torch.float64) for _ in range(2))
+    tr = assemble(cfg, state, mc, load_tokenizer(None), policy, ref)
+    rec = tr.step(0)
+    return {n: p.detach().clone() for n, p in tr.policy.named_parameters()}, rec
+
+
+def digit_reward(meta, response):
+    return sum(c.isdigit() for c in response) / 5.0
+
+
+@pytest.mark.parametrize("algo", [["kl.estimator=k3+"], ["kl.exact=true", "loss.agg=seq-mean-token-mean"],
+                                  ["kl.estimator=k3+", "algo.group_mini_batches=true"]],
+                         ids=["k3", "exact", "group_mini_batches"])
+def test_trainer_step_shared_equals_unshared(algo):
+    a, ra = _trainer_params(algo + ["algo.share_prompts=false"])
+    b, rb = _trainer_params(algo + ["algo.share_prompts=true"])
+    for k in a:
+        torch.testing.assert_close(b[k], a[k], atol=1e-12, rtol=1e-12, msg=lambda s, k=k: f"{k}: {s}")
+    for k in ("kl_mean", "entropy", "pg_loss", "kl_loss", "reward_mean"):
+        assert rb[k] == pytest.approx(ra[k], rel=1e-9, abs=1e-12), k
+
+
+def test_shared_prefill_samples_the_same_tokens():
+    policy, _ = _models(dtype=torch.float32)
+    ro = _rollout()
+    P = ro.prompt_len
+    ids, mask = ro.sequences[:, :P], ro.attention_mask[:, :P]
+    outs = [generate(policy, ids, mask, max_new_tokens=6, eos_id=None, pad_id=0, temperature=1.0, seed=5,
+                     row_ids=torch.arange(7, device="cpu") * 3, share_prefill=share) for share in (False, True)]
+    assert torch.equal(outs[1].sequences, outs[0].sequences)
+    assert torch.equal(outs[1].response_mask, outs[0].response_mask)
+    assert len({tuple(r) for r in outs[0].sequences[:, P:].tolist()}) > 4  # a group's rows drew different tokens
