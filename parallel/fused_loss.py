@@ -46,7 +46,8 @@ from __future__ import annotations
 import torch
 
 from parallel.fused import FusedHeadOutput, GradAccumulator, HeadMatmul, part, prepare_head
-from parallel.vocab_stats import chunks, grad_logits, local_stats, masked, reduce_stats, shifted_stats
+from parallel.fused_loss_stats import grad_logits_kept, local_stats_kept, shifted_stats
+from parallel.vocab_stats import chunks, masked, reduce_stats
 
 _VALUES = ("logprobs", "entropy", "kl")  # what token_loss sees, in its argument order
 
@@ -71,7 +72,7 @@ class _FusedHeadLoss(torch.autograd.Function):
             zq = mm_q(ref_hidden[s:e], kc) if spec.has_q else None
             tsel = None if tl is None else (tl[0][s:e], tl[1][s:e])
             maxes, sums = spec.buffers(e - s, hidden, sh.dtype)
-            local_stats(zp, zq, tsel, spec, maxes, sums, inplace=True, keep_shifted=True)  # zp, zq: z - local max
+            local_stats_kept(zp, zq, tsel, spec, maxes, sums)  # zp: z_p - local max, zq: the cross term
             # this chunk's values must be final before its gradient: the max all-reduce and the
             # partial-sum all-gather run per chunk, each O(chunk) floats (see the module docstring)
             st = reduce_stats(maxes, sums, spec, sh.group)
@@ -81,8 +82,9 @@ class _FusedHeadLoss(torch.autograd.Function):
             loss = chunk_loss if loss is None else loss + chunk_loss
             if any(v is not None for v in g.values()):
                 g = {k: masked(v.to(sh.dtype), kc) for k, v in g.items() if v is not None}
-                gp, _ = grad_logits(zp, zq, tsel, shifted_stats(st, maxes, spec), g, spec, False, sh.temperature,
-                                    inplace=True)  # the logits' last use
+                gp = grad_logits_kept(zp, zq, tsel, shifted_stats(st, maxes, spec), g, spec,
+                                      sh.temperature)  # in zp's buffer: the logits' last use
+                zq = None  # freed before the gradient's matmuls (and its cast to the weight's dtype)
                 acc.add(s, e, kc, gp, None)
                 del gp
             del zp, zq
