@@ -7,16 +7,18 @@ of the [c, Vp/tp] shard on the vocabulary; per-token values [c], replicated.
 
 Unlike the recomputing head, the gradient needs the chunk's logits after the statistics, and only
 what the policy's gradient reads survives them, each in place of a logits tensor:
-  zp -> s_p = z_p - l_p (l: this rank's max; log p = s_p - (m - l_p) - log S_p),
-  zq -> the cross term X:  forward KL: X = exp(s_p) (s_p - s_q) (the KL integrand, NaN -> 0),
-                           reverse KL: X = exp(s_q);  without a KL nothing (zq is dead).
-With a = (m - l_p) + log S_p and b = (m_q - l_q) + log S_q (the rows' log-softmax shifts),
-p (log p - log q - KL) = exp(-a) X + p ((b - a) - KL) and q = exp(-b) X, so
-  d loss / d z_p = p [g_lse - g_lp - g_H (log p + H) (+ g_KL ((b - a) - KL) | + g_KL)]
-                   (+ g_KL exp(-a) X | - g_KL exp(-b) X) + g_lp onehot(target)   (forward | reverse).
-The statistics are bitwise those of parallel/vocab_stats.py's local_stats; the gradient equals
-parallel/vocab_stats.py's grad_logits (which forms log q and the KL factor explicitly) to rounding.
-Identical p and q still give exactly 0 for the KL's part (X = 0 and b - a - KL = 0).
+  zp -> s_p = z_p - l_p (l: this rank's max), so log p = s_p - a with a = (m - l_p) + log S_p,
+  zq -> forward KL: d = s_p - s_q;  reverse KL: X = exp(s_q), so q = exp(-b) X with
+        b = (m_q - l_q) + log S_q;  without a KL nothing (zq is dead).
+Then (forward | reverse)
+  d loss / d z_p = p [g_lse - g_lp - g_H (log p + H) (+ g_KL (d + (b - a) - KL) | + g_KL)]
+                   (| - g_KL exp(-b) X) + g_lp onehot(target).
+The forward KL's factor d + (b - a) - KL is formed before multiplying by p, as grad_logits forms
+log p - log q - KL (summing p d and p (b - a - KL) separately would lose the digits that cancel
+when q is far from p); with entropy too, exp(s_p) is computed twice (one more pass, not one more
+[c, nv] tensor). The statistics are bitwise those of parallel/vocab_stats.py's local_stats; the
+gradient equals its grad_logits (which forms log q explicitly) to rounding. Identical p and q
+still give exactly 0 for the KL's part (d = 0 and b - a - KL = 0).
 """
 
 from __future__ import annotations
@@ -35,9 +37,9 @@ from parallel.vocab_stats import (
 
 def local_stats_kept(zp, zq, tsel, spec: StatsSpec, maxes: torch.Tensor, sums: torch.Tensor) -> None:
     """Fill one chunk's rows of `maxes` [c, 1|2] and `sums` [c, k] as local_stats does (bitwise),
-    leaving zp [c, nv] = s_p and zq [c, nv] = the cross term X (module docstring). Working memory
-    besides zp and zq: one [c, nv] temporary (exp(s_p); exp(s_q)'s sum for the forward KL is taken
-    before it exists)."""
+    leaving zp [c, nv] = s_p and zq [c, nv] = d (forward KL) or X (reverse KL) (module docstring).
+    Working memory besides zp and zq: one [c, nv] temporary (exp(s_p); exp(s_q)'s sum for the
+    forward KL is taken before it exists)."""
     cols = spec.cols
     if zp.shape[1] == 0:  # this rank holds only padding: contributes nothing
         maxes.fill_(float("-inf"))
@@ -54,8 +56,12 @@ def local_stats_kept(zp, zq, tsel, spec: StatsSpec, maxes: torch.Tensor, sums: t
             sums[:, cols["S_q"]] = (sq.exp() if spec.kl == "forward" else sq.exp_()).sum(1)
     ep = sp.exp()  # s_p is kept for the gradient: exp(s_p) is the one temporary
     sums[:, cols["S_p"]] = ep.sum(1)
-    if spec.kl == "forward":  # X = exp(s_p) (s_p - s_q), NaN -> 0 where p = 0; +inf survives (q = 0 < p)
-        sums[:, cols["KL"]] = finite_at_zero(torch.sub(sp, sq, out=sq).mul_(ep)).sum(1)
+    if spec.kl == "forward":  # d = s_p - s_q kept in s_q's buffer; the integrand exp(s_p) d in ep's, where
+        # the weight is 0 the term is 0 (never 0 * inf = NaN), +inf survives (p > 0, q = 0)
+        d = torch.sub(sp, sq, out=sq)
+        sums[:, cols["KL"]] = finite_at_zero(ep.mul_(d)).sum(1)
+        if spec.entropy:  # exp(s_p) again: one more pass instead of a second temporary
+            torch.exp(sp, out=ep)
     if spec.entropy:
         sums[:, cols["H"]] = finite_at_zero(ep.mul_(sp)).sum(1)
     if spec.kl == "reverse":  # X = exp(s_q) in s_q's buffer; the integrand exp(s_q) (s_q - s_p) in ep's
@@ -79,7 +85,7 @@ def shifted_stats(st: dict, maxes: torch.Tensor, spec: StatsSpec) -> dict:
 
 def grad_logits_kept(zp, x, tsel, st: dict, g: dict, spec: StatsSpec, temperature: float) -> torch.Tensor:
     """d(sum_k g_k . out_k) / d z_p [c, nv] for one chunk, formed in zp's buffer (the policy's logits
-    only: the reference is frozen). zp = s_p and x = the cross term (zq's buffer) as
+    only: the reference is frozen). zp = s_p and x = d or X (zq's buffer, overwritten) as
     local_stats_kept left them; `st`: the chunk's shifted_stats; `g`: upstream gradients [c] by
     output name ("lse", "logprobs", "entropy", "kl"; None or absent where unused; the caller has
     zeroed masked tokens). Working memory: p and the bool mask of p == 0. Purely local."""
@@ -96,19 +102,15 @@ def grad_logits_kept(zp, x, tsel, st: dict, g: dict, spec: StatsSpec, temperatur
         gp.add_(st["entropy"][:, None]).mul_(-g_h)
     else:
         gp.zero_()
-    a = (st["m"] + st["logS"])[:, None]
+    a = (st["m"] + st["logS"])[:, None]  # log p = s_p - a, log q = s_q - b
     b = (st["m_q"] + st["logS_q"])[:, None] if spec.has_q else None
-    const = [v for v in (g_lse, None if g_lp is None else -g_lp) if v is not None]
-    if kl_fwd:
-        const.append(g_kl * ((b - a) - st["kl"][:, None]))
-    if kl_rev:
-        const.append(g_kl)
+    const = [v for v in (g_lse, None if g_lp is None else -g_lp, g_kl if kl_rev else None) if v is not None]
     if const:
         gp.add_(sum(const[1:], const[0]))
+    if kl_fwd:  # + g_KL (log p - log q - KL) = g_KL (d + (b - a) - KL), formed in d's buffer
+        gp.add_(x.add_((b - a) - st["kl"][:, None]).mul_(g_kl))
     zero_where_unlikely(gp, p)
     del p
-    if kl_fwd:  # p (log p - log q - KL) - p ((b - a) - KL) = p (s_p - s_q) = exp(-a) X
-        gp.addcmul_(x, g_kl * torch.exp(-a))
     if kl_rev:  # - g_KL q = - g_KL exp(-b) X
         gp.addcmul_(x, g_kl * torch.exp(-b), value=-1.0)
     if spec.targets and g_lp is not None and zp.shape[1] > 0:  # onehot(target); a padding-only rank holds none
