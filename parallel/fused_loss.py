@@ -15,8 +15,11 @@ per-token log-probs, entropy and exact KL, whose gradient is computed during the
 Per chunk of `chunk_size` tokens (default "auto": see parallel/fused.py), in the forward pass: the
 policy (and reference) logits [c, Vp/tp], the chunk's statistics reduced over tp_group, the
 chunk's per-token values, then `token_loss` and its gradient with respect to those [c] values
-(torch.autograd on [c] tensors only), then d loss / d logits locally (parallel/vocab.py's grad_logits), then
-grad_hidden[chunk] = dz @ W and grad_weight += dz^T @ h; the logits are freed before the next chunk.
+(torch.autograd on [c] tensors only), then d loss / d logits locally, then grad_hidden[chunk] = dz @ W
+and grad_weight += dz^T @ h; the logits are freed before the next chunk. The chunk's arithmetic
+(parallel/fused_loss_stats.py) runs inside the two logits buffers: besides them, one [c, Vp/tp]
+temporary and one bool mask, so the exact KL holds one [c, Vp/tp] tensor more than a
+log-prob-only loss (the reference's logits), not more.
 The autograd backward only scales the saved grad_hidden / grad_weight by the incoming scalar, in
 place, and hands them over (no second weight-gradient-sized tensor: 1 GiB at Llama-3-8B's head in bf16).
 
