@@ -164,6 +164,7 @@ class _FusedHead(torch.autograd.Function):
                                  sh.temperature, inplace=True)  # gp, log q in the logits' buffers
             del zp, zq
             acc.add(s, e, kc, gp, gq if want_q else None)
+            del gp, gq  # before the next chunk's logits exist
         return (*acc.grads(), None, None, None, None, None)
 
 

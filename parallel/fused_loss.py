@@ -15,8 +15,11 @@ per-token log-probs, entropy and exact KL, whose gradient is computed during the
 Per chunk of `chunk_size` tokens (default "auto": see parallel/fused.py), in the forward pass: the
 policy (and reference) logits [c, Vp/tp], the chunk's statistics reduced over tp_group, the
 chunk's per-token values, then `token_loss` and its gradient with respect to those [c] values
-(torch.autograd on [c] tensors only), then d loss / d logits locally (parallel/vocab.py's grad_logits), then
-grad_hidden[chunk] = dz @ W and grad_weight += dz^T @ h; the logits are freed before the next chunk.
+(torch.autograd on [c] tensors only), then d loss / d logits locally, then grad_hidden[chunk] = dz @ W
+and grad_weight += dz^T @ h; the logits are freed before the next chunk. The chunk's arithmetic
+(parallel/fused_loss_stats.py) runs inside the two logits buffers: besides them, one [c, Vp/tp]
+temporary and one bool mask, so the exact KL holds one [c, Vp/tp] tensor more than a
+log-prob-only loss (the reference's logits), not more.
 The autograd backward only scales the saved grad_hidden / grad_weight by the incoming scalar, in
 place, and hands them over (no second weight-gradient-sized tensor: 1 GiB at Llama-3-8B's head in bf16).
 
@@ -46,7 +49,8 @@ from __future__ import annotations
 import torch
 
 from parallel.fused import FusedHeadOutput, GradAccumulator, HeadMatmul, part, prepare_head
-from parallel.vocab_stats import chunks, grad_logits, local_stats, masked, reduce_stats, shifted_stats
+from parallel.fused_loss_stats import grad_logits_kept, local_stats_kept, shifted_stats
+from parallel.vocab_stats import chunks, masked, reduce_stats
 
 _VALUES = ("logprobs", "entropy", "kl")  # what token_loss sees, in its argument order
 
@@ -71,7 +75,7 @@ class _FusedHeadLoss(torch.autograd.Function):
             zq = mm_q(ref_hidden[s:e], kc) if spec.has_q else None
             tsel = None if tl is None else (tl[0][s:e], tl[1][s:e])
             maxes, sums = spec.buffers(e - s, hidden, sh.dtype)
-            local_stats(zp, zq, tsel, spec, maxes, sums, inplace=True, keep_shifted=True)  # zp, zq: z - local max
+            local_stats_kept(zp, zq, tsel, spec, maxes, sums)  # zp: z_p - local max, zq: the cross term
             # this chunk's values must be final before its gradient: the max all-reduce and the
             # partial-sum all-gather run per chunk, each O(chunk) floats (see the module docstring)
             st = reduce_stats(maxes, sums, spec, sh.group)
@@ -81,8 +85,9 @@ class _FusedHeadLoss(torch.autograd.Function):
             loss = chunk_loss if loss is None else loss + chunk_loss
             if any(v is not None for v in g.values()):
                 g = {k: masked(v.to(sh.dtype), kc) for k, v in g.items() if v is not None}
-                gp, _ = grad_logits(zp, zq, tsel, shifted_stats(st, maxes, spec), g, spec, False, sh.temperature,
-                                    inplace=True)  # the logits' last use
+                gp = grad_logits_kept(zp, zq, tsel, shifted_stats(st, maxes, spec), g, spec,
+                                      sh.temperature)  # in zp's buffer: the logits' last use
+                zq = None  # freed before the gradient's matmuls (and its cast to the weight's dtype)
                 acc.add(s, e, kc, gp, None)
                 del gp
             del zp, zq

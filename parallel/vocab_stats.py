@@ -174,7 +174,7 @@ class StatsSpec:
                 like.new_empty((n, len(self.cols)), dtype=dtype))
 
 
-def _shift(z: torch.Tensor, inplace: bool = False):
+def shift_by_local_max(z: torch.Tensor, inplace: bool = False):
     """(local max [c, 1], z - max [c, nv], in z's buffer with `inplace`); a row of -inf (all p = 0
     here) shifts by 0, not NaN."""
     m = z.amax(1, keepdim=True)
@@ -182,65 +182,56 @@ def _shift(z: torch.Tensor, inplace: bool = False):
     return m, (z.sub_(shift) if inplace else z - shift)
 
 
+def pick_targets(zp, zq, tsel, spec: StatsSpec, sums: torch.Tensor) -> None:
+    """The chunk's target logits [c] (raw, before any shift) into `sums`; 0 where not held here."""
+    if not spec.targets:
+        return
+    cols, (idx, held) = spec.cols, tsel
+    zero = zp.new_zeros(())
+    sums[:, cols["t_p"]] = torch.where(held, zp.gather(1, idx[:, None])[:, 0], zero)
+    if spec.has_q:
+        sums[:, cols["t_q"]] = torch.where(held, zq.gather(1, idx[:, None])[:, 0], zero)
+
+
 def local_stats(zp, zq, tsel, spec: StatsSpec, maxes: torch.Tensor, sums: torch.Tensor,
-                inplace: bool = False, keep_shifted: bool = False) -> None:
+                inplace: bool = False) -> None:
     """Fill one chunk's rows of `maxes` [c, 1|2] (local max, -inf if nv == 0) and `sums` [c, k]
     (sums of exp(s) with s = z - local max, of the entropy/KL integrands in s, and the picked
-    target logits). Working memory besides zp and zq: at most four [c, nv] temporaries, two with
+    target logits). Working memory besides zp and zq: at most three [c, nv] temporaries, one with
     `inplace` (the caller's zp and zq are then overwritten: the fused head's forward, whose
-    logits die here). With `inplace` and `keep_shifted` zp and zq are left holding s = z - local
-    max (for grad_logits with `shifted_stats`: fused_head_loss), at one more temporary."""
+    logits die here): the q side's sum-exp is taken before exp(s_p) exists. (The loss-inside head
+    keeps its logits for the gradient: parallel/fused_loss_stats.py.)"""
     cols = spec.cols
     if zp.shape[1] == 0:  # this rank holds only padding: contributes nothing
         maxes.fill_(float("-inf"))
         sums.zero_()
         return
-    if spec.targets:  # picked before any shift: the raw logits
-        idx, held = tsel
-        zero = zp.new_zeros(())
-        sums[:, cols["t_p"]] = torch.where(held, zp.gather(1, idx[:, None])[:, 0], zero)
-        if spec.has_q:
-            sums[:, cols["t_q"]] = torch.where(held, zq.gather(1, idx[:, None])[:, 0], zero)
-    mp, sp = _shift(zp, inplace)
+    pick_targets(zp, zq, tsel, spec, sums)  # the raw logits, before any shift
+    mp, sp = shift_by_local_max(zp, inplace)
     maxes[:, 0] = mp[:, 0]
-    need_sp = keep_shifted or spec.entropy or spec.kl is not None  # s_p is needed again
-    ep = sp.exp() if need_sp else sp.exp_()
-    sums[:, cols["S_p"]] = ep.sum(1)
+    sq = None
     if spec.has_q:
-        mq, sq = _shift(zq, inplace)
+        mq, sq = shift_by_local_max(zq, inplace)
         maxes[:, 1] = mq[:, 0]
-        # integrands in shifted logits, formed in s_q's buffer (s_p - s_q = -(s_q - s_p), exactly);
-        # where the weight is 0 the term is 0 (never 0 * inf = NaN), +inf survives (p > 0, q = 0)
-        if spec.kl == "forward":
-            sums[:, cols["S_q"]] = sq.exp().sum(1)  # a transient: the weight is p
-            d = torch.sub(sp, sq) if keep_shifted else sq.sub_(sp).neg_()
-            sums[:, cols["KL"]] = _finite_at_zero(d.mul_(ep)).sum(1)
-        elif spec.kl == "reverse":
+        if spec.kl == "reverse":  # weight q: exp(s_q), then the integrand in s_q's buffer
             eq = sq.exp()
             sums[:, cols["S_q"]] = eq.sum(1)
-            d = torch.sub(sq, sp) if keep_shifted else sq.sub_(sp)
-            sums[:, cols["KL"]] = _finite_at_zero(d.mul_(eq)).sum(1)
+            sums[:, cols["KL"]] = finite_at_zero(sq.sub_(sp).mul_(eq)).sum(1)
             del eq
-        else:
-            sums[:, cols["S_q"]] = (sq.exp() if keep_shifted else sq.exp_()).sum(1)
-        del sq
-    if spec.entropy:  # s_p * p, in p's buffer when s_p must survive (the same product, bitwise)
-        sums[:, cols["H"]] = _finite_at_zero(ep.mul_(sp) if keep_shifted else sp.mul_(ep)).sum(1)
+        else:  # a transient when s_q is needed again (forward KL), else in s_q's own buffer
+            sums[:, cols["S_q"]] = (sq.exp() if spec.kl == "forward" else sq.exp_()).sum(1)
+    ep = sp.exp() if (spec.entropy or spec.kl == "forward") else sp.exp_()
+    sums[:, cols["S_p"]] = ep.sum(1)
+    if spec.kl == "forward":  # the integrand in s_q's buffer (s_p - s_q = -(s_q - s_p), exactly); where
+        # the weight is 0 the term is 0 (never 0 * inf = NaN), +inf survives (p > 0, q = 0)
+        sums[:, cols["KL"]] = finite_at_zero(sq.sub_(sp).neg_().mul_(ep)).sum(1)
+    del sq
+    if spec.entropy:
+        sums[:, cols["H"]] = finite_at_zero(sp.mul_(ep)).sum(1)
     del ep, sp
 
 
-def shifted_stats(st: dict, maxes: torch.Tensor, spec: StatsSpec) -> dict:
-    """`st` for grad_logits on logits left shifted by local_stats(keep_shifted=True): s = z - l with
-    l the local max (0 where it is not finite), so log p = s - (m - l) - log S: m and m_q minus l.
-    At tp = 1, l = m and the result is bitwise that of the unshifted logits."""
-    shift = torch.where(torch.isfinite(maxes), maxes, maxes.new_zeros(()))
-    out = dict(st, m=st["m"] - shift[:, 0])
-    if spec.has_q:
-        out["m_q"] = st["m_q"] - shift[:, 1]
-    return out
-
-
-def _finite_at_zero(x: torch.Tensor) -> torch.Tensor:
+def finite_at_zero(x: torch.Tensor) -> torch.Tensor:
     """In place: NaN -> 0, infinities kept. A product s * exp(s) is NaN only as -inf * 0 (or
     inf - inf = NaN times a zero weight), i.e. where the probability is 0 and the term is 0."""
     return x.nan_to_num_(nan=0.0, posinf=float("inf"), neginf=float("-inf"))
@@ -303,12 +294,12 @@ def reduce_stats(maxes: torch.Tensor, sums: torch.Tensor, spec: StatsSpec, group
 SAVED = ("m", "logS", "m_q", "logS_q", "entropy", "kl")  # what grad_logits reads from reduce_stats
 
 
-def _log_softmax(z: torch.Tensor, m: torch.Tensor, log_s: torch.Tensor, inplace: bool = False) -> torch.Tensor:
+def log_softmax_rows(z: torch.Tensor, m: torch.Tensor, log_s: torch.Tensor, inplace: bool = False) -> torch.Tensor:
     """log p = (z - m) - log S for one chunk [c, nv] (a fresh tensor, or z's buffer with `inplace`)."""
     return (z.sub_(m[:, None]) if inplace else z - m[:, None]).sub_(log_s[:, None])
 
 
-def _zero_where_unlikely(g: torch.Tensor, prob: torch.Tensor) -> torch.Tensor:
+def zero_where_unlikely(g: torch.Tensor, prob: torch.Tensor) -> torch.Tensor:
     """g * prob where prob > 0, exactly 0 where prob == 0 (a -inf logit: its log is -inf)."""
     return g.mul_(prob).masked_fill_(prob == 0, 0.0)
 
@@ -319,8 +310,10 @@ def grad_logits(zp, zq, tsel, st: dict, g: dict, spec: StatsSpec, want_q: bool, 
 
     `st` holds the chunk's rows of the saved values (SAVED); `g` the upstream gradients [c] by
     output name (absent or None where unused; the caller has zeroed masked tokens). Purely local:
-    no collective. At most five [c, nv] temporaries besides zp and zq; three with `inplace` (then
-    grad_p is formed in zp's buffer and log q in zq's: the caller's logits are overwritten)."""
+    no collective. At most five [c, nv] temporaries besides zp and zq; with `inplace` grad_p is
+    formed in zp's buffer and log q in zq's (the caller's logits are overwritten), and without a
+    gradient for q one temporary (p) and one [c, nv] bool mask: the forward KL's factor of p is
+    formed in log q's buffer."""
     def col(name):
         v = g.get(name)
         return None if v is None else v[:, None]
@@ -328,13 +321,13 @@ def grad_logits(zp, zq, tsel, st: dict, g: dict, spec: StatsSpec, want_q: bool, 
     g_lse, g_lp, g_h, g_kl, g_rlp = (col(k) for k in ("lse", "logprobs", "entropy", "kl", "ref_logprobs"))
     kl_fwd = spec.kl == "forward" and g_kl is not None
     kl_rev = spec.kl == "reverse" and g_kl is not None
-    gp = _log_softmax(zp, st["m"], st["logS"], inplace)
+    gp = log_softmax_rows(zp, st["m"], st["logS"], inplace)
     p = torch.exp(gp)
-    lq = (_log_softmax(zq, st["m_q"], st["logS_q"], inplace) if spec.has_q and (kl_fwd or kl_rev or want_q)
+    lq = (log_softmax_rows(zq, st["m_q"], st["logS_q"], inplace) if spec.has_q and (kl_fwd or kl_rev or want_q)
           else None)
     kterm = gq = None
-    if kl_fwd:  # g_kl (log p - log q - KL): exactly 0 when p == q
-        kterm = torch.sub(gp, lq).sub_(st["kl"][:, None]).mul_(g_kl)
+    if kl_fwd:  # g_kl (log p - log q - KL): exactly 0 when p == q; in log q's buffer when q is not needed again
+        kterm = torch.sub(gp, lq, out=None if want_q else lq).sub_(st["kl"][:, None]).mul_(g_kl)
     if want_q:  # the factor of q: g_kl (log q - log p - KL) for the reverse KL, - g_rlp
         gq = torch.sub(lq, gp).sub_(st["kl"][:, None]).mul_(g_kl) if kl_rev else torch.zeros_like(lq)
         if g_rlp is not None:
@@ -351,8 +344,8 @@ def grad_logits(zp, zq, tsel, st: dict, g: dict, spec: StatsSpec, want_q: bool, 
     if kterm is not None:
         gp.add_(kterm)
         del kterm
-    _zero_where_unlikely(gp, p)
-    if lq is not None:
+    zero_where_unlikely(gp, p)
+    if kl_rev or gq is not None:  # the terms that need q itself
         _add_cross_terms(gp, gq, p, lq.exp_(), g_kl, kl_fwd, kl_rev)
     del p, lq
     if spec.targets and zp.shape[1] > 0:  # the onehot(target) terms; a padding-only rank holds none
@@ -373,6 +366,6 @@ def _add_cross_terms(gp, gq, p, q, g_kl, kl_fwd, kl_rev) -> None:
     if kl_rev:
         gp.addcmul_(p, g_kl).addcmul_(q, -g_kl)
     if gq is not None:
-        _zero_where_unlikely(gq, q)
+        zero_where_unlikely(gq, q)
         if kl_fwd:
             gq.addcmul_(q, g_kl).addcmul_(p, -g_kl)

@@ -141,12 +141,14 @@ def test_projected_rows_at_llama_scale_allocate_nothing(tmp_path):
 def test_projection_extrapolated_in_tokens_equals_the_direct_one(tp):
     """13 chunks of 64 tokens and a short one of 5, extrapolated from 4 and 8 chunks (+ 5): the same
     peak, bytes and calls as running them all (the chunked loops repeat the same work; the O(T)
-    buffers are made up front)."""
+    buffers are made up front). vp_chunked is projected directly: its peak is the larger of a forward
+    and a backward phase with different slopes in T, which swap at 13 chunks here."""
     for name in ("matmul_floor", "vp_chunked", "fused_exact", "fused_exact_loss", "fused_k3", "fused_k3_loss"):
         for p in ("forward", "forward+backward"):
             ext = project(name, p, 64 * 13 + 5, 16, 1000, tp, "bf16", 64)
             direct = project(name, p, 64 * 13 + 5, 16, 1000, tp, "bf16", 64, extrapolate=False)
-            assert ext["extrapolated_from"] == [261, 517] and "extrapolated_from" not in direct
+            assert ext.get("extrapolated_from") == (None if name == "vp_chunked" else [261, 517])
+            assert "extrapolated_from" not in direct
             for k in ("tokens", "peak_bytes", "comm_bytes", "comm_calls"):
                 assert ext[k] == direct[k], (name, p, k, ext[k], direct[k])
 

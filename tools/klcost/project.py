@@ -58,21 +58,26 @@ def fake_group(tp: int):
 
 
 EXTRAPOLATE_FROM = (4, 8)  # chunks: a chunked method's row at many chunks is extrapolated from these two
+# vp_chunked is not: it holds [T, Vp/tp] logits in forward and their gradients in backward, so its
+# peak is the larger of two phases whose slopes in T differ, and the steeper one takes over at some
+# T (13 chunks of 64 at H=16, V=1000 bf16; 14 before the fused heads' temporaries shrank): not affine
+EXTRAPOLATED = CHUNKED - {"vp_chunked"}
 
 
 def project(name, pass_, T, H, V, tp, dtype, chunk, seed=0, device="cuda", extrapolate=True) -> dict:
     """One projected row: `name`'s peak (and comm) at this shape, one rank of tp, without allocating.
 
-    A chunked method (every chunk the same work, the O(T) buffers made up front) has a peak, comm
-    bytes and calls affine in the number of chunks at a fixed chunk c and remainder r = T mod c;
-    with `extrapolate` and T = n c + r, n > 8, the row is projected at 4 c + r and 8 c + r and
-    extrapolated linearly to n (exact integers; tests/test_kl_memory.py checks it equals the direct
-    projection), so 128k tokens cost as much as 8 chunks. `extrapolated_from` marks such a row.
+    A fused chunked method (every chunk the same work, the O(T) buffers made up front, the same
+    phase at the peak: EXTRAPOLATED) has a peak, comm bytes and calls affine in the number of
+    chunks at a fixed chunk c and remainder r = T mod c; with `extrapolate` and T = n c + r, n > 8,
+    the row is projected at 4 c + r and 8 c + r and extrapolated linearly to n (exact integers;
+    tests/test_kl_memory.py checks it equals the direct projection), so 128k tokens cost as much
+    as 8 chunks. `extrapolated_from` marks such a row.
     """
     c = resolve_chunk_size(chunk, T, ModelConfig(vocab_size=V).padded_vocab_size(tp) // tp)
     a, b = EXTRAPOLATE_FROM
     r = T % c  # the last, short chunk: the same in the two runs extrapolated from
-    if extrapolate and name in CHUNKED and T // c > b:
+    if extrapolate and name in EXTRAPOLATED and T // c > b:
         ra = project(name, pass_, a * c + r, H, V, tp, dtype, c, seed, device, extrapolate=False)
         rb = project(name, pass_, b * c + r, H, V, tp, dtype, c, seed, device, extrapolate=False)
         for k in ("peak_bytes", "comm_bytes", "comm_calls"):
