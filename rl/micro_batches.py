@@ -282,35 +282,85 @@ def _layout(rows: list[int], p: list[int], n: list[int], keys: list[int], P: int
     return out
 
 
+def _split_long_groups(p: list[int], n: list[int], keys: list[int]) -> list[int]:
+    """Group keys with every group longer than twice the median group length (e.g. a prompt drawn twice
+    in one step) split into pieces of at most that many tokens, each piece repeating the prompt, so one
+    long group does not set the padded length of every row."""
+    members: dict[int, list[int]] = {}
+    for i, k in enumerate(keys):
+        if n[i] > 0:
+            members.setdefault(k, []).append(i)
+    if not members:
+        return keys
+    length = {k: p[m[0]] + sum(n[i] for i in m) for k, m in members.items()}
+    cap = max(2 * sorted(length.values())[len(length) // 2], max(p[i] + n[i] for m in members.values() for i in m))
+    out, fresh = list(keys), max(keys) + 1
+    for k, m in members.items():
+        if length[k] <= cap:
+            continue
+        used = p[m[0]]
+        for i in m:
+            if used + n[i] > cap:  # start a new piece (it repeats the prompt)
+                fresh, used = fresh + 1, p[m[0]]
+            out[i] = fresh
+            used += n[i]
+        fresh += 1
+    return out
+
+
+def _pack_groups(lengths: list[int]) -> list[list[int]]:
+    """Groups of `lengths` tokens -> rows of the shared layout (lists of group indices), first-fit
+    decreasing into rows of the longest group's length, so that groups of different sizes (a mini-batch
+    holds a varying number of each prompt's rows; a prompt drawn twice makes one long group) are not
+    each padded to the longest. Within a row groups keep their order; rows are sorted by first group."""
+    cap, rows, room = max(lengths), [], []
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        j = next((j for j, left in enumerate(room) if left >= lengths[i]), None)
+        if j is None:
+            rows.append([i])
+            room.append(cap - lengths[i])
+        else:
+            rows[j].append(i)
+            room[j] -= lengths[i]
+    return sorted(sorted(r) for r in rows)
+
+
 def share_rows(ro: Rollout, rows: list[int], p: list[int], n: list[int], keys: list[int]):
     """Local rows `rows` (p_i real prompt tokens, response extent n_i, prompt group keys[i]) in the
     shared layout -> PackedRows ([R, T] inputs, M head tokens), or None when no row has a valid
     response token. Every group must have p_g >= 1 (a response needs a predicting position)."""
     if any(n[i] > 0 and p[i] < 1 for i in range(len(rows))):
         raise ValueError("shared prompts: a row with a response has no prompt token (nothing predicts its first)")
-    groups = _layout(rows, p, n, keys, ro.prompt_len)
+    groups = _layout(rows, p, n, _split_long_groups(p, n, keys), ro.prompt_len)
     if not groups:
         return None
     dev, P = ro.sequences.device, ro.prompt_len
-    R, T = len(groups), max(len(g[0]) for g in groups)
+    bins = _pack_groups([len(g[0]) for g in groups])
+    R, T = len(bins), max(sum(len(groups[i][0]) for i in b) for b in bins)
     cpu = dict(dtype=torch.long, device="cpu")
     srow, scol = torch.zeros(R, T, **cpu), torch.zeros(R, T, **cpu)
-    doc, valid = torch.full((R, T), -1, **cpu), torch.zeros(R, T, dtype=torch.bool, device="cpu")
+    doc, prefix = torch.full((R, T), -1, **cpu), torch.full((R, T), -1, **cpu)
+    valid = torch.zeros(R, T, dtype=torch.bool, device="cpu")
     hrow, hcol, hpos = [], [], []
-    for g, (sr, sc, d, hr, hc, hp) in enumerate(groups):
-        L = len(sr)
-        srow[g, :L], scol[g, :L], doc[g, :L] = torch.tensor(sr, **cpu), torch.tensor(sc, **cpu), torch.tensor(d, **cpu)
-        valid[g, :L] = True
-        hrow += hr
-        hcol += hc
-        hpos += [g * T + x for x in hp]  # flat index into [R * T]
+    for r, members in enumerate(bins):
+        at, base = 0, 0  # this group's first column in row r, its prompt's document id
+        for i in members:
+            sr, sc, d, hr, hc, hp = groups[i]
+            L = len(sr)
+            srow[r, at:at + L], scol[r, at:at + L] = torch.tensor(sr, **cpu), torch.tensor(sc, **cpu)
+            doc[r, at:at + L] = torch.tensor(d, **cpu) + base
+            prefix[r, at:at + L] = base  # every token of the group also sees the group's prompt
+            valid[r, at:at + L] = True
+            hrow += hr
+            hcol += hc
+            hpos += [r * T + at + x for x in hp]  # flat index into [R * T]
+            at, base = at + L, base + max(d) + 1
     srow, scol, valid_d = srow.to(dev), scol.to(dev), valid.to(dev)
     pos = ro.attention_mask.long().cumsum(-1) - 1  # the padded path's positions
     zero = torch.zeros((), dtype=torch.long, device=dev)
     ids = torch.where(valid_d, ro.sequences[srow, scol], zero)
     pos = torch.where(valid_d, pos[srow, scol], zero)
-    doc = doc.to(dev)
-    prefix = torch.where(valid_d, zero, doc)  # 0 (the prompt) for real tokens, -1 for padding
+    doc, prefix = doc.to(dev), prefix.to(dev)
     src_rows, src_cols = torch.tensor(hrow, **cpu).to(dev), torch.tensor(hcol, **cpu).to(dev)
     return PackedRows(ids, pos, doc, src_rows, src_cols, torch.tensor(hpos, **cpu).to(dev),
                       ro.sequences[src_rows, P + src_cols], prefix_ids=prefix)

@@ -28,16 +28,16 @@ MODEL = dict(vocab_size=131, hidden_size=32, n_layers=2, n_heads=4, n_kv_heads=2
 GROUPS, RESP, PLEN = [0, 1, 2, 0, 2, 0, 3], [4, 2, 3, 1, 0, 4, 2], {0: 3, 1: 5, 2: 2, 3: 3}
 
 
-def _rollout(P: int = 5, N: int = 4, seed: int = 0, resp_seed: int = 1) -> Rollout:
+def _rollout(P: int = 5, N: int = 4, seed: int = 0, resp_seed: int = 1, groups=GROUPS, resp=RESP) -> Rollout:
     """Rows of GROUPS with prompts of PLEN tokens (groups 0 and 3: same length, other tokens),
     left-padded to P, and RESP response tokens (drawn from `resp_seed`)."""
     g, gr = torch.Generator().manual_seed(seed), torch.Generator().manual_seed(resp_seed)
     prompts = {k: torch.randint(3, 131, (n,), generator=g, device="cpu") for k, n in PLEN.items()}
-    B = len(GROUPS)
+    B = len(groups)
     seq = torch.zeros(B, P + N, dtype=torch.long, device="cpu")
     am = torch.zeros(B, P + N, dtype=torch.long, device="cpu")
     rm = torch.zeros(B, N, dtype=torch.bool, device="cpu")
-    for i, (k, n) in enumerate(zip(GROUPS, RESP)):
+    for i, (k, n) in enumerate(zip(groups, resp)):
         seq[i, P - PLEN[k]:P] = prompts[k]
         seq[i, P:P + n] = torch.randint(3, 131, (n,), generator=gr, device="cpu")
         am[i, P - PLEN[k]:P + n] = 1
@@ -73,11 +73,11 @@ def test_prefix_mask_reduces_to_document_mask():
     assert m.tolist()[4] == [True, True, False, False, True, False]  # response 2 sees the prompt, not response 1
 
 
-def _stats_and_grads(shared: bool, fused: bool):
+def _stats_and_grads(shared: bool, fused: bool, **rollout_kw):
     """float64: log-probs, entropy, exact KL [B, N] and every policy gradient of a weighted sum of them."""
     torch.manual_seed(0)
     policy, ref = _models()
-    ro = _rollout()
+    ro = _rollout(**rollout_kw)
     B, N = ro.response_mask.shape
     sh = share_rollout(ro) if shared else None
     ref_h, ref_w = reference_hidden(ref, ro.sequences, ro.attention_mask, ro.prompt_len, packed=sh)
@@ -106,10 +106,16 @@ def _stats_and_grads(shared: bool, fused: bool):
     return ref_h, stats, loss.detach(), {n: p.grad.clone() for n, p in policy.named_parameters()}
 
 
+# a long group (prompt 0 drawn for 6 rows: split in pieces that repeat the prompt) beside short ones
+LONG = dict(groups=[0, 1, 0, 2, 0, 3, 0, 0, 0, 1], resp=[4, 2, 4, 3, 4, 2, 4, 3, 4, 1])
+
+
 @pytest.mark.parametrize("fused", [False, True], ids=["stats", "fused_loss"])
-def test_shared_equals_padded_float64(fused):
-    a, b = _stats_and_grads(False, fused), _stats_and_grads(True, fused)
-    m = _rollout().response_mask
+@pytest.mark.parametrize("case", ["groups", "long_group"])
+def test_shared_equals_padded_float64(fused, case):
+    kw = LONG if case == "long_group" else {}
+    a, b = _stats_and_grads(False, fused, **kw), _stats_and_grads(True, fused, **kw)
+    m = _rollout(**kw).response_mask
     tol = dict(atol=1e-12, rtol=1e-12)
     torch.testing.assert_close(b[0], a[0], **tol)  # reference hidden states at the response tokens
     if not fused:
@@ -120,6 +126,30 @@ def test_shared_equals_padded_float64(fused):
     for k in a[3]:
         assert a[3][k].abs().sum() > 0, k
         torch.testing.assert_close(b[3][k], a[3][k], **tol, msg=lambda s, k=k: f"{k}: {s}")
+
+
+def test_layout_packs_groups_and_splits_a_long_one():
+    """Groups of different lengths share rows (first-fit decreasing into the longest group's length)
+    and a group over twice the median length is split into pieces repeating its prompt: fewer padded
+    tokens than one row per group, every response token once, each piece's responses after its prompt."""
+    ro = _rollout(**LONG)
+    sh = share_rollout(ro)
+    lengths = {0: 3 + 4 * 5 + 3, 1: 5 + 2 + 1, 2: 2 + 3, 3: 3 + 2}  # one row per group: 4 rows x 26
+    R, T = sh.input_ids.shape
+    assert T <= 2 * sorted(lengths.values())[2] and R * T < 4 * max(lengths.values())
+    real = sh.document_ids >= 0
+    assert int(real.sum()) > sum(lengths.values())  # the split repeats group 0's prompt
+    assert sorted(zip(sh.src_rows.tolist(), sh.src_cols.tolist())) == sorted(
+        (i, c) for i, n in enumerate(LONG["resp"]) for c in range(n))
+    # every response token's predicting position holds a token of its own row's prompt or response
+    flat_src = torch.full((R * T,), -1, dtype=torch.long)
+    for r in range(R):
+        for t in range(T):
+            if real[r, t]:
+                flat_src[r * T + t] = int(sh.input_ids[r, t])
+    P = ro.prompt_len
+    for row, col, hp in zip(sh.src_rows.tolist(), sh.src_cols.tolist(), sh.head_pos.tolist()):
+        assert flat_src[hp] == ro.sequences[row, P + col - 1]
 
 
 def test_isolation_from_other_responses():
