@@ -56,11 +56,12 @@ def test_layout_by_hand():
     assert keys[0] == keys[3] == keys[5] and keys[2] == keys[4] and len(set(keys)) == 4  # group 3: other tokens
     sh = share_rollout(ro, torch.tensor([3, 1, 0, 4], device="cpu"))  # groups 0 (rows 3, 0) and 2 (row 4: empty)
     s, P = ro.sequences, ro.prompt_len
-    # one sequence per group with a response: group 0's prompt, row 3's 1 token, row 0's 4; group 1's 5 + 2; padded
-    assert sh.input_ids.tolist() == [s[3, 2:6].tolist() + s[0, 5:9].tolist(), s[1, 0:7].tolist() + [0]]
-    assert sh.document_ids.tolist() == [[0, 0, 0, 1, 2, 2, 2, 2], [0, 0, 0, 0, 0, 1, 1, -1]]
-    assert sh.prefix_ids.tolist() == [[0] * 8, [0] * 7 + [-1]]
-    assert sh.position_ids.tolist() == [[0, 1, 2, 3, 3, 4, 5, 6], [0, 1, 2, 3, 4, 5, 6, 0]]
+    # both groups with a response in one row (packed up to twice the median group length): group 0's
+    # prompt, row 3's 1 token, row 0's 4; then group 1's 5 prompt + 2 response tokens
+    assert sh.input_ids.tolist() == [s[3, 2:6].tolist() + s[0, 5:9].tolist() + s[1, 0:7].tolist()]
+    assert sh.document_ids.tolist() == [[0, 0, 0, 1, 2, 2, 2, 2, 3, 3, 3, 3, 3, 4, 4]]
+    assert sh.prefix_ids.tolist() == [[0] * 8 + [3] * 7]
+    assert sh.position_ids.tolist() == [[0, 1, 2, 3, 3, 4, 5, 6, 0, 1, 2, 3, 4, 5, 6]]
     assert sh.src_rows.tolist() == [3, 0, 0, 0, 0, 1, 1] and sh.src_cols.tolist() == [0, 0, 1, 2, 3, 0, 1]
     assert sh.head_pos.tolist() == [2, 2, 4, 5, 6, 8 + 4, 8 + 5]  # token 0 of both rows: the prompt's last
     assert sh.targets.tolist() == [s[3, P], *s[0, P:P + 4].tolist(), *s[1, P:P + 2].tolist()]
