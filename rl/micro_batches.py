@@ -310,9 +310,10 @@ def _split_long_groups(p: list[int], n: list[int], keys: list[int]) -> list[int]
 
 def _pack_groups(lengths: list[int]) -> list[list[int]]:
     """Groups of `lengths` tokens -> rows of the shared layout (lists of group indices), first-fit
-    decreasing into rows of max(longest group, twice the median group) tokens, so that groups of different sizes (a mini-batch
-    holds a varying number of each prompt's rows; a prompt drawn twice makes one long group) are not
-    each padded to the longest. Within a row groups keep their order; rows are sorted by first group."""
+    decreasing into rows of max(longest group, twice the median group) tokens, so that groups of
+    different sizes (a mini-batch holds a varying number of each prompt's rows; a prompt drawn twice
+    makes one long group) are not each padded to the longest. Within a row groups keep their order;
+    rows are sorted by first group."""
     cap = max(max(lengths), 2 * sorted(lengths)[len(lengths) // 2])
     rows, room = [], []
     for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
