@@ -57,8 +57,8 @@ class AlgoConfig:
     micro_batch_tokens: int = 0
     pack_sequences: bool = False  # with micro_batch_tokens: rows concatenated, <= that many tokens per sequence
     # each distinct prompt once, its responses after it, in the ref/old passes and the update (rl/micro_batches.py);
-    # None: on for GRPO without micro_batch_tokens, off otherwise. Default off until measured on a quiet machine
-    share_prompts: bool | None = False
+    # None (default): on for GRPO without micro_batch_tokens (1.3x faster step at 58M), off otherwise
+    share_prompts: bool | None = None
     group_mini_batches: bool = False  # mini-batches of whole prompt groups (global prompt id mod mini_batches)
     adv_std_norm: bool = True  # GRPO: divide by the group's std
     gamma: float = 1.0  # PPO GAE
