@@ -8,7 +8,7 @@ says what it saw (with the numbers), the likely causes, and the first thing to t
 | non_finite         | NaN/inf in KL, reward, loss or grad norm, or skipped steps      |
 | kl_climbing        | mean KL rising steadily over the recent window                  |
 | kl_flat_reward     | mean KL near zero while the reward does not move                |
-| kl_concentrated    | low mean KL, half of it or more on the largest 1% of tokens     |
+| kl_concentrated    | low mean KL, 80% of it or more on the largest 1% of tokens      |
 | reward_swings      | step-to-step reward changes large against its trend             |
 | collapse           | entropy at its maximum ln V (uniform policy) or grad norm 0     |
 
@@ -122,7 +122,9 @@ def check_kl_flat_reward(rows, window: int) -> Finding | None:
     return None
 
 
-CONCENTRATED = 0.5  # the largest 1% of tokens carry at least this share of the KL
+# the largest 1% of tokens carry at least this share of the KL: the healthy default GRPO job's share has
+# a median of 0.3-0.45 over 200 steps and reaches 0.77 on single steps late in the run
+CONCENTRATED = 0.8
 TAIL_MAX = 1.0  # nats: a concentrated tail has at least one token this far from the reference
 
 
@@ -139,8 +141,8 @@ def top1_share(r: dict) -> tuple[float, bool] | None:
 
 
 def check_kl_concentrated(rows, window: int) -> Finding | None:
-    """Fires when the largest 1% of tokens carry at least half of a low mean KL (with a token >= TAIL_MAX
-    nats) in a third of the recent steps. Per-token KL is heavy-tailed in a healthy run (it lives on the
+    """Fires when the largest 1% of tokens carry at least CONCENTRATED (0.8) of a low mean KL (with a token
+    >= TAIL_MAX nats) in a third of the recent steps. Per-token KL is heavy-tailed in a healthy run (it lives on the
     few tokens the reward depends on, and k3 is large wherever pi << ref): the healthy default GRPO job
     has p99 at 4-32x the mean, so a ratio of tail to mean is no symptom; a KL the top 1% carry is."""
     recent = rows[-window:]
@@ -155,7 +157,7 @@ def check_kl_concentrated(rows, window: int) -> Finding | None:
         return None
     r, (share, exact) = hits[-1]
     ev = (f"in {len(hits)}/{len(recent)} recent steps the largest 1% of tokens carry "
-          f"{'' if exact else 'at least '}half or more of a low mean KL (step {r.get('step')}: {share:.0%} of "
+          f"{'' if exact else 'at least '}{CONCENTRATED:.0%} or more of a low mean KL (step {r.get('step')}: {share:.0%} of "
           f"mean {r['kl_mean']:.3g}; p99 {r.get('kl_p99', float('nan')):.3g}, max {r['kl_max']:.3g})")
     last = r.get("kl_by_position")
     if isinstance(last, list) and last and max(last) > 3 * (sum(last) / len(last) + 1e-9):
