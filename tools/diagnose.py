@@ -157,7 +157,8 @@ def check_kl_concentrated(rows, window: int) -> Finding | None:
         return None
     r, (share, exact) = hits[-1]
     ev = (f"in {len(hits)}/{len(recent)} recent steps the largest 1% of tokens carry "
-          f"{'' if exact else 'at least '}{CONCENTRATED:.0%} or more of a low mean KL (step {r.get('step')}: {share:.0%} of "
+          f"{'' if exact else 'at least '}{CONCENTRATED:.0%} or more of a low mean KL "
+          f"(step {r.get('step')}: {share:.0%} of "
           f"mean {r['kl_mean']:.3g}; p99 {r.get('kl_p99', float('nan')):.3g}, max {r['kl_max']:.3g})")
     last = r.get("kl_by_position")
     if isinstance(last, list) and last and max(last) > 3 * (sum(last) / len(last) + 1e-9):
