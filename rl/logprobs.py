@@ -74,7 +74,7 @@ def _stats(out, shape) -> TokenStats:
 
 
 def policy_token_stats(model, sequences, attention_mask, prompt_len: int, *, tp_group=None, vocab_size: int,
-                       temperature: float = 1.0, chunk_size: int = 1024, entropy: bool = True,
+                       temperature: float = 1.0, chunk_size: int | None = None, entropy: bool = True,
                        kl: str | None = None, ref_hidden: torch.Tensor | None = None,
                        ref_weight: torch.Tensor | None = None, mask: torch.Tensor | None = None,
                        packed=None) -> TokenStats:
@@ -92,7 +92,7 @@ def policy_token_stats(model, sequences, attention_mask, prompt_len: int, *, tp_
 
 
 def packed_token_stats(model, packed, *, tp_group=None, vocab_size: int, temperature: float = 1.0,
-                       chunk_size: int = 1024, entropy: bool = True, kl: str | None = None,
+                       chunk_size: int | None = None, entropy: bool = True, kl: str | None = None,
                        ref_hidden: torch.Tensor | None = None, ref_weight: torch.Tensor | None = None,
                        mask: torch.Tensor | None = None) -> TokenStats:
     """`policy_token_stats` of the M response tokens of a packed sequence (rl/micro_batches.py's
@@ -110,7 +110,7 @@ def _stats_head(tp_group, vocab_size, temperature, chunk_size, entropy, kl, ref_
 
 @torch.no_grad()
 def logprobs_from_hidden(hidden: torch.Tensor, weight_local: torch.Tensor, targets: torch.Tensor, *, tp_group=None,
-                         vocab_size: int, temperature: float = 1.0, chunk_size: int = 1024,
+                         vocab_size: int, temperature: float = 1.0, chunk_size: int | None = None,
                          mask: torch.Tensor | None = None) -> torch.Tensor:
     """Log-probs [B, N] of `targets` [B, N] from final hidden states [B, N, H] and a local head
     weight [Vp/tp, H] (e.g. what `reference_hidden` returned): no second forward of the model.
@@ -142,7 +142,7 @@ def critic_values(critic, sequences, attention_mask, prompt_len: int) -> torch.T
 
 
 def policy_fused_loss(model, sequences, attention_mask, prompt_len: int, token_loss, *, tp_group=None,
-                      vocab_size: int, temperature: float = 1.0, chunk_size: int = 1024, entropy: bool = False,
+                      vocab_size: int, temperature: float = 1.0, chunk_size: int | None = None, entropy: bool = False,
                       kl: str | None = None, ref_hidden: torch.Tensor | None = None,
                       ref_weight: torch.Tensor | None = None,
                       mask: torch.Tensor | None = None) -> tuple[torch.Tensor, TokenStats]:
@@ -155,7 +155,7 @@ def policy_fused_loss(model, sequences, attention_mask, prompt_len: int, token_l
 
 
 def packed_fused_loss(model, packed, token_loss, *, tp_group=None, vocab_size: int, temperature: float = 1.0,
-                      chunk_size: int = 1024, entropy: bool = False, kl: str | None = None,
+                      chunk_size: int | None = None, entropy: bool = False, kl: str | None = None,
                       ref_hidden: torch.Tensor | None = None, ref_weight: torch.Tensor | None = None,
                       mask: torch.Tensor | None = None) -> tuple[torch.Tensor, TokenStats]:
     """`policy_fused_loss` over the M response tokens of a packed sequence (see `packed_token_stats`):
