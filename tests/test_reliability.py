@@ -264,6 +264,7 @@ def _stall():
         dog.stop()  # rank 1 freezes: no thread of it runs any more
     time.sleep(2.5)
     dog.beat("rollout", 4)  # rank 0 advances (rank 1's phase write is as it would be before SIGSTOP)
+    dist.barrier()  # both phase writes are in the store before rank 0 reads (rank 1 can lag on a loaded machine)
     found = dog.check() if dist.get_rank() == 0 else None
     dog.stop()
     dist.barrier()  # rank 0 has read the store before rank 1 leaves

@@ -225,11 +225,27 @@ def trained_sft(tmp_path_factory):
 
 
 @pytest.mark.parametrize("lr", ["1e3", "1e30"])
-def test_divergence_names_the_learning_rate(trained_sft, lr):
+def test_divergence_names_the_learning_rate(trained_sft, lr, capsys):
+    """An absurd learning rate is caught and named. The batch carries a learning signal (partial credit):
+    with every reward 0 the update's gradient is exactly 0 under the shared-prompt forward (the GRPO
+    default), so nothing moves; before it, the padded path's rounding-level KL gradient was what AdamW
+    amplified into lr-sized steps. lr=1e30: the weights overflow and the run stops naming optim.lr;
+    lr=1e3: the policy collapses (to uniform: a stop naming optim.lr; or to deterministic: the guard's
+    warning names the learning rate)."""
     from rl.train import main
 
     base, sft = trained_sft
-    with pytest.raises(SystemExit) as e:
+    stopped = None
+    try:
         main(["--config", CONFIG, *SMALL, "rollout.prompts_per_step=8", f"init.sft_dir={sft}",
-              f"train.out_dir={base / ('lr' + lr)}", "train.steps=4", f"optim.lr={lr}"])
-    assert "learning rate too high?" in str(e.value) and "kl_stop" not in str(e.value), str(e.value)
+              f"train.out_dir={base / ('lr' + lr)}", "train.steps=4", f"optim.lr={lr}",
+              "reward.task_args={max_operand: 9, ops: '+', partial_credit: 0.5}"])
+    except SystemExit as e:
+        stopped = str(e)
+    out = capsys.readouterr()
+    if lr == "1e30" or stopped is not None:
+        assert stopped is not None and "learning rate too high?" in stopped and "kl_stop" not in stopped, stopped
+    else:
+        assert "entropy collapse; learning rate too high" in out.err + out.out, out.err[-2000:]
+
+
