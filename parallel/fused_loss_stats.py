@@ -29,8 +29,7 @@ from parallel.vocab_stats import (
     StatsSpec,
     finite_at_zero,
     log_softmax_rows,
-    pick_targets,
-    shift_by_local_max,
+    shifted_logits,
     zero_where_unlikely,
 )
 
@@ -41,17 +40,11 @@ def local_stats_kept(zp, zq, tsel, spec: StatsSpec, maxes: torch.Tensor, sums: t
     Working memory besides zp and zq: one [c, nv] temporary (exp(s_p); exp(s_q)'s sum for the
     forward KL is taken before it exists)."""
     cols = spec.cols
-    if zp.shape[1] == 0:  # this rank holds only padding: contributes nothing
-        maxes.fill_(float("-inf"))
-        sums.zero_()
+    shifted = shifted_logits(zp, zq, tsel, spec, maxes, sums, inplace=True)
+    if shifted is None:
         return
-    pick_targets(zp, zq, tsel, spec, sums)  # the raw logits, before any shift
-    mp, sp = shift_by_local_max(zp, inplace=True)
-    maxes[:, 0] = mp[:, 0]
-    sq = None
+    sp, sq = shifted
     if spec.has_q:
-        mq, sq = shift_by_local_max(zq, inplace=True)
-        maxes[:, 1] = mq[:, 0]
         if spec.kl != "reverse":  # a transient for the forward KL (s_q is needed again), else in place
             sums[:, cols["S_q"]] = (sq.exp() if spec.kl == "forward" else sq.exp_()).sum(1)
     ep = sp.exp()  # s_p is kept for the gradient: exp(s_p) is the one temporary

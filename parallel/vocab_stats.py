@@ -193,6 +193,24 @@ def pick_targets(zp, zq, tsel, spec: StatsSpec, sums: torch.Tensor) -> None:
         sums[:, cols["t_q"]] = torch.where(held, zq.gather(1, idx[:, None])[:, 0], zero)
 
 
+def shifted_logits(zp, zq, tsel, spec: StatsSpec, maxes: torch.Tensor, sums: torch.Tensor, inplace: bool):
+    """The common start of a chunk's local statistics: None when this rank holds only padding (`maxes`
+    -inf, `sums` 0: it contributes nothing); else the target logits picked into `sums` from the raw
+    logits, then (s_p, s_q or None) = the logits shifted by their local maxima, written to maxes[:, 0|1]."""
+    if zp.shape[1] == 0:
+        maxes.fill_(float("-inf"))
+        sums.zero_()
+        return None
+    pick_targets(zp, zq, tsel, spec, sums)  # the raw logits, before any shift
+    mp, sp = shift_by_local_max(zp, inplace)
+    maxes[:, 0] = mp[:, 0]
+    sq = None
+    if spec.has_q:
+        mq, sq = shift_by_local_max(zq, inplace)
+        maxes[:, 1] = mq[:, 0]
+    return sp, sq
+
+
 def local_stats(zp, zq, tsel, spec: StatsSpec, maxes: torch.Tensor, sums: torch.Tensor,
                 inplace: bool = False) -> None:
     """Fill one chunk's rows of `maxes` [c, 1|2] (local max, -inf if nv == 0) and `sums` [c, k]
@@ -202,17 +220,11 @@ def local_stats(zp, zq, tsel, spec: StatsSpec, maxes: torch.Tensor, sums: torch.
     logits die here): the q side's sum-exp is taken before exp(s_p) exists. (The loss-inside head
     keeps its logits for the gradient: parallel/fused_loss_stats.py.)"""
     cols = spec.cols
-    if zp.shape[1] == 0:  # this rank holds only padding: contributes nothing
-        maxes.fill_(float("-inf"))
-        sums.zero_()
+    shifted = shifted_logits(zp, zq, tsel, spec, maxes, sums, inplace)
+    if shifted is None:
         return
-    pick_targets(zp, zq, tsel, spec, sums)  # the raw logits, before any shift
-    mp, sp = shift_by_local_max(zp, inplace)
-    maxes[:, 0] = mp[:, 0]
-    sq = None
+    sp, sq = shifted
     if spec.has_q:
-        mq, sq = shift_by_local_max(zq, inplace)
-        maxes[:, 1] = mq[:, 0]
         if spec.kl == "reverse":  # weight q: exp(s_q), then the integrand in s_q's buffer
             eq = sq.exp()
             sums[:, cols["S_q"]] = eq.sum(1)
