@@ -86,15 +86,22 @@ def test_generate_keeps_a_bf16_kv_cache(monkeypatch):
     assert made == [torch.bfloat16] and out.sequences.shape == (2, 9)
 
 
-def test_bf16_sft_run_is_close_to_fp32(tmp_path):
+def _sft_losses(tmp_path, key: str, values, steps: int) -> dict:
+    """{value: the tiny SFT run's per-step losses with `key=value`} (same seed, data and model)."""
     from core.sft import train
 
-    losses = {}
-    for mp in ("fp32", "bf16"):
+    out = {}
+    for v in values:
         cfg = load_config(SFTConfig, "configs/sft_tiny.yaml",
-                          [f"parallel.mixed_precision={mp}", "train.steps=12", "train.progress=false",
-                           f"train.out_dir={tmp_path / mp}", "model.hidden_size=32", "model.intermediate_size=64"])
-        losses[mp] = train(cfg)["losses"]
+                          [f"{key}={v}", f"train.steps={steps}", "train.progress=false",
+                           f"train.out_dir={tmp_path / v}", "model.hidden_size=32", "model.intermediate_size=64"])
+        out[v] = train(cfg)["losses"]
+    return out
+
+
+def test_bf16_sft_run_is_close_to_fp32(tmp_path):
+
+    losses = _sft_losses(tmp_path, "parallel.mixed_precision", ("fp32", "bf16"), steps=12)
     assert all(math.isfinite(x) for x in losses["bf16"])
     for a, b in zip(losses["fp32"], losses["bf16"]):
         assert b == pytest.approx(a, rel=1e-2)
@@ -148,12 +155,6 @@ def test_compiled_blocks_match_eager_and_decoding_stays_eager():
 
 @pytest.mark.slow
 def test_sft_train_compile_matches_eager(tmp_path):
-    from core.sft import train
 
-    losses = {}
-    for c in ("false", "true"):
-        cfg = load_config(SFTConfig, "configs/sft_tiny.yaml",
-                          [f"train.compile={c}", "train.steps=3", "train.progress=false",
-                           f"train.out_dir={tmp_path / c}", "model.hidden_size=32", "model.intermediate_size=64"])
-        losses[c] = train(cfg)["losses"]
+    losses = _sft_losses(tmp_path, "train.compile", ("false", "true"), steps=3)
     assert losses["true"] == pytest.approx(losses["false"], rel=1e-5)
