@@ -255,7 +255,9 @@ def prompt_keys(ro: Rollout, rows: torch.Tensor) -> list[int]:
     key = torch.where(am, seq, torch.full_like(seq, -1))  # padding never equals a token id
     if P == 0 or key.shape[0] == 0:
         return [0] * int(rows.numel())
-    return torch.unique(key, dim=0, return_inverse=True)[1].tolist()
+    tuples = [tuple(r) for r in key.tolist()]  # one host copy; hashing beats unique(dim=0)'s per-row compares
+    rank = {t: i for i, t in enumerate(sorted(set(tuples)))}  # ids in sorted order, as unique(dim=0) numbers them
+    return [rank[t] for t in tuples]
 
 
 def _layout(rows: list[int], p: list[int], n: list[int], keys: list[int], P: int):
@@ -339,24 +341,30 @@ def share_rows(ro: Rollout, rows: list[int], p: list[int], n: list[int], keys: l
     dev, P = ro.sequences.device, ro.prompt_len
     bins = _pack_groups([len(g[0]) for g in groups])
     R, T = len(bins), max(sum(len(groups[i][0]) for i in b) for b in bins)
-    cpu = dict(dtype=torch.long, device="cpu")
-    srow, scol = torch.zeros(R, T, **cpu), torch.zeros(R, T, **cpu)
-    doc, prefix = torch.full((R, T), -1, **cpu), torch.full((R, T), -1, **cpu)
-    valid = torch.zeros(R, T, dtype=torch.bool, device="cpu")
+    srow, scol, doc, prefix, valid = ([] for _ in range(5))  # flat [R * T] host lists, one tensor each
     hrow, hcol, hpos = [], [], []
     for r, members in enumerate(bins):
         at, base = 0, 0  # this group's first column in row r, its prompt's document id
         for i in members:
             sr, sc, d, hr, hc, hp = groups[i]
             L = len(sr)
-            srow[r, at:at + L], scol[r, at:at + L] = torch.tensor(sr, **cpu), torch.tensor(sc, **cpu)
-            doc[r, at:at + L] = torch.tensor(d, **cpu) + base
-            prefix[r, at:at + L] = base  # every token of the group also sees the group's prompt
-            valid[r, at:at + L] = True
+            srow += sr
+            scol += sc
+            doc += [x + base for x in d]
+            prefix += [base] * L  # every token of the group also sees the group's prompt
             hrow += hr
             hcol += hc
             hpos += [r * T + at + x for x in hp]  # flat index into [R * T]
             at, base = at + L, base + max(d) + 1
+        pad = T - at
+        srow += [0] * pad
+        scol += [0] * pad
+        doc += [-1] * pad
+        prefix += [-1] * pad
+        valid += [True] * at + [False] * pad
+    cpu = dict(dtype=torch.long, device="cpu")
+    srow, scol, doc, prefix = (torch.tensor(v, **cpu).view(R, T) for v in (srow, scol, doc, prefix))
+    valid = torch.tensor(valid, dtype=torch.bool, device="cpu").view(R, T)
     srow, scol, valid_d = srow.to(dev), scol.to(dev), valid.to(dev)
     pos = ro.attention_mask.long().cumsum(-1) - 1  # the padded path's positions
     zero = torch.zeros((), dtype=torch.long, device=dev)
