@@ -1,6 +1,7 @@
 """The layout-invariant sampler against torch.multinomial(softmax), and generation before vs after.
 
     python -m bench.bench_sampler [--threads 1] [--repeats 5] [--old-ref main] [--skip-gen] [--json OUT]
+    python -m bench.bench_sampler --device cuda --skip-gen    # the sampler part on a GPU (synchronised timing)
 
 1. Sampler at [256, 32000] fp32 logits: kltron's sampler (eager, and torch.compile'd with its
    one-time compile cost), top-p / min-p variants, and `--old-ref`'s core/sampling.py (eager and
@@ -59,36 +60,42 @@ def load_old_generate(ref: str):
     return load_old(ref)
 
 
-def timed(fn) -> float:
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def timed(fn, device: str = "cpu") -> float:
+    """Seconds of fn(); on CUDA between synchronisations, so queued kernels are counted."""
+    _sync(device)
     t = time.perf_counter()
     fn()
+    _sync(device)
     return time.perf_counter() - t
 
 
-def side_by_side(fn, ref, repeats: int) -> tuple[float, float]:
+def side_by_side(fn, ref, repeats: int, device: str = "cpu") -> tuple[float, float]:
     """Medians (s) of fn and ref, interleaved after one warm-up each."""
     fn(), ref()
     a, b = [], []
     for _ in range(repeats):
-        a.append(timed(fn))
-        b.append(timed(ref))
+        a.append(timed(fn, device))
+        b.append(timed(ref, device))
     return statistics.median(a), statistics.median(b)
 
 
-def bench_sampler(repeats: int, old_ref: str, out: dict) -> None:
+def bench_sampler(repeats: int, old_ref: str, out: dict, device: str = "cpu") -> None:
     B, V = 256, 32000
     torch.manual_seed(0)
-    logits = torch.randn(B, V) * 2
-    rows = torch.arange(B)
+    logits = (torch.randn(B, V) * 2).to(device)
+    rows = torch.arange(B, device=device)
     kw = dict(vocab_size=V, temperature=1.0, seed=1, step=0, row_ids=rows, position=0)
-    gen = torch.Generator().manual_seed(0)
+    gen = torch.Generator(device=device).manual_seed(0)
 
     def multinomial():
         return torch.multinomial(torch.softmax(logits, -1), 1, generator=gen)
 
-    t0 = time.perf_counter()
-    sample_from_sharded_logits(logits, compile=True, **kw)
-    compile_s = time.perf_counter() - t0
+    compile_s = timed(lambda: sample_from_sharded_logits(logits, compile=True, **kw), device)
     cases = {
         "eager": lambda: sample_from_sharded_logits(logits, **kw),
         "compiled": lambda: sample_from_sharded_logits(logits, compile=True, **kw),
@@ -102,16 +109,18 @@ def bench_sampler(repeats: int, old_ref: str, out: dict) -> None:
         masked = logits.masked_fill(drop.scatter(1, order, drop), float("-inf"))
         return torch.multinomial(torch.softmax(masked, -1), 1, generator=gen)
 
-    t_hf, t_ours = side_by_side(hf_top_p, lambda: sample_from_sharded_logits(logits, top_p=0.9, **kw), repeats)
+    t_hf, t_ours = side_by_side(hf_top_p, lambda: sample_from_sharded_logits(logits, top_p=0.9, **kw), repeats,
+                                device)
     old = load_old(old_ref, "core/sampling.py", "old_sampling")
     if old is not None:
         cases[f"eager, {old_ref}'s sampler"] = lambda: old.sample_from_sharded_logits(logits, **kw)
         cases[f"compiled, {old_ref}'s"] = lambda: old.sample_from_sharded_logits(logits, compile=True, **kw)
-    print(f"\n== sampler at [{B}, {V}] fp32, threads={torch.get_num_threads()}; compile (one-time) {compile_s:.1f} s")
+    print(f"\n== sampler at [{B}, {V}] fp32 on {device}, threads={torch.get_num_threads()}; compile (one-time) "
+          f"{compile_s:.1f} s")
     print(f"{'case':22s} {'sampler ms':>11s} {'multinomial ms':>15s} {'ratio':>7s}")
-    out["sampler"] = {"compile_s": compile_s}
+    out["sampler"] = {"compile_s": compile_s, "device": device}
     for name, fn in cases.items():
-        s, m = side_by_side(fn, multinomial, repeats)
+        s, m = side_by_side(fn, multinomial, repeats, device)
         out["sampler"][name] = dict(sampler_ms=s * 1e3, multinomial_ms=m * 1e3, ratio=s / m)
         print(f"{name:22s} {s * 1e3:11.1f} {m * 1e3:15.1f} {s / m:7.2f}")
     out["sampler"]["top_p vs sort-based"] = dict(sampler_ms=t_ours * 1e3, sort_top_p_ms=t_hf * 1e3,
@@ -172,12 +181,15 @@ def main(argv=None) -> None:
     ap.add_argument("--gen-repeats", type=int, default=2, help="generation repeats")
     ap.add_argument("--old-ref", default="main", help="git ref whose core/generate.py is the 'before'")
     ap.add_argument("--skip-gen", action="store_true")
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where the sampler part runs")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     old = load_old_generate(args.old_ref)
     out = {"threads": args.threads, "torch": torch.__version__}
-    bench_sampler(args.repeats, args.old_ref, out)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        ap.error("--device cuda: no CUDA device is visible")
+    bench_sampler(args.repeats, args.old_ref, out, args.device)
     if not args.skip_gen:
         bench_generation(args.gen_repeats, old, out)
     if args.json:

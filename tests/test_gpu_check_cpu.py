@@ -8,7 +8,8 @@ import subprocess
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SECTIONS = ("layout", "hf_parity", "mfu_eager", "grpo_tiny", "grpo_0p5b", "kl_head", "bf16_kl", "mfu_compile")
+SECTIONS = ("layout", "hf_parity", "mfu_eager", "grpo_tiny", "grpo_0p5b", "kl_head", "bf16_kl", "kl_memory", "sampler",
+            "mfu_compile")
 
 
 @pytest.mark.slow
@@ -34,4 +35,9 @@ def test_gpu_check_cpu_version(tmp_path):
         assert r[g]["step_time_s"] >= r[g]["time_rollout_s"]
     assert {m["method"] for m in r["kl_head"]["methods"]} == {"gather", "fused"}
     assert r["bf16_kl"]["fused"]["max_abs_err"] < r["bf16_kl"]["bf16_logits"]["max_abs_err"]
+    km = r["kl_memory"]  # measured (MemTracker on CPU) against the meta-tensor projection, per method
+    assert set(km["methods"]) == {"matmul_floor", "gather", "fused_exact_loss", "fused_k3_loss"}
+    assert all(abs(m["projection_error"]) <= 0.10 for m in km["methods"].values())
+    assert km["gather_over_exact_memory"] > 1.0
+    assert {"eager", "compiled", "eager top_p=0.9"} <= set(r["sampler"]["sampler"])
     assert "| section" in p.stdout  # the table

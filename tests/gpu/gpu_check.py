@@ -104,10 +104,46 @@ def sections(out: str, cpu: bool, ngpu: int) -> list[dict]:
     bk = [py, "-m", "bench.bench_bf16_kl", "--device", dev, "--json", j("bf16_kl")]
     bk += ["--tokens", "128", "--vocab", "4096"] if cpu else []
     s.append(dict(name="bf16_kl", cmds=[bk], json=j("bf16_kl"), timeout=60))
+    s.append(kl_memory_section(py, j, cpu))
+    sm = [py, "-m", "bench.bench_sampler", "--skip-gen", "--json", j("sampler")]
+    sm += ["--repeats", "1"] if cpu else ["--device", "cuda", "--repeats", "10"]
+    s.append(dict(name="sampler", cmds=[sm], json=j("sampler"), timeout=90))
     # last: compilation time is the least predictable, and the other sections must not wait on it
     s.append(dict(name="mfu_compile", cmds=[mfu + ["--compile", "--json", j("mfu_compile")]],
                   json=j("mfu_compile"), timeout=240))
     return s
+
+
+KL_METHODS = "matmul_floor,gather,fused_exact_loss,fused_k3_loss"
+
+
+def kl_memory_section(py: str, j, cpu: bool) -> dict:
+    """Issue 13's device rows: tools.kl_memory measured (allocator peak, median time) and projected
+    (meta tensors) at one shape; the summary pairs them by method."""
+    shape = ["--tokens", "256", "--hidden", "64", "--vocab", "4096", "--dtype", "fp32"] if cpu else \
+        ["--tokens", "8192", "--hidden", "4096", "--vocab", "128256", "--dtype", "bf16"]
+    base = [py, "-m", "tools.kl_memory", *shape, "--methods", KL_METHODS]
+    dev = ["--device", "cpu" if cpu else "cuda"]
+    cmds = [base + dev + ["--warmup", "1", "--repeats", "3", "--json", j("kl_measured")],
+            base + dev + ["--project", "--json", j("kl_projected")]]
+    return dict(name="kl_memory", cmds=cmds, json=None, timeout=150,
+                summary=lambda: kl_memory_summary(j("kl_measured"), j("kl_projected")))
+
+
+def kl_memory_summary(measured: str, projected: str) -> dict:
+    """Per method: measured peak and time (and time / matmul floor), projected peak and its error;
+    gather / fused exact peak, fused exact / fused k3 peak and time."""
+    meas = {r["name"]: r for r in _load(measured)}
+    proj = {r["name"]: r for r in _load(projected)}
+    rows = {n: dict(peak_bytes=r["peak_bytes"], time_s=r["time_s"], time_vs_floor=r.get("time_vs_floor"),
+                    projected_bytes=proj.get(n, {}).get("peak_bytes"),
+                    projection_error=(proj[n]["peak_bytes"] / r["peak_bytes"] - 1) if n in proj else None)
+            for n, r in meas.items()}
+    ex, k3, ga = meas["fused_exact_loss"], meas["fused_k3_loss"], meas["gather"]
+    return dict(device=ex["device"], tokens=ex["tokens"], hidden=ex["hidden"], vocab=ex["vocab"], dtype=ex["dtype"],
+                methods=rows, gather_over_exact_memory=ga["peak_bytes"] / ex["peak_bytes"],
+                exact_over_k3_memory=ex["peak_bytes"] / k3["peak_bytes"],
+                exact_over_k3_time=ex["time_s"] / k3["time_s"])
 
 
 def run_section(sec: dict, out: str, remaining: float, env: dict) -> dict:
@@ -183,6 +219,17 @@ def headline(name: str, r: dict) -> str:
     if name == "bf16_kl":
         return (f"KL max abs err: fused {r['fused']['max_abs_err']:.1e}, bf16 logits "
                 f"{r['bf16_logits']['max_abs_err']:.1e} (true KL {r['true_kl_mean']:.1e})")
+    if name == "kl_memory":
+        err = max(abs(v["projection_error"]) for v in r["methods"].values() if v["projection_error"] is not None)
+        floor = r["methods"]["fused_exact_loss"]["time_vs_floor"]
+        return (f"T={r['tokens']} H={r['hidden']} V={r['vocab']} {r['dtype']} on {r['device']}: gather/exact memory "
+                f"{r['gather_over_exact_memory']:.1f}x, exact/k3 memory {r['exact_over_k3_memory']:.3f}x time "
+                f"{r['exact_over_k3_time']:.2f}x, exact time/floor {floor:.2f}x, max projection error {100 * err:.1f}%")
+    if name == "sampler":
+        sm = r["sampler"]
+        return (f"[256, 32000] on {sm.get('device', 'cpu')}: eager {sm['eager']['ratio']:.2f}x, compiled "
+                f"{sm['compiled']['ratio']:.2f}x multinomial (compile {sm['compile_s']:.1f} s), top_p "
+                f"{sm['eager top_p=0.9']['ratio']:.2f}x")
     return ""
 
 
