@@ -29,6 +29,7 @@ ids of `apply_chat_template(..., tokenize=True)`. Every error names the file.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -68,6 +69,9 @@ class _SentencePiece:
     def decode(self, ids: list[int]) -> str:
         return self._sp.decode(ids)
 
+    def decode_batch(self, batch: list[list[int]]) -> list[str]:
+        return list(self._sp.decode(batch)) if batch else []
+
     def id_to_piece(self, i: int) -> str | None:
         return self._sp.id_to_piece(i)
 
@@ -95,6 +99,9 @@ class _HFTokenizers:
 
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=False)
+
+    def decode_batch(self, batch: list[list[int]]) -> list[str]:
+        return self._tok.decode_batch(batch, skip_special_tokens=False) if batch else []
 
     def id_to_piece(self, i: int) -> str | None:
         return self._tok.id_to_token(i)
@@ -162,6 +169,21 @@ class Tokenizer:
         if bad:
             raise ValueError(f"decode: id {bad[0]} is outside the vocabulary [0, {self.vocab_size}) of {self.path}")
         return self._b.decode(ids)
+
+    def decode_batch(self, batch: Sequence[list[int]]) -> list[str]:
+        """`decode` of each list of ids, in one backend call (a rollout decodes every response)."""
+        batch = [[int(i) for i in ids] for ids in batch]
+        for ids in batch:
+            bad = [i for i in ids if not 0 <= i < self.vocab_size or i in self._holes]
+            if bad:
+                raise ValueError(f"decode: id {bad[0]} is outside the vocabulary [0, {self.vocab_size}) of "
+                                 f"{self.path}")
+        return self._b.decode_batch(batch)
+
+    @functools.cached_property
+    def _holes(self) -> frozenset:
+        """Ids below vocab_size without a piece (a Hugging Face vocabulary can skip ids): looked up once."""
+        return frozenset(i for i in range(self.vocab_size) if self._b.id_to_piece(i) is None)
 
     def id_to_piece(self, i: int) -> str:
         return self._b.id_to_piece(int(i))

@@ -144,13 +144,13 @@ def stop_string_check(tokenizer, stop_strings):
 
 
 def decode_responses(tokenizer, gen_tokens: torch.Tensor, response_mask: torch.Tensor) -> list[str]:
-    eos = set(eos_ids_of(tokenizer))
-    out = []
-    for toks, m in zip(gen_tokens.tolist(), response_mask.tolist()):
-        # ids past the tokenizer (a model vocabulary padded beyond it, as Qwen2.5's) have no text
-        ids = [t for t, keep in zip(toks, m) if keep and t not in eos and t < tokenizer.vocab_size]
-        out.append(tokenizer.decode(ids))
-    return out
+    eos, V = set(eos_ids_of(tokenizer)), tokenizer.vocab_size
+    # ids past the tokenizer (a model vocabulary padded beyond it, as Qwen2.5's) have no text
+    ids = [[t for t, keep in zip(toks, m) if keep and t not in eos and t < V]
+           for toks, m in zip(gen_tokens.tolist(), response_mask.tolist())]
+    if hasattr(type(tokenizer), "decode_batch"):  # core.tokenizer.Tokenizer: one backend call
+        return tokenizer.decode_batch(ids)
+    return [tokenizer.decode(x) for x in ids]  # a duck-typed tokenizer with `decode` only
 
 
 def _generate(policy, tokenizer, prompt_ids: list[list[int]], G: int, cfg: RolloutConfig, *, greedy: bool,

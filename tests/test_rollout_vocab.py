@@ -2,6 +2,7 @@
 check's random-init 0.5B config) can sample ids the tokenizer has no text for: decoding the
 responses drops them instead of failing the rollout."""
 
+import pytest
 import torch
 
 from core.tokenizer import load_tokenizer
@@ -14,3 +15,19 @@ def test_ids_past_the_tokenizer_are_dropped():
     row = torch.tensor([ids[:2] + [tok.vocab_size + 5] + ids[2:]])
     mask = torch.ones_like(row)
     assert decode_responses(tok, row, mask) == [tok.decode(ids)]
+
+
+def test_batch_decode_matches_per_row_decode():
+    """decode_responses' one decode_batch call gives each row's own decode (sentencepiece backend),
+    with masked positions and EOS dropped; an out-of-vocabulary id in decode_batch is refused."""
+    tok = load_tokenizer(None)
+    texts = ["12+3", "7*8=56", "", "hello world"]
+    rows = [tok.encode(t) for t in texts]
+    width = max(len(r) for r in rows) + 1
+    seq = torch.full((len(rows), width), tok.eos_id)
+    mask = torch.zeros_like(seq)
+    for i, r in enumerate(rows):
+        seq[i, :len(r)], mask[i, :len(r) + 1] = torch.tensor(r, dtype=torch.long), 1  # + the EOS
+    assert decode_responses(tok, seq, mask) == [tok.decode(r) for r in rows]
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        tok.decode_batch([[3], [tok.vocab_size]])

@@ -145,6 +145,15 @@ def test_undecodable_id_refused(pair):
         ours.decode([5, 100000])
 
 
+def test_decode_batch_matches_batch_decode(pair):
+    """Tokenizer.decode_batch (one backend call, the rollout's) against transformers' batch_decode."""
+    _, ours, hf, _ = pair
+    batch = [ours.encode(t) for t in FIXED] + [[]]
+    assert ours.decode_batch(batch) == hf.batch_decode(batch) == [ours.decode(b) for b in batch]
+    with pytest.raises(ValueError, match=r"id 100000 is outside the vocabulary .*tokenizer\.json"):
+        ours.decode_batch([[5], [5, 100000]])
+
+
 def test_errors_name_the_file(pair, tmp_path):
     _, _, _, d = pair
     for name, content, match in [
