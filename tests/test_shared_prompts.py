@@ -295,7 +295,7 @@ def test_tp2_equals_tp1(dist_pools):
         torch.testing.assert_close(g2, g1, atol=1e-10, rtol=1e-10)  # a replicated parameter's gradient
 
 
-def _trainer_params(overrides: list[str]):
+def _trainer_params(overrides: list[str], plans: list | None = None):
     from core.tokenizer import load_tokenizer
     from parallel.dims import ParallelDims, init_parallel
     from rl.config import RLConfig
@@ -311,6 +311,9 @@ def _trainer_params(overrides: list[str]):
     state = init_parallel(ParallelDims(1, 1), "cpu", mc.n_heads, mc.n_kv_heads)
     policy, ref = (build_model(mc, state.tp_group, seed=11, dtype=torch.float64) for _ in range(2))
     tr = assemble(cfg, state, mc, load_tokenizer(None), policy, ref)
+    if plans is not None:  # record each mini-batch's micro-batches
+        plan = tr._micro_batches
+        tr._micro_batches = lambda data, rows: plans.append(plan(data, rows)) or plans[-1]
     rec = tr.step(0)
     return {n: p.detach().clone() for n, p in tr.policy.named_parameters()}, rec
 
@@ -328,6 +331,35 @@ def test_trainer_step_shared_equals_unshared(algo):
     for k in a:
         torch.testing.assert_close(b[k], a[k], atol=1e-12, rtol=1e-12, msg=lambda s, k=k: f"{k}: {s}")
     for k in ("kl_mean", "entropy", "pg_loss", "kl_loss", "reward_mean"):
+        assert rb[k] == pytest.approx(ra[k], rel=1e-9, abs=1e-12), k
+
+
+@pytest.mark.parametrize("budget", [14, 34])
+def test_trainer_step_shared_budget_equals_padded_rows(budget):
+    """A whole step (2 epochs x 2 mini-batches, exact KL, seq-mean-token-mean) with share_prompts and
+    micro-batches by token budget equals share_prompts=false with row micro-batches, in float64. The
+    rows: prompts of 6-7 tokens, 5 response tokens, 2 rows of each prompt per mini-batch (groups of 16-17
+    tokens). Budget 14 splits every group in two pieces repeating the prompt, one per micro-batch; 34
+    puts two groups in the two rows of each micro-batch. Every micro-batch's R x W <= the budget."""
+    algo = ["kl.exact=true", "loss.agg=seq-mean-token-mean"]
+    a, ra = _trainer_params(algo + ["algo.share_prompts=false"])
+    plans: list = []
+    b, rb = _trainer_params(algo + ["algo.share_prompts=true", "algo.micro_batch_size=0",
+                                    f"algo.micro_batch_tokens={budget}"], plans)
+    mbs = [mb for plan in plans for mb in plan]
+    assert len(plans) == 4 and all(len(plan) > 1 for plan in plans)
+    assert all(not mb.filler and mb.packed.input_ids.numel() <= budget for mb in mbs)
+    rows = sorted(i for mb in plans[0] for i in mb.rows.tolist())
+    assert rows == sorted(set(rows)) and len(rows) == 8  # each row of the mini-batch once
+    if budget == 14:  # each group's 2 rows in 2 pieces, each its prompt and one response, alone: [1, p + 5]
+        assert all(len(plan) == 8 for plan in plans)
+        assert all(mb.rows.numel() == 1 and mb.packed.input_ids.shape in ((1, 11), (1, 12)) for mb in mbs)
+    else:  # two whole groups, one per row: [2, 17] (or [2, 16] for the 6-token prompt's)
+        assert all(len(plan) == 2 for plan in plans)
+        assert all(mb.rows.numel() == 4 and mb.packed.input_ids.shape[0] == 2 for mb in mbs)
+    for k in a:
+        torch.testing.assert_close(b[k], a[k], atol=1e-12, rtol=1e-12, msg=lambda s, k=k: f"{k}: {s}")
+    for k in ("kl_mean", "entropy", "pg_loss", "kl_loss", "reward_mean", "clipfrac", "ratio_mean"):
         assert rb[k] == pytest.approx(ra[k], rel=1e-9, abs=1e-12), k
 
 
