@@ -22,16 +22,16 @@ positions, so the packed heads (rl/logprobs.py) read it unchanged. Groups are fo
 the real prompt token ids (so prompt length too), not by row order. Rows without a valid response
 token are left out: they contribute exactly nothing, as on the padded path.
 
-| plan                   | groups -> pieces                         | pieces -> rows of the layout               |
-|------------------------|------------------------------------------|--------------------------------------------|
-| `share_rows` (row      | a group over twice the median group      | first-fit decreasing into rows of          |
-| count, the experience  | length split into pieces that repeat     | max(longest piece, twice the median)       |
-| passes)                | the prompt                               |                                            |
-| `shared_by_token_budget`| a group over the budget T split into    | first-fit decreasing over micro-batches:   |
-| (micro_batch_tokens=T) | pieces of <= T tokens that repeat the    | a piece joins the first micro-batch with a |
-|                        | prompt (a prompt + one response over T:  | row of room for it, or a new row there if  |
-|                        | a piece alone, over budget)              | R x W stays <= T (W: its first, longest    |
-|                        |                                          | piece), else opens a micro-batch           |
+| plan                     | groups -> pieces                       | pieces -> rows of the layout             |
+|--------------------------|----------------------------------------|------------------------------------------|
+| `share_rows` (row count; | a group over twice the median group    | first-fit decreasing into rows of        |
+| the experience passes)   | length split into pieces that repeat   | max(longest piece, twice the median)     |
+|                          | the prompt                             |                                          |
+| `shared_by_token_budget` | a group over the budget T split into   | first-fit decreasing over micro-batches: |
+| (micro_batch_tokens=T)   | pieces of <= T tokens that repeat the  | a piece joins the first micro-batch with |
+|                          | prompt (a prompt + one response over   | a row of room for it, or a new row there |
+|                          | T: a piece alone, over budget)         | if R x W stays <= T (W: its first,       |
+|                          |                                        | longest piece), else opens one           |
 
 Under the budget every micro-batch's R x W <= T, except a piece of one response over T, which runs
 alone (as by_token_budget runs an over-budget row alone). The micro-batch count is agreed over DP as
