@@ -168,6 +168,27 @@ def test_budget_plan_by_hand():
     assert _halve([[[0, 2, 4]]]) == ([[[0]]], [[[2, 4]]])
 
 
+def test_budget_plans_of_random_rollouts():
+    """200 random rollouts (1-16 rows of 4 prompts, responses of 0-4 tokens) and budgets 5-40: every row
+    with a response in exactly one micro-batch, every response token once, and R x W <= budget but for
+    a micro-batch of a single row whose prompt + response exceeds it."""
+    g = torch.Generator().manual_seed(0)
+    for _ in range(200):
+        B = int(torch.randint(1, 17, (1,), generator=g))
+        groups = torch.randint(0, 4, (B,), generator=g).tolist()
+        resp = torch.randint(0, 5, (B,), generator=g).tolist()
+        budget = int(torch.randint(5, 41, (1,), generator=g))
+        ro = _rollout(groups=groups, resp=resp)
+        mbs = [mb for mb in shared_by_token_budget(ro, torch.randperm(B, generator=g), budget) if not mb.filler]
+        assert sorted(i for mb in mbs for i in mb.rows.tolist()) == [i for i in range(B) if resp[i] > 0]
+        heads = [(r, c) for mb in mbs for r, c in zip(mb.packed.src_rows.tolist(), mb.packed.src_cols.tolist())]
+        assert sorted(heads) == [(i, c) for i in range(B) for c in range(resp[i])]
+        for mb in mbs:
+            i = mb.rows[0].item()
+            alone_over = mb.rows.numel() == 1 and PLEN[groups[i]] + resp[i] > budget
+            assert mb.packed.input_ids.numel() <= budget or alone_over
+
+
 @pytest.mark.parametrize("fused", [False, True], ids=["stats", "fused_loss"])
 def test_shared_budget_micro_batches_equal_padded_float64(fused):
     """Micro-batches by a 12-token budget in the shared layout (LONG: five of them, group 0 split in
