@@ -53,7 +53,8 @@ class AlgoConfig:
     mini_batches: int = 1  # optimizer steps per epoch; each mini-batch is split over DP
     micro_batch_size: int = 0  # rows per forward on one rank (gradient accumulation); 0: whole mini-batch
     # >0: micro-batches by tokens instead (rl/micro_batches.py): rows sorted by length, grouped while
-    # rows x (longest prompt + longest response) <= this, each trimmed to its longest row
+    # rows x (longest prompt + longest response) <= this, each trimmed to its longest row; with share_prompts
+    # prompt groups laid out [R, W] with R x W <= this (rl/shared_layout.py)
     micro_batch_tokens: int = 0
     pack_sequences: bool = False  # with micro_batch_tokens: rows concatenated, <= that many tokens per sequence
     # each distinct prompt once, its responses after it, in the ref/old passes and the update (rl/shared_layout.py),
