@@ -52,7 +52,7 @@ class PackedRows:
     input_ids, position_ids (each row's own positions), document_ids (0..k-1): [1, T].
     src_rows, src_cols: [M] local row and response column of each head token, in packed order.
     head_pos: [M] packed position of the hidden state that predicts it; targets: [M] its token id.
-    The shared-prompt layout (`share_rows`) has R rows: inputs [R, T], `prefix_ids` [R, T]
+    The shared-prompt layout (rl/shared_layout.py) has R rows: inputs [R, T], `prefix_ids` [R, T]
     set, and head_pos indexes the flattened [R * T] positions (R = 1 when packed)."""
 
     input_ids: torch.Tensor
