@@ -1,25 +1,29 @@
 """What padding costs the update, on a batch with skewed response lengths: today's row-count
 micro-batches (padded to the batch's longest row), token-budget micro-batches (rows sorted by
-length, each micro-batch trimmed to its longest row) and packed sequences (rows concatenated,
-block-diagonal causal attention), side by side in one run. One process (tp = dp = 1), fp32.
+length, each micro-batch trimmed to its longest row), packed sequences (rows concatenated,
+block-diagonal causal attention) and the shared-prompt layout under a token budget (each prompt
+group once, its responses after it, [R, W] with R x W <= the budget; rl/shared_layout.py), side by
+side in one run. One process (tp = dp = 1), fp32.
 
     python -m bench.bench_update_padding [--rows 256] [--short 4] [--long 64] [--long-share 0.1]
-        [--micro-rows 32] [--tokens 2560] [--pack-tokens 512] [--repeats 3] [--threads 1] [--device cpu]
-        [--json OUT]
+        [--micro-rows 32] [--tokens 2560] [--pack-tokens 512] [--shared-tokens 2560] [--repeats 3]
+        [--threads 1] [--device cpu] [--json OUT]
 
-The batch: `--rows` rollouts (GRPO groups of 8), prompts of 8..`--prompt` real tokens (left-padded),
-responses of `--short` tokens except a random `--long-share` of `--long` tokens; random token ids,
-old log-probs from the policy itself (so ratios are 1), a k3+ KL to the reference in the loss and
-random group advantages. One update = 1 epoch x 1 mini-batch (one optimizer step) of
-RLTrainer.update. Every mode starts from the same weights.
+The batch: `--rows` rollouts in GRPO groups of 8 rows with one prompt each (8..`--prompt` real
+tokens, left-padded), responses of `--short` tokens except a random `--long-share` of `--long`
+tokens; random token ids, old log-probs from the policy itself (so ratios are 1), a k3+ KL to the
+reference in the loss and random group advantages. One update = 1 epoch x 1 mini-batch (one
+optimizer step) of RLTrainer.update. Every mode starts from the same weights.
 
-Reported per mode: micro-batches, tokens through the model (rows x width summed over micro-batches,
-the real tokens for packing), update time (median of `--repeats` after one warm-up), peak memory of
-an update (CPU: tensor bytes tracked by torch.distributed._tools.mem_tracker.MemTracker above the
-model, its optimizer state and the batch; CUDA: max_memory_allocated above what was allocated
-before), the update's CPU seconds (this process, all threads: less disturbed than wall time on a
-shared machine), ratios to padding, and the largest parameter difference to padding after the warm-up
-update (float rounding only: every mode computes the same loss).
+Reported per mode: micro-batches, tokens through the model (rows x width summed over the
+micro-batches the update runs: the real tokens for packing, R x W for the shared layout;
+deterministic, unlike the times on a shared machine), the largest micro-batch's tokens, update time
+(median of `--repeats` after one warm-up), peak memory of an update (CPU: tensor bytes tracked by
+torch.distributed._tools.mem_tracker.MemTracker above the model, its optimizer state and the batch;
+CUDA: max_memory_allocated above what was allocated before), the update's CPU seconds (this
+process, all threads: less disturbed than wall time on a shared machine), ratios to padding, and
+the largest parameter difference to padding after the warm-up update (float rounding only: every
+mode computes the same loss).
 """
 
 from __future__ import annotations
@@ -41,7 +45,6 @@ from parallel.dims import ParallelDims, init_parallel
 from rl.advantages import broadcast_to_tokens
 from rl.config import RLConfig
 from rl.logprobs import policy_token_stats
-from rl.micro_batches import by_row_count, by_token_budget
 from rl.rollout import Rollout
 from rl.train import assemble
 from rl.trainer import StepData
@@ -71,31 +74,33 @@ def skewed_batch(args, trainer) -> StepData:
     """The synthetic step: prompts, skewed responses, old/ref log-probs from the policy, advantages."""
     g = torch.Generator().manual_seed(0)
     B, P, N, dev = args.rows, args.prompt, args.long, trainer.state.device
-    p = torch.randint(8, P + 1, (B,), generator=g, device="cpu")
+    p = torch.randint(8, P + 1, (B // G,), generator=g, device="cpu").repeat_interleave(G)  # one prompt per group
     n = torch.full((B,), args.short, dtype=torch.long, device="cpu")
     n[torch.randperm(B, generator=g, device="cpu")[:round(B * args.long_share)]] = args.long
     col = torch.arange(P + N, device="cpu")
     am = ((col >= P - p[:, None]) & (col < P + n[:, None])).long()
-    seq = torch.randint(3, args.vocab, (B, P + N), generator=g, device="cpu") * am
+    # ids the trainer reads: the model's vocabulary capped at the tokenizer's (RLTrainer.vocab)
+    seq = torch.randint(3, trainer.vocab, (B, P + N), generator=g, device="cpu")
+    seq[:, :P] = seq[::G, :P].repeat_interleave(G, 0)  # the group's prompt tokens on each of its rows
+    seq = seq * am
     rm = am[:, P:].bool()
     ro = Rollout(seq.to(dev), am.to(dev), rm.to(dev), P, torch.zeros(B, device=dev), torch.arange(B, device=dev),
                  [], [])
     with torch.no_grad():
-        old = policy_token_stats(trainer.policy, ro.sequences, ro.attention_mask, P, vocab_size=args.vocab,
+        old = policy_token_stats(trainer.policy, ro.sequences, ro.attention_mask, P, vocab_size=trainer.vocab,
                                  chunk_size=args.kl_chunk, entropy=False, mask=ro.response_mask).logprobs
     adv = broadcast_to_tokens(torch.randn(B, generator=g, device="cpu").to(dev), ro.response_mask)
     zero = torch.zeros_like(old)
     return StepData(ro, ro.response_mask, old, old.clone(), None, None, zero, zero, adv)
 
 
-def plan_stats(trainer, data) -> tuple[int, int]:
-    """(micro-batches, tokens through the model) of the one mini-batch."""
-    a, rows = trainer.cfg.algo, torch.arange(data.mask.shape[0], device=data.mask.device)
-    mbs = by_token_budget(data.ro, rows, a.micro_batch_tokens, a.pack_sequences) if a.micro_batch_tokens else \
-        by_row_count(data.ro, rows, a.micro_batch_size)
-    tokens = sum(m.packed.input_ids.numel() if m.packed is not None else m.rows.numel() * (m.prompt_cols +
-                 m.response_cols) for m in mbs)
-    return len(mbs), tokens
+def plan_stats(trainer, data) -> tuple[int, int, int]:
+    """(micro-batches, tokens through the model, the largest micro-batch's tokens) of the one
+    mini-batch, as the trainer plans it."""
+    rows = torch.arange(data.mask.shape[0], device=data.mask.device)
+    tokens = [m.packed.input_ids.numel() if m.packed is not None else m.rows.numel() * (m.prompt_cols +
+              m.response_cols) for m in trainer._micro_batches(data, rows)]
+    return len(tokens), sum(tokens), max(tokens)
 
 
 def peak_update(trainer, data) -> int:
@@ -144,14 +149,16 @@ def timed_update(trainer, data, step: int) -> tuple[float, float]:
 
 
 def run(args, log=print) -> list[dict]:
-    modes = [("padding", [f"algo.micro_batch_size={args.micro_rows}"]),
-             ("token budget", [f"algo.micro_batch_tokens={args.tokens}"]),
-             ("packed", [f"algo.micro_batch_tokens={args.pack_tokens}", "algo.pack_sequences=true"])]
+    modes = [("padding", [f"algo.micro_batch_size={args.micro_rows}", "algo.share_prompts=false"]),
+             ("token budget", [f"algo.micro_batch_tokens={args.tokens}", "algo.share_prompts=false"]),
+             ("packed", [f"algo.micro_batch_tokens={args.pack_tokens}", "algo.pack_sequences=true",
+                         "algo.share_prompts=false"]),
+             ("shared, token budget", [f"algo.micro_batch_tokens={args.shared_tokens}", "algo.share_prompts=true"])]
     rows, first = [], None
     for name, mode in modes:
         tr = build(args, mode)
         data = skewed_batch(args, tr)
-        n_mb, tokens = plan_stats(tr, data)
+        n_mb, tokens, widest = plan_stats(tr, data)
         timed_update(tr, data, 0)  # warm-up; its result is compared across modes
         params = [p.detach().clone() for p in tr.policy.parameters()]
         first = first or params
@@ -159,6 +166,7 @@ def run(args, log=print) -> list[dict]:
         times, cpu = zip(*[timed_update(tr, data, s + 1) for s in range(args.repeats)])
         peak = peak_update(tr, data)
         row = {"mode": name, "setting": " ".join(mode), "micro_batches": n_mb, "model_tokens": tokens,
+               "max_micro_tokens": widest, "token_ids": tr.vocab,
                "real_tokens": int(data.ro.attention_mask.sum()), "update_s": statistics.median(times),
                "update_cpu_s": statistics.median(cpu),
                "peak_bytes": peak, "max_param_diff_vs_padding": diff}
@@ -176,16 +184,17 @@ def table(rows: list[dict], args, command: str, load: tuple) -> str:
     out = [f"`{command}`", "",
            f"{args.rows} rows: prompts 8..{args.prompt} tokens, responses {args.short} tokens "
            f"({1 - args.long_share:.0%}) or {args.long} ({args.long_share:.0%}); model hidden {args.hidden}, "
-           f"{args.layers} layers, vocab {args.vocab}; fp32, {args.device}, {torch.get_num_threads()} threads; "
+           f"{args.layers} layers, vocab {args.vocab} (token ids < {rows[0]['token_ids']}, the tokenizer's); fp32, "
+           f"{args.device}, {torch.get_num_threads()} threads; "
            f"median of {args.repeats} updates after 1 warm-up; load average {load[0]:.2f} -> {load[1]:.2f} "
            f"({os.cpu_count()} CPUs)", "",
-           "| mode | setting | micro-batches | tokens through the model (real) | update s | x padding | "
-           "update CPU s | x padding | peak MiB | x padding | max abs param diff vs padding |",
-           "|---|---|---|---|---|---|---|---|---|---|---|"]
+           "| mode | setting | micro-batches | tokens through the model (real) | largest micro-batch | update s | "
+           "x padding | update CPU s | x padding | peak MiB | x padding | max abs param diff vs padding |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         out.append(f"| {r['mode']} | `{r['setting']}` | {r['micro_batches']} | {r['model_tokens']} "
-                   f"({r['real_tokens']}) | {r['update_s']:.3f} | {r['time_ratio']:.2f} | {r['update_cpu_s']:.3f} | "
-                   f"{r['cpu_ratio']:.2f} | "
+                   f"({r['real_tokens']}) | {r['max_micro_tokens']} | {r['update_s']:.3f} | {r['time_ratio']:.2f} | "
+                   f"{r['update_cpu_s']:.3f} | {r['cpu_ratio']:.2f} | "
                    f"{r['peak_bytes'] / 2**20:.1f} | {r['memory_ratio']:.2f} | {r['max_param_diff_vs_padding']:.1e} |")
     return "\n".join(out)
 
@@ -200,6 +209,8 @@ def main(argv=None):
     ap.add_argument("--micro-rows", type=int, default=32, help="padding: rows per micro-batch")
     ap.add_argument("--tokens", type=int, default=2560, help="token budget per micro-batch (default: 32 x 80)")
     ap.add_argument("--pack-tokens", type=int, default=512, help="tokens per packed sequence")
+    ap.add_argument("--shared-tokens", type=int, default=2560,
+                    help="token budget (R x W) per micro-batch of the shared-prompt layout")
     ap.add_argument("--hidden", type=int, default=128)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--heads", type=int, default=4)

@@ -53,11 +53,13 @@ class AlgoConfig:
     mini_batches: int = 1  # optimizer steps per epoch; each mini-batch is split over DP
     micro_batch_size: int = 0  # rows per forward on one rank (gradient accumulation); 0: whole mini-batch
     # >0: micro-batches by tokens instead (rl/micro_batches.py): rows sorted by length, grouped while
-    # rows x (longest prompt + longest response) <= this, each trimmed to its longest row
+    # rows x (longest prompt + longest response) <= this, each trimmed to its longest row; with share_prompts
+    # prompt groups laid out [R, W] with R x W <= this (rl/shared_layout.py)
     micro_batch_tokens: int = 0
     pack_sequences: bool = False  # with micro_batch_tokens: rows concatenated, <= that many tokens per sequence
-    # each distinct prompt once, its responses after it, in the ref/old passes and the update (rl/micro_batches.py);
-    # None (default): on for GRPO without micro_batch_tokens (1.3x faster step at 58M), off otherwise
+    # each distinct prompt once, its responses after it, in the ref/old passes and the update (rl/shared_layout.py),
+    # with row or token-budget micro-batches; None (default): on for GRPO (1.3x faster step at 58M) unless
+    # pack_sequences, off for PPO
     share_prompts: bool | None = None
     group_mini_batches: bool = False  # mini-batches of whole prompt groups (global prompt id mod mini_batches)
     adv_std_norm: bool = True  # GRPO: divide by the group's std
@@ -85,10 +87,12 @@ class AlgoConfig:
             raise ValueError(f"algo.kl_chunk_size must be a positive integer, null or 'auto', "
                              f"got {self.kl_chunk_size!r}")
         if self.share_prompts is None:
-            self.share_prompts = self.name == "grpo" and not self.micro_batch_tokens
-        if self.share_prompts and self.micro_batch_tokens:
-            raise ValueError(f"algo.share_prompts=true does not compose with algo.micro_batch_tokens="
-                             f"{self.micro_batch_tokens} (nor algo.pack_sequences): use algo.micro_batch_size")
+            self.share_prompts = self.name == "grpo" and not self.pack_sequences
+        if self.share_prompts and self.pack_sequences:
+            raise ValueError("algo.share_prompts=true does not compose with algo.pack_sequences=true (each lays "
+                             "rows out its own way): for each prompt once under the token budget keep "
+                             "algo.micro_batch_tokens and set algo.pack_sequences=false; to pack rows set "
+                             "algo.share_prompts=false")
         if self.pack_sequences and not self.micro_batch_tokens:
             raise ValueError("algo.pack_sequences=true needs algo.micro_batch_tokens > 0 (the tokens per packed "
                              "sequence)")

@@ -9,7 +9,7 @@ hidden state at position P + t - 1, so a response of N tokens uses hidden[:, P-1
 Packed sequences (`packed_token_stats`, `packed_fused_loss`; rl/micro_batches.py's PackedRows):
 several rows in one [1, T] sequence, block-diagonal causal attention, each row's own positions;
 the head reads the M hidden states at `head_pos` and returns [1, M]. The shared-prompt layout
-(rl/micro_batches.py) is a PackedRows of R rows with `prefix_ids`: the same heads read it
+(rl/shared_layout.py) is a PackedRows of R rows with `prefix_ids`: the same heads read it
 (head_pos indexes the flattened [R * T] positions). `policy_token_stats` and `reference_hidden`
 take it as `packed=` and return the padded [B, N] shapes (0 where no head token).
 """
@@ -80,7 +80,7 @@ def policy_token_stats(model, sequences, attention_mask, prompt_len: int, *, tp_
                        packed=None) -> TokenStats:
     """Log-probs (and entropy, exact KL against the given reference hidden states and head
     weight) of the response tokens of `sequences` [B, P + N] under `model`; 0 where `mask` [B, N]
-    is False. `packed`: the shared-prompt layout of these rows (rl/micro_batches.py) to run instead;
+    is False. `packed`: the shared-prompt layout of these rows (rl/shared_layout.py) to run instead;
     the results are the same [B, N] (0 outside its head tokens)."""
     fn = _stats_head(tp_group, vocab_size, temperature, chunk_size, entropy, kl, ref_weight)
     if packed is None:

@@ -3,32 +3,35 @@
 Rows of a rollout are [left-padded prompt | right-padded response] over P + N columns. Row i holds
 p_i real prompt tokens and a response that ends at column n_i (its last valid token; 0 = none).
 
-| mode (algo.*)                         | a micro-batch is                            | forward shape          |
-|---------------------------------------|---------------------------------------------|------------------------|
-| micro_batch_size=m (or 0: all rows)   | m rows in mini-batch order, untrimmed        | [m, P + N]             |
-| (share_prompts=false)                 |                                              |                        |
-| micro_batch_tokens=T                  | rows sorted by length, cut into runs of      | [k, max p + max n]     |
-|                                       | k * (max p + max n) <= T; trimmed to that    |                        |
-| micro_batch_tokens=T, pack_sequences  | rows concatenated, sum(p_i + n_i) <= T       | [1, sum(p_i + n_i)]    |
-|                                       | (first-fit decreasing), padding dropped      | block-diagonal causal  |
-| share_prompts (with micro_batch_size) | m rows in mini-batch order; per prompt group | [R groups, max_g       |
-|                                       | prompt once, then each response (`share_rows`)| (p_g + sum_i n_i)]     |
-|                                       |                                              | prompt + own response  |
+| mode (algo.*)                         | a micro-batch is                              | forward shape          |
+|---------------------------------------|-----------------------------------------------|------------------------|
+| micro_batch_size=m (or 0: all rows)   | m rows in mini-batch order, untrimmed          | [m, P + N]             |
+| (share_prompts=false)                 |                                                |                        |
+| micro_batch_tokens=T                  | rows sorted by length, cut into runs of        | [k, max p + max n]     |
+| (share_prompts=false)                 | k * (max p + max n) <= T; trimmed to that      |                        |
+| micro_batch_tokens=T, pack_sequences  | rows concatenated, sum(p_i + n_i) <= T         | [1, sum(p_i + n_i)]    |
+| (share_prompts=false)                 | (first-fit decreasing), padding dropped        | block-diagonal causal  |
+| share_prompts, micro_batch_size=m     | m rows in mini-batch order; per prompt group   | [R, W]: W = longest    |
+|                                       | the prompt once, then each response; groups    | row of groups          |
+|                                       | packed into rows (rl/shared_layout.py)         | prompt + own response  |
+| share_prompts, micro_batch_tokens=T   | prompt groups (split into pieces that repeat   | [R, W], R x W <= T     |
+|                                       | the prompt when longer than T) first-fit       | prompt + own response  |
+|                                       | decreasing into rows of W, R x W <= T          |                        |
 
-share_prompts is off by default (null: on for GRPO without micro_batch_tokens; rl/config.py); it does not
-compose with micro_batch_tokens (refused): the shared layout's cost is not the per-row cost the
-token-budget plans count.
+share_prompts defaults to null: on for GRPO, off for PPO (rl/config.py); it does not compose with
+pack_sequences (refused), which already concatenates rows into one sequence.
 
-A row longer than T forms a micro-batch of its own. Rows without a valid response token are left
-out: their loss, gradient and statistics are exactly 0 (losses are normalised by the mini-batch's
-global counts, rl/losses.py, so leaving them out or splitting rows differently changes nothing but
-float rounding order).
+A row (shared: a prompt with one response) longer than T forms a micro-batch of its own. Rows
+without a valid response token are left out: their loss, gradient and statistics are exactly 0
+(losses are normalised by the mini-batch's global counts, rl/losses.py, so leaving them out or
+splitting rows differently changes nothing but float rounding order).
 
 FSDP's all-gathers and reduce-scatters run per forward/backward, so every DP rank must run the same
-number of micro-batches per mini-batch (verl #6176). The token-budget plans are agreed with one max
-all-reduce over DP; a rank with fewer splits its costliest micro-batch in halves until it matches,
-and when no micro-batch has two rows left it adds fillers: one row, one response column, its mask
-cleared, so it runs the collectives with a loss and a gradient of exactly 0.
+number of micro-batches per mini-batch (verl #6176). The token-budget plans (padded, packed or
+shared) are agreed with one max all-reduce over DP; a rank with fewer splits its costliest
+micro-batch in halves until it matches, and when no micro-batch has two rows left it adds fillers:
+one row, one response column, its mask cleared, so it runs the collectives with a loss and a
+gradient of exactly 0.
 """
 
 from __future__ import annotations
@@ -49,7 +52,7 @@ class PackedRows:
     input_ids, position_ids (each row's own positions), document_ids (0..k-1): [1, T].
     src_rows, src_cols: [M] local row and response column of each head token, in packed order.
     head_pos: [M] packed position of the hidden state that predicts it; targets: [M] its token id.
-    The shared-prompt layout (`share_rows`) has R rows: inputs [R, T], `prefix_ids` [R, T]
+    The shared-prompt layout (rl/shared_layout.py) has R rows: inputs [R, T], `prefix_ids` [R, T]
     set, and head_pos indexes the flattened [R * T] positions (R = 1 when packed)."""
 
     input_ids: torch.Tensor
@@ -107,18 +110,12 @@ def row_lengths(ro: Rollout, rows: torch.Tensor) -> tuple[list[int], list[int]]:
     return p.tolist(), n.tolist()
 
 
-def by_row_count(ro: Rollout, rows: torch.Tensor, size: int, share: bool = False) -> list[MicroBatch]:
-    """`size` rows per micro-batch in the given order (0: all), untrimmed: [m, P + N] each; with
-    `share`, each in the shared-prompt layout (`share_rows`), or padded when none of its
-    rows has a response token (it still runs: every DP rank runs as many micro-batches)."""
+def by_row_count(ro: Rollout, rows: torch.Tensor, size: int) -> list[MicroBatch]:
+    """`size` rows per micro-batch in the given order (0: all), untrimmed: [m, P + N] each (the
+    shared-prompt layout of the same plan: rl/shared_layout.py's `shared_by_row_count`)."""
     m = size or rows.numel()
     N = ro.response_mask.shape[1]
-    out = [MicroBatch(rows[i:i + m], ro.prompt_len, N) for i in range(0, rows.numel(), m)]
-    if share:
-        for mb in out:
-            p, n = row_lengths(ro, mb.rows)
-            mb.packed = share_rows(ro, mb.rows.tolist(), p, n, prompt_keys(ro, mb.rows))
-    return out
+    return [MicroBatch(rows[i:i + m], ro.prompt_len, N) for i in range(0, rows.numel(), m)]
 
 
 def _padded_cost(g: list[int], p: dict, n: dict) -> int:
@@ -168,17 +165,18 @@ def group_packed(order: list[int], p: dict, n: dict, budget: int) -> list[list[i
     return bins
 
 
-def split_to(groups: list[list[int]], count: int, cost) -> list[list[int] | None]:
-    """`groups` split until there are `count`: the costliest group of >= 2 rows into halves, then
-    None (a filler) for each one still missing."""
+def split_to(groups: list, count: int, cost, size=len, halve=None) -> list:
+    """`groups` split until there are `count`: the costliest group of `size` >= 2 rows into halves
+    (`halve(g)` -> two groups; default: its first and second half), then None (a filler) for each
+    one still missing."""
+    halve = halve or (lambda g: (g[:len(g) // 2], g[len(g) // 2:]))
     groups = [list(g) for g in groups]
     while len(groups) < count:
-        splittable = [j for j, g in enumerate(groups) if len(g) > 1]
+        splittable = [j for j, g in enumerate(groups) if size(g) > 1]
         if not splittable:
             break
         j = max(splittable, key=lambda j: cost(groups[j]))
-        g = groups.pop(j)
-        groups[j:j] = [g[:len(g) // 2], g[len(g) // 2:]]
+        groups[j:j + 1] = list(halve(groups[j]))
     return groups + [None] * (count - len(groups))
 
 
@@ -210,177 +208,29 @@ def by_token_budget(ro: Rollout, rows: torch.Tensor, budget: int, packed: bool, 
     p, n = dict(zip(ids, p_list)), dict(zip(ids, n_list))
     order = sorted((i for i in ids if n[i] > 0), key=lambda i: (-(p[i] + n[i]), -n[i], i))
     groups = (group_packed if packed else group_padded)(order, p, n, budget)
-    count = torch.tensor([max(len(groups), 1)], dtype=torch.int64, device=rows.device)
-    comm.all_reduce(count, "max", dp_group)  # every DP rank runs as many micro-batches (FSDP steps in unison)
+    count = agreed_count(len(groups), rows.device, dp_group)
     cost = (lambda g: _packed_cost(g, p, n)) if packed else (lambda g: _padded_cost(g, p, n))
     out = []
-    for g in split_to(groups, int(count), cost):
-        if g is None:  # a zero-weight stand-in: one row, one response column, mask cleared
-            out.append(MicroBatch(rows[:1], p[ids[0]], 1, filler=True))
+    for g in split_to(groups, count, cost):
+        if g is None:
+            out.append(filler(rows, p[ids[0]]))
             continue
         idx = torch.tensor(g, dtype=torch.long, device=rows.device)
         pk = pack_rows(ro, g, [p[i] for i in g], [n[i] for i in g]) if packed else None
         out.append(MicroBatch(idx, max(p[i] for i in g), max(n[i] for i in g), packed=pk))
     return out
 
-# ---------------------------------------------------------------------------------------------
-# Shared-prompt layout: each distinct prompt of a micro-batch once, its responses after it.
-#
-# GRPO samples every prompt G times, so the rows of a rollout come in groups with identical prompts.
-# Instead of [left-padded prompt | response] per row, a shared micro-batch holds one sequence per
-# prompt group, [prompt | response 1 | response 2 | ...], the groups padded to the longest:
-#
-#     input_ids, position_ids, document_ids, prefix_ids: [R, T]   (R groups, T = max_g p_g + sum n_i)
-#
-# Document ids: the prompt 0, the group's k-th response k (1-based), padding -1; prefix ids: 0 on the
-# prompt and every response, -1 on padding. A token attends to the earlier tokens of its own document
-# and of document prefix_ids (core/model.py `document_mask_4d`): a response sees its prompt and its own
-# earlier tokens, never another response. Positions are the padded path's (the attention mask's
-# cumulative count): a response continues from its prompt's length. So each response token's hidden
-# state is the one the row-by-row forward computes (up to float rounding order), and in backward the
-# prompt's activations receive the sum of their responses' gradients, as the separate rows' copies
-# did. Response token 0 of every member is predicted by the prompt's last position: `head_pos`
-# repeats it and the gather's backward sums.
-#
-# The result is a `PackedRows` (above) whose `head_pos` index the flattened [R * T]
-# positions, so the packed heads (rl/logprobs.py) read it unchanged. Groups are found by equality of
-# the real prompt token ids (so prompt length too), not by row order. Rows without a valid response
-# token are left out: they contribute exactly nothing, as on the padded path.
+
+def agreed_count(local: int, device, dp_group=None) -> int:
+    """The micro-batch count every DP rank runs: the largest rank's `local` (at least 1)."""
+    count = torch.tensor([max(local, 1)], dtype=torch.int64, device=device)
+    comm.all_reduce(count, "max", dp_group)  # every DP rank runs as many micro-batches (FSDP steps in unison)
+    return int(count)
 
 
-def prompt_keys(ro: Rollout, rows: torch.Tensor) -> list[int]:
-    """A group id per row of `rows` [k] (local indices): equal iff the rows' real prompt tokens are equal."""
-    P = ro.prompt_len
-    seq, am = ro.sequences[rows, :P], ro.attention_mask[rows, :P].bool()
-    key = torch.where(am, seq, torch.full_like(seq, -1))  # padding never equals a token id
-    if P == 0 or key.shape[0] == 0:
-        return [0] * int(rows.numel())
-    tuples = [tuple(r) for r in key.tolist()]  # one host copy; hashing beats unique(dim=0)'s per-row compares
-    rank = {t: i for i, t in enumerate(sorted(set(tuples)))}  # ids in sorted order, as unique(dim=0) numbers them
-    return [rank[t] for t in tuples]
-
-
-def _layout(rows: list[int], p: list[int], n: list[int], keys: list[int], P: int):
-    """Per group (first appearance order): the (row, column) of each token in the rollout, its
-    document id, and for each response token its (row, response column, position in the group's row)."""
-    groups: dict[int, list[int]] = {}
-    for i, k in enumerate(keys):
-        if n[i] > 0:
-            groups.setdefault(k, []).append(i)
-    out = []
-    for members in groups.values():
-        pg = p[members[0]]
-        srow, scol, doc = [rows[members[0]]] * pg, list(range(P - pg, P)), [0] * pg
-        hrow, hcol, hpos = [], [], []
-        for d, i in enumerate(members, 1):
-            start = len(srow)
-            srow += [rows[i]] * n[i]
-            scol += list(range(P, P + n[i]))
-            doc += [d] * n[i]
-            hrow += [rows[i]] * n[i]
-            hcol += list(range(n[i]))
-            hpos += [pg - 1] + list(range(start, start + n[i] - 1))  # token t is predicted at t - 1
-        out.append((srow, scol, doc, hrow, hcol, hpos))
-    return out
-
-
-def _split_long_groups(p: list[int], n: list[int], keys: list[int]) -> list[int]:
-    """Group keys with every group longer than twice the median group length (e.g. a prompt drawn twice
-    in one step) split into pieces of at most that many tokens, each piece repeating the prompt, so one
-    long group does not set the padded length of every row."""
-    members: dict[int, list[int]] = {}
-    for i, k in enumerate(keys):
-        if n[i] > 0:
-            members.setdefault(k, []).append(i)
-    if not members:
-        return keys
-    length = {k: p[m[0]] + sum(n[i] for i in m) for k, m in members.items()}
-    cap = max(2 * sorted(length.values())[len(length) // 2], max(p[i] + n[i] for m in members.values() for i in m))
-    out, fresh = list(keys), max(keys) + 1
-    for k, m in members.items():
-        if length[k] <= cap:
-            continue
-        used = p[m[0]]
-        for i in m:
-            if used + n[i] > cap:  # start a new piece (it repeats the prompt)
-                fresh, used = fresh + 1, p[m[0]]
-            out[i] = fresh
-            used += n[i]
-        fresh += 1
-    return out
-
-
-def _pack_groups(lengths: list[int]) -> list[list[int]]:
-    """Groups of `lengths` tokens -> rows of the shared layout (lists of group indices), first-fit
-    decreasing into rows of max(longest group, twice the median group) tokens, so that groups of
-    different sizes (a mini-batch holds a varying number of each prompt's rows; a prompt drawn twice
-    makes one long group) are not each padded to the longest. Within a row groups keep their order;
-    rows are sorted by first group."""
-    cap = max(max(lengths), 2 * sorted(lengths)[len(lengths) // 2])
-    rows, room = [], []
-    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
-        j = next((j for j, left in enumerate(room) if left >= lengths[i]), None)
-        if j is None:
-            rows.append([i])
-            room.append(cap - lengths[i])
-        else:
-            rows[j].append(i)
-            room[j] -= lengths[i]
-    return sorted(sorted(r) for r in rows)
-
-
-def share_rows(ro: Rollout, rows: list[int], p: list[int], n: list[int], keys: list[int]):
-    """Local rows `rows` (p_i real prompt tokens, response extent n_i, prompt group keys[i]) in the
-    shared layout -> PackedRows ([R, T] inputs, M head tokens), or None when no row has a valid
-    response token. Every group must have p_g >= 1 (a response needs a predicting position)."""
-    if any(n[i] > 0 and p[i] < 1 for i in range(len(rows))):
-        raise ValueError("shared prompts: a row with a response has no prompt token (nothing predicts its first)")
-    groups = _layout(rows, p, n, _split_long_groups(p, n, keys), ro.prompt_len)
-    if not groups:
-        return None
-    dev, P = ro.sequences.device, ro.prompt_len
-    bins = _pack_groups([len(g[0]) for g in groups])
-    R, T = len(bins), max(sum(len(groups[i][0]) for i in b) for b in bins)
-    srow, scol, doc, prefix, valid = ([] for _ in range(5))  # flat [R * T] host lists, one tensor each
-    hrow, hcol, hpos = [], [], []
-    for r, members in enumerate(bins):
-        at, base = 0, 0  # this group's first column in row r, its prompt's document id
-        for i in members:
-            sr, sc, d, hr, hc, hp = groups[i]
-            L = len(sr)
-            srow += sr
-            scol += sc
-            doc += [x + base for x in d]
-            prefix += [base] * L  # every token of the group also sees the group's prompt
-            hrow += hr
-            hcol += hc
-            hpos += [r * T + at + x for x in hp]  # flat index into [R * T]
-            at, base = at + L, base + max(d) + 1
-        pad = T - at
-        srow += [0] * pad
-        scol += [0] * pad
-        doc += [-1] * pad
-        prefix += [-1] * pad
-        valid += [True] * at + [False] * pad
-    cpu = dict(dtype=torch.long, device="cpu")
-    srow, scol, doc, prefix = (torch.tensor(v, **cpu).view(R, T) for v in (srow, scol, doc, prefix))
-    valid = torch.tensor(valid, dtype=torch.bool, device="cpu").view(R, T)
-    srow, scol, valid_d = srow.to(dev), scol.to(dev), valid.to(dev)
-    pos = ro.attention_mask.long().cumsum(-1) - 1  # the padded path's positions
-    zero = torch.zeros((), dtype=torch.long, device=dev)
-    ids = torch.where(valid_d, ro.sequences[srow, scol], zero)
-    pos = torch.where(valid_d, pos[srow, scol], zero)
-    doc, prefix = doc.to(dev), prefix.to(dev)
-    src_rows, src_cols = torch.tensor(hrow, **cpu).to(dev), torch.tensor(hcol, **cpu).to(dev)
-    return PackedRows(ids, pos, doc, src_rows, src_cols, torch.tensor(hpos, **cpu).to(dev),
-                      ro.sequences[src_rows, P + src_cols], prefix_ids=prefix)
-
-
-def share_rollout(ro: Rollout, rows: torch.Tensor | None = None):
-    """The shared layout of rows `rows` [k] of `ro` (default: all), or None when none has a response token."""
-    rows = torch.arange(ro.sequences.shape[0], device=ro.sequences.device) if rows is None else rows
-    p, n = row_lengths(ro, rows)
-    return share_rows(ro, rows.tolist(), p, n, prompt_keys(ro, rows))
+def filler(rows: torch.Tensor, prompt_cols: int) -> MicroBatch:
+    """A zero-weight stand-in: the mini-batch's first row [1], one response column, its mask cleared."""
+    return MicroBatch(rows[:1], prompt_cols, 1, filler=True)
 
 
 def gather_tokens(packed, t: torch.Tensor | None) -> torch.Tensor | None:

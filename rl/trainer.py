@@ -39,9 +39,10 @@ from rl.logprobs import (
     reference_hidden,
 )
 from rl.losses import TokenPolicyLoss, aggregate, clipped_value_loss, loss_scale, token_weights
-from rl.micro_batches import MicroBatch, by_row_count, by_token_budget, share_rollout
+from rl.micro_batches import MicroBatch, by_row_count, by_token_budget
 from rl.reference import ReferenceSync
 from rl.rollout import Rollout, collect_rollout, evaluate
+from rl.shared_layout import share_rollout, shared_by_row_count, shared_by_token_budget
 from rl.signals import WindowCorr, loss_term_grad_norms, repetition_rate
 from rl.update_stats import UpdateStats
 
@@ -135,7 +136,7 @@ class RLTrainer:
                                  stats=self.rollout_stats)
         mask = ro.response_mask
         exact = cfg.kl.exact
-        shared = share_rollout(ro) if cfg.algo.share_prompts else None  # each prompt once (rl/micro_batches.py)
+        shared = share_rollout(ro) if cfg.algo.share_prompts else None  # each prompt once (rl/shared_layout.py)
         with self.timer("ref_logprobs"):
             ref_h, ref_w = reference_hidden(self.ref, ro.sequences, ro.attention_mask, ro.prompt_len, packed=shared)
             ref_logp = logprobs_from_hidden(ref_h, ref_w, ro.responses_ids, tp_group=self.tp_group,
@@ -207,10 +208,15 @@ class RLTrainer:
 
     def _micro_batches(self, data: StepData, rows: torch.Tensor) -> list[MicroBatch]:
         """Mini-batch `rows` as micro-batches: `algo.micro_batch_size` rows each, or by the token budget
-        `algo.micro_batch_tokens` (trimmed or packed; the same count on every DP rank): rl/micro_batches.py."""
+        `algo.micro_batch_tokens` (trimmed or packed; the same count on every DP rank): rl/micro_batches.py;
+        with `algo.share_prompts` either in the shared-prompt layout: rl/shared_layout.py."""
         a = self.cfg.algo
+        if a.share_prompts and a.micro_batch_tokens:
+            return shared_by_token_budget(data.ro, rows, a.micro_batch_tokens, self.dp_group)
+        if a.share_prompts:
+            return shared_by_row_count(data.ro, rows, a.micro_batch_size)
         if not a.micro_batch_tokens:
-            return by_row_count(data.ro, rows, a.micro_batch_size, share=a.share_prompts)
+            return by_row_count(data.ro, rows, a.micro_batch_size)
         return by_token_budget(data.ro, rows, a.micro_batch_tokens, a.pack_sequences, self.dp_group)
 
     def update(self, data: StepData, step: int) -> dict:

@@ -18,6 +18,7 @@ from core.model import build_model
 from rl.config import AlgoConfig
 from rl.micro_batches import by_token_budget, group_packed, group_padded, pack_rows, row_lengths, split_to
 from rl.rollout import Rollout
+from rl.shared_layout import shared_by_token_budget
 from tests.helpers import model_config
 
 # ---------------------------------------------------------------------------------------------
@@ -136,7 +137,10 @@ BASE = ["rollout.prompts_per_step=4", "rollout.group_size=4", "rollout.max_new_t
 GRPO = ["algo.name=grpo", "kl.estimator=k3+", "loss.entropy_coef=0.01"]
 EXACT = ["algo.name=grpo", "kl.exact=true", "loss.agg=seq-mean-token-mean"]
 PPO = ["algo.name=ppo", "kl.where=reward", "kl.estimator=k1"]
-BUDGET, PACKED = ["algo.micro_batch_tokens=40"], ["algo.micro_batch_tokens=40", "algo.pack_sequences=true"]
+PADDED = ["algo.share_prompts=false"]  # rows in mini-batch order, untrimmed: the reference
+BUDGET, PACKED = ["algo.micro_batch_tokens=40", "algo.share_prompts=false"], ["algo.micro_batch_tokens=40",
+                                                                               "algo.pack_sequences=true"]
+SHARED = ["algo.micro_batch_tokens=40", "algo.share_prompts=true"]  # each prompt once, R x W <= 40
 STATS = ("pg_loss", "kl_loss", "clipfrac", "ratio_mean", "approx_kl_old", "grad_norm")
 
 
@@ -194,9 +198,14 @@ def _update(dp: int, overrides: list[str]):
 
     def recording(data, rows):
         out = plan(data, rows)
-        local = len(by_token_budget(data.ro, rows, cfg.algo.micro_batch_tokens, cfg.algo.pack_sequences)) \
-            if cfg.algo.micro_batch_tokens else len(out)
-        plans.append((local, len(out), sum(m.filler for m in out)))
+        a = cfg.algo
+        local = len(out)  # this rank's own count: the plan without dp_group
+        if a.micro_batch_tokens and a.share_prompts:
+            local = len(shared_by_token_budget(data.ro, rows, a.micro_batch_tokens))
+        elif a.micro_batch_tokens:
+            local = len(by_token_budget(data.ro, rows, a.micro_batch_tokens, a.pack_sequences))
+        shared = [m.packed.input_ids.numel() for m in out if m.packed is not None and m.packed.prefix_ids is not None]
+        plans.append((local, len(out), sum(m.filler for m in out), max(shared, default=0)))
         return out
 
     tr._micro_batches = recording
@@ -219,12 +228,13 @@ def _same(ref, got, tol=1e-12):
                                                                                             "unfused"])
 def test_budget_and_packed_updates_equal_padded(algo):
     """dp=1, float64: the same gradient at every optimizer step (policy and critic) and the same
-    statistics as the padded update, with rows grouped by a 40-token budget, trimmed or packed."""
-    padded = _update(1, algo)
-    for mode in (BUDGET, PACKED):
+    statistics as the padded update, with rows grouped by a 40-token budget, trimmed, packed or in the
+    shared-prompt layout."""
+    padded = _update(1, algo + PADDED)
+    for mode in (BUDGET, PACKED, SHARED):
         got = _update(1, algo + mode)
         _same(padded, got)
-        assert any(n > 1 for _, n, _ in got[2])  # the budget did split mini-batches
+        assert any(n > 1 for _, n, *_ in got[2])  # the budget did split mini-batches
 
 
 @pytest.mark.slow
@@ -233,14 +243,34 @@ def test_dp2_skewed_lengths_agree_and_equal_dp1(dist_pools):
     every rank runs the agreed count (rank 0 splits; at 20 tokens it runs out of rows and adds
     zero-weight fillers), nothing hangs, and the gradients and statistics equal the single-process
     padded update's. (Without the agreement this configuration hangs in FSDP's collectives.)"""
-    padded = _update(1, GRPO)
+    padded = _update(1, GRPO + PADDED)
     for tokens in (40, 20):
         for pack in ("false", "true"):
             res = dist_pools.run(2, _update, 2, GRPO + [f"algo.micro_batch_tokens={tokens}",
-                                                        f"algo.pack_sequences={pack}"])
+                                                        f"algo.pack_sequences={pack}", "algo.share_prompts=false"])
             (_, _, plan0), (_, _, plan1) = res
-            assert [n for _, n, _ in plan0] == [n for _, n, _ in plan1]  # agreed counts ...
+            assert [n for _, n, *_ in plan0] == [n for _, n, *_ in plan1]  # agreed counts ...
             assert all(a[0] < b[0] for a, b in zip(plan0, plan1))  # ... where rank 0 alone had fewer
-            assert (sum(f for *_, f in plan0) > 0) == (tokens == 20)  # fillers only when rows ran out
+            assert (sum(p[2] for p in plan0) > 0) == (tokens == 20)  # fillers only when rows ran out
             for r in res:
                 _same(padded, r, tol=1e-11)
+
+
+@pytest.mark.slow
+def test_dp2_shared_budget_agrees_and_equals_dp1(dist_pools):
+    """The shared-prompt layout under a token budget at dp=2 with the skewed ranks above (prompts of 7
+    tokens: rank 0's groups 7 + 1 + 1, rank 1's 7 + 6 + 6 per mini-batch). At 30 tokens rank 1 needs
+    two micro-batches [1, 19], rank 0 one [2, 9] and halves it; at 13 rank 1 splits each group into
+    pieces [1, 13], four, and rank 0 (a group holding an empty row has one response left) halves down
+    to single responses and adds fillers. Both ranks run the agreed count, every micro-batch's R x W
+    stays within the budget, and the update equals the single-process padded one in float64."""
+    padded = _update(1, GRPO + PADDED)
+    for tokens in (30, 13):
+        res = dist_pools.run(2, _update, 2, GRPO + [f"algo.micro_batch_tokens={tokens}", "algo.share_prompts=true"])
+        (_, _, plan0), (_, _, plan1) = res
+        assert [n for _, n, *_ in plan0] == [n for _, n, *_ in plan1]  # agreed counts ...
+        assert all(a[0] < b[0] for a, b in zip(plan0, plan1))  # ... where rank 0 alone had fewer
+        assert (sum(p[2] for p in plan0) > 0) == (tokens == 13)  # fillers only when rows ran out
+        assert all(0 < p[3] <= tokens for p in plan0 + plan1)  # shared layouts [R, W], R x W <= budget
+        for r in res:
+            _same(padded, r, tol=1e-11)

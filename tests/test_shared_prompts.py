@@ -1,4 +1,4 @@
-"""Shared-prompt forward for GRPO groups (rl/micro_batches.py, core/model.py's prefix_ids,
+"""Shared-prompt forward for GRPO groups (rl/shared_layout.py, core/model.py's prefix_ids,
 core/generate.py's share_prefill).
 
 References: the layout against a hand-written example; per-token log-probs, entropy, exact KL,
@@ -18,9 +18,18 @@ from core.config import ModelConfig, load_config
 from core.generate import generate
 from core.model import build_model, document_mask_4d
 from rl.config import AlgoConfig
-from rl.logprobs import policy_fused_loss, policy_token_stats, reference_hidden
-from rl.micro_batches import by_row_count, gather_tokens, prompt_keys, share_rollout
+from rl.logprobs import packed_fused_loss, packed_token_stats, policy_fused_loss, policy_token_stats, reference_hidden
+from rl.micro_batches import gather_tokens, row_lengths, scatter_tokens
 from rl.rollout import Rollout
+from rl.shared_layout import (
+    _halve,
+    budget_pieces,
+    plan_shared,
+    prompt_keys,
+    share_rollout,
+    shared_by_row_count,
+    shared_by_token_budget,
+)
 
 MODEL = dict(vocab_size=131, hidden_size=32, n_layers=2, n_heads=4, n_kv_heads=2, intermediate_size=64,
              max_seq_len=32, tie_embeddings=False)
@@ -129,6 +138,99 @@ def test_shared_equals_padded_float64(fused, case):
         torch.testing.assert_close(b[3][k], a[3][k], **tol, msg=lambda s, k=k: f"{k}: {s}")
 
 
+# LONG's groups: 0 = rows 0 2 4 6 7 8 (3 prompt + 23 response tokens), 1 = rows 1 9 (5 + 3), 2 = row 3 (2 + 3),
+# 3 = row 5 (3 + 2). Under a budget of 12, group 0 splits in pieces of prompt + responses <= 12: [0 2] 11,
+# [4 6] 11, [7 8] 10; then first-fit decreasing: each of those alone (no room, and 2 x 11 > 12), [1 9] 8
+# alone (2 x 8 > 12), [3] and [5] two rows of width 5 (2 x 5 <= 12).
+LONG_PLAN_12 = [[[[0, 2]]], [[[4, 6]]], [[[7, 8]]], [[[1, 9]]], [[[3]], [[5]]]]
+
+
+def _long_plan(budget: int):
+    ro = _rollout(**LONG)
+    rows = torch.arange(10, device="cpu")
+    p, n = (dict(enumerate(x)) for x in row_lengths(ro, rows))
+    keys = dict(enumerate(prompt_keys(ro, rows)))
+    length = lambda g: p[g[0]] + sum(n[i] for i in g)
+    return plan_shared(budget_pieces(list(range(10)), p, n, keys, budget), length, budget), length
+
+
+def test_budget_plan_by_hand():
+    plan, length = _long_plan(12)
+    assert plan == LONG_PLAN_12
+    plan, length = _long_plan(6)  # 3 + 4 (group 0) and 5 + 2 (row 1): prompt + one response over 6, alone
+    over = [mb for mb in plan if len(mb) * max(sum(length(g) for g in r) for r in mb) > 6]
+    assert all(len(mb) == 1 and len(mb[0]) == 1 and len(mb[0][0]) == 1 for mb in over)
+    assert sorted(mb[0][0][0] for mb in over) == [0, 1, 2, 4, 6, 8]  # row 7 (3 + 3) and row 9 (5 + 1) fit
+    assert sorted(i for mb in plan for r in mb for g in r for i in g) == list(range(10))  # every row once
+    # halving (DP agreement): layout rows, else one row's pieces, else one piece's responses
+    assert _halve([[[3]], [[5]]]) == ([[[3]]], [[[5]]])
+    assert _halve([[[1, 9], [3]]]) == ([[[1, 9]]], [[[3]]])
+    assert _halve([[[0, 2, 4]]]) == ([[[0]]], [[[2, 4]]])
+
+
+def test_budget_plans_of_random_rollouts():
+    """200 random rollouts (1-16 rows of 4 prompts, responses of 0-4 tokens) and budgets 5-40: every row
+    with a response in exactly one micro-batch, every response token once, and R x W <= budget but for
+    a micro-batch of a single row whose prompt + response exceeds it."""
+    g = torch.Generator().manual_seed(0)
+    for _ in range(200):
+        B = int(torch.randint(1, 17, (1,), generator=g))
+        groups = torch.randint(0, 4, (B,), generator=g).tolist()
+        resp = torch.randint(0, 5, (B,), generator=g).tolist()
+        budget = int(torch.randint(5, 41, (1,), generator=g))
+        ro = _rollout(groups=groups, resp=resp)
+        mbs = [mb for mb in shared_by_token_budget(ro, torch.randperm(B, generator=g), budget) if not mb.filler]
+        assert sorted(i for mb in mbs for i in mb.rows.tolist()) == [i for i in range(B) if resp[i] > 0]
+        heads = [(r, c) for mb in mbs for r, c in zip(mb.packed.src_rows.tolist(), mb.packed.src_cols.tolist())]
+        assert sorted(heads) == [(i, c) for i in range(B) for c in range(resp[i])]
+        for mb in mbs:
+            i = mb.rows[0].item()
+            alone_over = mb.rows.numel() == 1 and PLEN[groups[i]] + resp[i] > budget
+            assert mb.packed.input_ids.numel() <= budget or alone_over
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["stats", "fused_loss"])
+def test_shared_budget_micro_batches_equal_padded_float64(fused):
+    """Micro-batches by a 12-token budget in the shared layout (LONG: five of them, group 0 split in
+    three pieces that repeat its prompt), each R x W <= 12: log-probs, entropy, exact KL, the loss summed
+    over micro-batches and every gradient accumulated over them equal the padded whole-batch forward."""
+    a = _stats_and_grads(False, fused, **LONG)
+    torch.manual_seed(0)
+    policy, ref = _models()
+    ro = _rollout(**LONG)
+    B, N = ro.response_mask.shape
+    mbs = shared_by_token_budget(ro, torch.arange(B, device="cpu"), 12)
+    assert [sorted(mb.rows.tolist()) for mb in mbs] == [[0, 2], [4, 6], [7, 8], [1, 9], [3, 5]]
+    assert all(mb.packed.input_ids.numel() <= 12 for mb in mbs)
+    assert [mb.packed.input_ids.shape for mb in mbs][-1] == (2, 5)
+    ref_h, ref_w = reference_hidden(ref, ro.sequences, ro.attention_mask, ro.prompt_len)
+    w = torch.randn(3, B, N, dtype=torch.float64, generator=torch.Generator().manual_seed(9), device="cpu")
+    kw = dict(vocab_size=131, entropy=True, kl="forward", ref_weight=ref_w, temperature=0.7, chunk_size=5)
+    stats, total = [torch.zeros(B, N, dtype=torch.float64) for _ in range(3)], 0.0
+    for mb in mbs:
+        kw.update(ref_hidden=mb.tokens(ref_h), mask=mb.mask(ro.response_mask))
+        wt = [mb.tokens(x).reshape(-1) for x in w]
+        if fused:
+            def token_loss(lp, ent, kl, t, wt=wt):
+                return lp * wt[0][t] + ent * wt[1][t] + kl * wt[2][t]
+
+            loss, _ = packed_fused_loss(policy, mb.packed, token_loss, **kw)
+        else:
+            st = packed_token_stats(policy, mb.packed, **kw)
+            loss = sum((x.reshape(-1) * wi).sum() for x, wi in zip(st, wt))
+            for acc, x in zip(stats, st):
+                acc += scatter_tokens(mb.packed, x.detach(), B, N)
+        loss.backward()
+        total = total + loss.detach()
+    tol = dict(atol=1e-12, rtol=1e-12)
+    if not fused:
+        for x, y in zip(a[1], stats):
+            torch.testing.assert_close(y, x.where(ro.response_mask, 0.0), **tol)
+    torch.testing.assert_close(total, a[2], **tol)
+    for k, p in policy.named_parameters():
+        torch.testing.assert_close(p.grad, a[3][k], **tol, msg=lambda s, k=k: f"{k}: {s}")
+
+
 def test_layout_packs_groups_and_splits_a_long_one():
     """Groups of different lengths share rows (first-fit decreasing into the longest group's length)
     and a group over twice the median length is split into pieces repeating its prompt: fewer padded
@@ -174,15 +276,18 @@ def test_isolation_from_other_responses():
 
 def test_micro_batches_share_and_fall_back():
     ro = _rollout()
-    mbs = by_row_count(ro, torch.tensor([4, 2, 0, 1, 3, 5, 6], device="cpu"), 2, share=True)
+    mbs = shared_by_row_count(ro, torch.tensor([4, 2, 0, 1, 3, 5, 6], device="cpu"), 2)
     assert [m.packed is None for m in mbs] == [False, False, False, False]
-    mbs = by_row_count(ro, torch.tensor([4], device="cpu"), 0, share=True)  # only an empty response
+    mbs = shared_by_row_count(ro, torch.tensor([4], device="cpu"), 0)  # only an empty response
     assert mbs[0].packed is None  # runs padded (its mask all False): no head token to share
-    with pytest.raises(ValueError, match="share_prompts.*micro_batch_tokens=64"):
-        AlgoConfig(share_prompts=True, micro_batch_tokens=64)
-    # "auto" (None): on for GRPO with row micro-batches, off for PPO and under a token budget
+    # "auto" (None): on for GRPO (row or token-budget micro-batches), off for PPO and with packed sequences
     assert AlgoConfig(share_prompts=None).share_prompts and not AlgoConfig(name="ppo", share_prompts=None).share_prompts
-    assert not AlgoConfig(micro_batch_tokens=64, share_prompts=None).share_prompts
+    assert AlgoConfig(micro_batch_tokens=64, share_prompts=None).share_prompts
+    assert AlgoConfig(micro_batch_tokens=64, share_prompts=True).share_prompts
+    assert not AlgoConfig(micro_batch_tokens=64, pack_sequences=True, share_prompts=None).share_prompts
+    with pytest.raises(ValueError, match="share_prompts=true does not compose with algo.pack_sequences=true.*"
+                                         "algo.pack_sequences=false.*algo.share_prompts=false"):
+        AlgoConfig(share_prompts=True, micro_batch_tokens=64, pack_sequences=True)
     assert AlgoConfig().share_prompts  # the default: on for GRPO
 
 
@@ -211,7 +316,7 @@ def test_tp2_equals_tp1(dist_pools):
         torch.testing.assert_close(g2, g1, atol=1e-10, rtol=1e-10)  # a replicated parameter's gradient
 
 
-def _trainer_params(overrides: list[str]):
+def _trainer_params(overrides: list[str], plans: list | None = None):
     from core.tokenizer import load_tokenizer
     from parallel.dims import ParallelDims, init_parallel
     from rl.config import RLConfig
@@ -227,6 +332,9 @@ def _trainer_params(overrides: list[str]):
     state = init_parallel(ParallelDims(1, 1), "cpu", mc.n_heads, mc.n_kv_heads)
     policy, ref = (build_model(mc, state.tp_group, seed=11, dtype=torch.float64) for _ in range(2))
     tr = assemble(cfg, state, mc, load_tokenizer(None), policy, ref)
+    if plans is not None:  # record each mini-batch's micro-batches
+        plan = tr._micro_batches
+        tr._micro_batches = lambda data, rows: plans.append(plan(data, rows)) or plans[-1]
     rec = tr.step(0)
     return {n: p.detach().clone() for n, p in tr.policy.named_parameters()}, rec
 
@@ -244,6 +352,35 @@ def test_trainer_step_shared_equals_unshared(algo):
     for k in a:
         torch.testing.assert_close(b[k], a[k], atol=1e-12, rtol=1e-12, msg=lambda s, k=k: f"{k}: {s}")
     for k in ("kl_mean", "entropy", "pg_loss", "kl_loss", "reward_mean"):
+        assert rb[k] == pytest.approx(ra[k], rel=1e-9, abs=1e-12), k
+
+
+@pytest.mark.parametrize("budget", [14, 34])
+def test_trainer_step_shared_budget_equals_padded_rows(budget):
+    """A whole step (2 epochs x 2 mini-batches, exact KL, seq-mean-token-mean) with share_prompts and
+    micro-batches by token budget equals share_prompts=false with row micro-batches, in float64. The
+    rows: prompts of 6-7 tokens, 5 response tokens, 2 rows of each prompt per mini-batch (groups of 16-17
+    tokens). Budget 14 splits every group in two pieces repeating the prompt, one per micro-batch; 34
+    puts two groups in the two rows of each micro-batch. Every micro-batch's R x W <= the budget."""
+    algo = ["kl.exact=true", "loss.agg=seq-mean-token-mean"]
+    a, ra = _trainer_params(algo + ["algo.share_prompts=false"])
+    plans: list = []
+    b, rb = _trainer_params(algo + ["algo.share_prompts=true", "algo.micro_batch_size=0",
+                                    f"algo.micro_batch_tokens={budget}"], plans)
+    mbs = [mb for plan in plans for mb in plan]
+    assert len(plans) == 4 and all(len(plan) > 1 for plan in plans)
+    assert all(not mb.filler and mb.packed.input_ids.numel() <= budget for mb in mbs)
+    rows = sorted(i for mb in plans[0] for i in mb.rows.tolist())
+    assert rows == sorted(set(rows)) and len(rows) == 8  # each row of the mini-batch once
+    if budget == 14:  # each group's 2 rows in 2 pieces, each its prompt and one response, alone: [1, p + 5]
+        assert all(len(plan) == 8 for plan in plans)
+        assert all(mb.rows.numel() == 1 and mb.packed.input_ids.shape in ((1, 11), (1, 12)) for mb in mbs)
+    else:  # two whole groups, one per row: [2, 17] (or [2, 16] for the 6-token prompt's)
+        assert all(len(plan) == 2 for plan in plans)
+        assert all(mb.rows.numel() == 4 and mb.packed.input_ids.shape[0] == 2 for mb in mbs)
+    for k in a:
+        torch.testing.assert_close(b[k], a[k], atol=1e-12, rtol=1e-12, msg=lambda s, k=k: f"{k}: {s}")
+    for k in ("kl_mean", "entropy", "pg_loss", "kl_loss", "reward_mean", "clipfrac", "ratio_mean"):
         assert rb[k] == pytest.approx(ra[k], rel=1e-9, abs=1e-12), k
 
 

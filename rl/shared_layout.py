@@ -1,0 +1,298 @@
+"""The shared-prompt layout: each distinct prompt of a micro-batch once, its responses after it.
+
+GRPO samples every prompt G times, so the rows of a rollout come in groups with identical prompts.
+Instead of [left-padded prompt | response] per row, a shared micro-batch holds each prompt group
+once, [prompt | response 1 | response 2 | ...], several groups per row, the rows padded to the
+longest:
+
+    input_ids, position_ids, document_ids, prefix_ids: [R, W]   (R rows, W the longest row's tokens)
+
+Within a row each group's prompt gets a document id, each of its responses the next ids, padding -1;
+prefix ids: the group's prompt id on each of its tokens, -1 on padding. A token attends to the
+earlier tokens of its own document and of document prefix_ids (core/model.py `document_mask_4d`):
+a response sees its prompt and its own earlier tokens, never another response or group. Positions
+are the padded path's (the attention mask's cumulative count): a response continues from its
+prompt's length. So each response token's hidden state is the one the row-by-row forward computes
+(up to float rounding order), and in backward the prompt's activations receive the sum of their
+responses' gradients, as the separate rows' copies did. Response token 0 of every member is
+predicted by the prompt's last position: `head_pos` repeats it and the gather's backward sums.
+
+The result is a `PackedRows` (rl/micro_batches.py) whose `head_pos` index the flattened [R * W]
+positions, so the packed heads (rl/logprobs.py) read it unchanged. Groups are found by equality of
+the real prompt token ids (so prompt length too), not by row order. Rows without a valid response
+token are left out: they contribute exactly nothing, as on the padded path.
+
+| plan                     | groups -> pieces                       | pieces -> rows of the layout             |
+|--------------------------|----------------------------------------|------------------------------------------|
+| `share_rows` (row count; | a group over twice the median group    | first-fit decreasing into rows of        |
+| the experience passes)   | length split into pieces that repeat   | max(longest piece, twice the median)     |
+|                          | the prompt                             |                                          |
+| `shared_by_token_budget` | a group over the budget T split into   | first-fit decreasing over micro-batches: |
+| (micro_batch_tokens=T)   | pieces of <= T tokens that repeat the  | a piece joins the first micro-batch with |
+|                          | prompt (a prompt + one response over   | a row of room for it, or a new row there |
+|                          | T: a piece alone, over budget)         | if R x W stays <= T (W: its first,       |
+|                          |                                        | longest piece), else opens one           |
+
+Under the budget every micro-batch's R x W <= T, except a piece of one response over T, which runs
+alone (as by_token_budget runs an over-budget row alone). The micro-batch count is agreed over DP as
+by_token_budget's (one max all-reduce, halving, zero-weight fillers).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from rl.micro_batches import MicroBatch, PackedRows, agreed_count, by_row_count, filler, row_lengths, split_to
+from rl.rollout import Rollout
+
+
+def prompt_keys(ro: Rollout, rows: torch.Tensor) -> list[int]:
+    """A group id per row of `rows` [k] (local indices): equal iff the rows' real prompt tokens are equal."""
+    P = ro.prompt_len
+    seq, am = ro.sequences[rows, :P], ro.attention_mask[rows, :P].bool()
+    key = torch.where(am, seq, torch.full_like(seq, -1))  # padding never equals a token id
+    if P == 0 or key.shape[0] == 0:
+        return [0] * int(rows.numel())
+    tuples = [tuple(r) for r in key.tolist()]  # one host copy; hashing beats unique(dim=0)'s per-row compares
+    rank = {t: i for i, t in enumerate(sorted(set(tuples)))}  # ids in sorted order, as unique(dim=0) numbers them
+    return [rank[t] for t in tuples]
+
+
+def _layout(rows: list[int], p: list[int], n: list[int], keys: list[int], P: int):
+    """Per group (first appearance order): the (row, column) of each token in the rollout, its
+    document id, and for each response token its (row, response column, position in the group's row)."""
+    groups: dict[int, list[int]] = {}
+    for i, k in enumerate(keys):
+        if n[i] > 0:
+            groups.setdefault(k, []).append(i)
+    out = []
+    for members in groups.values():
+        pg = p[members[0]]
+        srow, scol, doc = [rows[members[0]]] * pg, list(range(P - pg, P)), [0] * pg
+        hrow, hcol, hpos = [], [], []
+        for d, i in enumerate(members, 1):
+            start = len(srow)
+            srow += [rows[i]] * n[i]
+            scol += list(range(P, P + n[i]))
+            doc += [d] * n[i]
+            hrow += [rows[i]] * n[i]
+            hcol += list(range(n[i]))
+            hpos += [pg - 1] + list(range(start, start + n[i] - 1))  # token t is predicted at t - 1
+        out.append((srow, scol, doc, hrow, hcol, hpos))
+    return out
+
+
+def _split_long_groups(p: list[int], n: list[int], keys: list[int]) -> list[int]:
+    """Group keys with every group longer than twice the median group length (e.g. a prompt drawn twice
+    in one step) split into pieces of at most that many tokens, each piece repeating the prompt, so one
+    long group does not set the padded length of every row."""
+    members: dict[int, list[int]] = {}
+    for i, k in enumerate(keys):
+        if n[i] > 0:
+            members.setdefault(k, []).append(i)
+    if not members:
+        return keys
+    length = {k: p[m[0]] + sum(n[i] for i in m) for k, m in members.items()}
+    cap = max(2 * sorted(length.values())[len(length) // 2], max(p[i] + n[i] for m in members.values() for i in m))
+    out, fresh = list(keys), max(keys) + 1
+    for k, m in members.items():
+        if length[k] <= cap:
+            continue
+        used = p[m[0]]
+        for i in m:
+            if used + n[i] > cap:  # start a new piece (it repeats the prompt)
+                fresh, used = fresh + 1, p[m[0]]
+            out[i] = fresh
+            used += n[i]
+        fresh += 1
+    return out
+
+
+def _pack_groups(lengths: list[int]) -> list[list[int]]:
+    """Groups of `lengths` tokens -> rows of the shared layout (lists of group indices), first-fit
+    decreasing into rows of max(longest group, twice the median group) tokens, so that groups of
+    different sizes (a mini-batch holds a varying number of each prompt's rows; a prompt drawn twice
+    makes one long group) are not each padded to the longest. Within a row groups keep their order;
+    rows are sorted by first group."""
+    cap = max(max(lengths), 2 * sorted(lengths)[len(lengths) // 2])
+    rows, room = [], []
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        j = next((j for j, left in enumerate(room) if left >= lengths[i]), None)
+        if j is None:
+            rows.append([i])
+            room.append(cap - lengths[i])
+        else:
+            rows[j].append(i)
+            room[j] -= lengths[i]
+    return sorted(sorted(r) for r in rows)
+
+
+def _check_prompts(p: list[int], n: list[int]) -> None:
+    if any(ni > 0 and pi < 1 for pi, ni in zip(p, n)):
+        raise ValueError("shared prompts: a row with a response has no prompt token (nothing predicts its first)")
+
+
+def share_rows(ro: Rollout, rows: list[int], p: list[int], n: list[int], keys: list[int]):
+    """Local rows `rows` (p_i real prompt tokens, response extent n_i, prompt group keys[i]) in the
+    shared layout -> PackedRows ([R, W] inputs, M head tokens), or None when no row has a valid
+    response token. Every group must have p_g >= 1 (a response needs a predicting position)."""
+    _check_prompts(p, n)
+    groups = _layout(rows, p, n, _split_long_groups(p, n, keys), ro.prompt_len)
+    if not groups:
+        return None
+    return _assemble(ro, groups, _pack_groups([len(g[0]) for g in groups]))
+
+
+def _assemble(ro: Rollout, groups: list, bins: list[list[int]]) -> PackedRows:
+    """`groups` (`_layout`'s, one per piece) placed in the rows `bins` (lists of group indices, in
+    row order) -> PackedRows [R, W], W the longest row."""
+    dev, P = ro.sequences.device, ro.prompt_len
+    R, T = len(bins), max(sum(len(groups[i][0]) for i in b) for b in bins)
+    srow, scol, doc, prefix, valid = ([] for _ in range(5))  # flat [R * T] host lists, one tensor each
+    hrow, hcol, hpos = [], [], []
+    for r, members in enumerate(bins):
+        at, base = 0, 0  # this group's first column in row r, its prompt's document id
+        for i in members:
+            sr, sc, d, hr, hc, hp = groups[i]
+            L = len(sr)
+            srow += sr
+            scol += sc
+            doc += [x + base for x in d]
+            prefix += [base] * L  # every token of the group also sees the group's prompt
+            hrow += hr
+            hcol += hc
+            hpos += [r * T + at + x for x in hp]  # flat index into [R * T]
+            at, base = at + L, base + max(d) + 1
+        pad = T - at
+        srow += [0] * pad
+        scol += [0] * pad
+        doc += [-1] * pad
+        prefix += [-1] * pad
+        valid += [True] * at + [False] * pad
+    cpu = dict(dtype=torch.long, device="cpu")
+    srow, scol, doc, prefix = (torch.tensor(v, **cpu).view(R, T) for v in (srow, scol, doc, prefix))
+    valid = torch.tensor(valid, dtype=torch.bool, device="cpu").view(R, T)
+    srow, scol, valid_d = srow.to(dev), scol.to(dev), valid.to(dev)
+    pos = ro.attention_mask.long().cumsum(-1) - 1  # the padded path's positions
+    zero = torch.zeros((), dtype=torch.long, device=dev)
+    ids = torch.where(valid_d, ro.sequences[srow, scol], zero)
+    pos = torch.where(valid_d, pos[srow, scol], zero)
+    doc, prefix = doc.to(dev), prefix.to(dev)
+    src_rows, src_cols = torch.tensor(hrow, **cpu).to(dev), torch.tensor(hcol, **cpu).to(dev)
+    return PackedRows(ids, pos, doc, src_rows, src_cols, torch.tensor(hpos, **cpu).to(dev),
+                      ro.sequences[src_rows, P + src_cols], prefix_ids=prefix)
+
+
+def share_rollout(ro: Rollout, rows: torch.Tensor | None = None):
+    """The shared layout of rows `rows` [k] of `ro` (default: all), or None when none has a response token."""
+    rows = torch.arange(ro.sequences.shape[0], device=ro.sequences.device) if rows is None else rows
+    p, n = row_lengths(ro, rows)
+    return share_rows(ro, rows.tolist(), p, n, prompt_keys(ro, rows))
+
+
+
+def shared_by_row_count(ro: Rollout, rows: torch.Tensor, size: int) -> list[MicroBatch]:
+    """by_row_count's micro-batches (`size` rows in the given order, 0: all), each in the shared
+    layout (`share_rows`), or padded [m, P + N] when none of its rows has a response token (it still
+    runs: every DP rank runs as many micro-batches)."""
+    out = by_row_count(ro, rows, size)
+    for mb in out:
+        p, n = row_lengths(ro, mb.rows)
+        mb.packed = share_rows(ro, mb.rows.tolist(), p, n, prompt_keys(ro, mb.rows))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Under a token budget. A plan is a list of micro-batches; a micro-batch a list of rows of the
+# layout; a row a list of pieces; a piece a list of row ids of one prompt group (its prompt once,
+# then these rows' responses).
+
+
+def budget_pieces(ids: list[int], p: dict, n: dict, keys: dict, budget: int) -> list[list[int]]:
+    """The prompt groups of row ids `ids` (rows with a response; keys[i]: the group of row i), each
+    one piece, or, when p + sum n > budget, consecutive pieces of p + sum n <= budget, each repeating
+    the prompt (a prompt and one response over budget: a piece of its own)."""
+    groups: dict[int, list[int]] = {}
+    for i in ids:
+        groups.setdefault(keys[i], []).append(i)
+    out = []
+    for members in groups.values():
+        piece, used = [], p[members[0]]
+        for i in members:
+            if piece and used + n[i] > budget:
+                out.append(piece)
+                piece, used = [], p[members[0]]
+            piece.append(i)
+            used += n[i]
+        out.append(piece)
+    return out
+
+
+def plan_shared(pieces: list[list[int]], length, budget: int) -> list[list[list[list[int]]]]:
+    """`pieces` (length(piece): its tokens) -> micro-batches, first-fit decreasing on two levels:
+    each piece, longest first, joins the first micro-batch with a row of room for it, or else one
+    whose R + 1 rows of its width W (its first, longest piece) stay <= budget, or else opens one.
+    So R x W <= budget, but for a lone piece over budget."""
+    plans: list[list[list[list[int]]]] = []
+    width: list[int] = []
+    room: list[list[int]] = []  # per micro-batch, per row: tokens left in W
+    for piece in sorted(pieces, key=lambda g: (-length(g), g[0])):
+        L = length(piece)
+        for j, rows in enumerate(plans):
+            r = next((r for r, left in enumerate(room[j]) if left >= L), None)
+            if r is not None:
+                rows[r].append(piece)
+                room[j][r] -= L
+                break
+            if (len(rows) + 1) * width[j] <= budget:
+                rows.append([piece])
+                room[j].append(width[j] - L)
+                break
+        else:
+            plans.append([[piece]])
+            width.append(L)
+            room.append([0])
+    return plans
+
+
+def _halve(mb: list[list[list[int]]]):
+    """A micro-batch of >= 2 response rows -> two, each no costlier: its layout rows in halves, else
+    its one row's pieces in halves, else its one piece's responses in halves (each repeating the prompt)."""
+    if len(mb) > 1:
+        return mb[:len(mb) // 2], mb[len(mb) // 2:]
+    if len(mb[0]) > 1:
+        return [mb[0][:len(mb[0]) // 2]], [mb[0][len(mb[0]) // 2:]]
+    g = mb[0][0]
+    return [[g[:len(g) // 2]]], [[g[len(g) // 2:]]]
+
+
+def _micro_batch(ro: Rollout, mb: list[list[list[int]]], p: dict, n: dict, device) -> MicroBatch:
+    """One planned micro-batch as a MicroBatch whose `packed` is its shared layout, rows as planned."""
+    pieces = [g for row in mb for g in row]
+    flat = [i for g in pieces for i in g]
+    key = [k for k, g in enumerate(pieces) for _ in g]  # a key per piece: `_layout` keeps their order
+    groups = _layout(flat, [p[i] for i in flat], [n[i] for i in flat], key, ro.prompt_len)
+    bins, k = [], 0
+    for row in mb:
+        bins.append(list(range(k, k + len(row))))
+        k += len(row)
+    idx = torch.tensor(flat, dtype=torch.long, device=device)
+    return MicroBatch(idx, max(p[i] for i in flat), max(n[i] for i in flat), packed=_assemble(ro, groups, bins))
+
+
+def shared_by_token_budget(ro: Rollout, rows: torch.Tensor, budget: int, dp_group=None) -> list[MicroBatch]:
+    """This rank's micro-batches of mini-batch `rows` [k] in the shared layout, each [R, W] with
+    R x W <= `budget` (see the module docstring); the same count on every rank of `dp_group` (one max
+    all-reduce; halving, then zero-weight fillers, as `by_token_budget`)."""
+    p_list, n_list = row_lengths(ro, rows)
+    _check_prompts(p_list, n_list)
+    ids = rows.tolist()
+    p, n = dict(zip(ids, p_list)), dict(zip(ids, n_list))
+    keys = dict(zip(ids, prompt_keys(ro, rows)))
+    length = lambda g: p[g[0]] + sum(n[i] for i in g)
+    plans = plan_shared(budget_pieces([i for i in ids if n[i] > 0], p, n, keys, budget), length, budget)
+    count = agreed_count(len(plans), rows.device, dp_group)
+    cost = lambda mb: len(mb) * max(sum(length(g) for g in row) for row in mb)
+    size = lambda mb: sum(len(g) for row in mb for g in row)
+    return [filler(rows, p[ids[0]]) if mb is None else _micro_batch(ro, mb, p, n, rows.device)
+            for mb in split_to(plans, count, cost, size=size, halve=_halve)]
