@@ -103,19 +103,47 @@ class _Stopper:
         return torch.tensor(flags, dtype=torch.bool, device=tok.device)
 
 
-def _prefill(model, prompt_ids, prompt_mask, cache: KVCache, head, share: bool) -> torch.Tensor:
+def _prefill_blocks(model, ids, mask, cache: KVCache, head, rows_per_block: int, dp_group) -> torch.Tensor:
+    """Prompts [n, P] into cache rows [:n], at most `rows_per_block` rows per forward -> last-position
+    logits [n, Vp/tp]. Each block writes its own slice of the cache (views), so the forward's
+    transients (the MLP's [rows x P, I/tp] tensors, the attention mask) stay those of one block.
+    Every DP rank runs the same number of forwards (FSDP keeps them in step): the count is agreed
+    (a max over DP), and a rank with fewer blocks runs one-row fillers into a scratch cache."""
+    n, P = ids.shape
+    if n <= rows_per_block and dp_group is None:
+        part = KVCache([k[:n] for k in cache.k], [v[:n] for v in cache.v])
+        return model(ids, attention_mask=mask, kv_cache=part, head=head)[:, -1]
+    local = -(-n // rows_per_block)
+    # one max over DP: the number of prefill forwards every rank takes
+    blocks = int(all_reduce(torch.tensor([float(local)], device=ids.device), "max", dp_group).item())
+    per = -(-n // blocks) if n else 1  # as even as the agreed count allows
+    out = []
+    for s in range(0, n, per):
+        part = KVCache([k[s:s + per] for k in cache.k], [v[s:s + per] for v in cache.v])
+        out.append(model(ids[s:s + per], attention_mask=mask[s:s + per], kv_cache=part, head=head)[:, -1])
+    for _ in range(blocks - len(out)):  # fillers: results dropped
+        scratch = KVCache([k[:1].clone() for k in cache.k], [v[:1].clone() for v in cache.v])
+        model(ids[:1], attention_mask=mask[:1], kv_cache=scratch, head=head)
+    return torch.cat(out) if len(out) > 1 else out[0]
+
+
+def _prefill(model, prompt_ids, prompt_mask, cache: KVCache, head, share: bool, prefill_tokens: int = 0,
+             dp_group=None) -> torch.Tensor:
     """Run the prompts [B, P] into `cache` -> last-position logits [B, Vp/tp]. `share`: each distinct
-    prompt once ([U, P]), its cache rows and logits then copied to the B rows that hold it."""
+    prompt once ([U, P]), its cache rows and logits then copied to the B rows that hold it.
+    `prefill_tokens` > 0: at most that many prompt tokens (rows x P, at least one row) per forward."""
+    B, P = prompt_ids.shape
+    per = max(1, prefill_tokens // max(P, 1)) if prefill_tokens > 0 else max(B, 1)
+    group = dp_group if prefill_tokens > 0 else None  # one forward everywhere: nothing to agree on
     if not share:
-        return model(prompt_ids, attention_mask=prompt_mask, kv_cache=cache, head=head)[:, -1]
+        logits = _prefill_blocks(model, prompt_ids, prompt_mask, cache, head, per, group)
+        cache.length = P
+        return logits
     key = torch.where(prompt_mask.bool(), prompt_ids, torch.full_like(prompt_ids, -1))  # padding is no token
     uniq, inv = torch.unique(key, dim=0, return_inverse=True)  # (U, P), (B,)
-    B = prompt_ids.shape[0]
     first = torch.full((uniq.shape[0],), B, dtype=torch.long, device=inv.device)
     first = first.scatter_reduce(0, inv, torch.arange(B, device=inv.device), "amin")  # a row holding each prompt
-    once = KVCache([k[:uniq.shape[0]] for k in cache.k], [v[:uniq.shape[0]] for v in cache.v])
-    logits = model(prompt_ids[first], attention_mask=prompt_mask[first], kv_cache=once, head=head)[:, -1]
-    P = prompt_ids.shape[1]
+    logits = _prefill_blocks(model, prompt_ids[first], prompt_mask[first], cache, head, per, group)
     for k in cache.k + cache.v:  # rows [:U] hold the distinct prompts; k[inv] is a copy, read before the write
         k[:, :, :P] = k[inv, :, :P]
     cache.length = P
@@ -140,7 +168,7 @@ def generate(model: Transformer, prompt_ids: torch.Tensor, prompt_mask: torch.Te
              eos_ids: Sequence[int] | None = None, stop_sequences: Sequence[Sequence[int]] | None = None,
              stop_check: Callable[[list[int]], bool] | None = None, top_p: float = 1.0, min_p: float = 0.0,
              vocab_limit: int | None = None, compact: bool = True, compile_sampler: bool = False,
-             share_prefill: bool = False) -> GenerationOutput:
+             share_prefill: bool = False, prefill_tokens: int = 0) -> GenerationOutput:
     """Sample up to `max_new_tokens` after left-padded prompts.
 
     prompt_ids, prompt_mask: [B, P], left-padded (mask 1 on real tokens). row_ids [B]: a global id
@@ -148,6 +176,8 @@ def generate(model: Transformer, prompt_ids: torch.Tensor, prompt_mask: torch.Te
     on how rows are spread over DP ranks. eos_id and eos_ids: every id that ends a row.
     vocab_limit: ids >= it (e.g. the tokenizer's vocabulary when the embedding is padded past it)
     are never sampled. `share_prefill`: prefill each distinct prompt once (see the module docstring).
+    `prefill_tokens` > 0: the prefill runs in blocks of at most that many prompt tokens (whole rows),
+    bounding its activations; 0: all rows in one forward.
     Returns tokens on every TP rank (identical).
     """
     t0 = time.perf_counter()
@@ -173,7 +203,8 @@ def generate(model: Transformer, prompt_ids: torch.Tensor, prompt_mask: torch.Te
     was_training = model.training
     model.eval()
     with _keep_unsharded(model):
-        logits = _prefill(model, prompt_ids, mask[:, :P], cache, head, share_prefill)  # (B, Vp/tp)
+        logits = _prefill(model, prompt_ids, mask[:, :P], cache, head, share_prefill, prefill_tokens,
+                          dp_group)  # (B, Vp/tp)
         for t in range(max_new_tokens):
             tok = sample_from_sharded_logits(logits, row_ids=row_ids[rows], position=t, **sample_kw)
             at = rows[live]

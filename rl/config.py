@@ -23,6 +23,9 @@ class RolloutConfig:
     min_p: float = 0.0  # keep tokens with p >= min_p * max p
     stop: list[str] = field(default_factory=list)  # stop strings (beside the tokenizer's EOS ids)
     share_prefill: bool = True  # prefill each distinct prompt once, its KV cache copied to its G rows
+    # prompt tokens per prefill forward (whole rows, at least one; 0: all rows at once): bounds the
+    # prefill's activations (its MLP's [rows x P, I/tp] tensors) as chunked prefill does in vLLM
+    prefill_tokens: int = 16384
     eval_prompts: int = 0  # task prompts: >0 scores this many fixed prompts; data set: caps the eval set (0: all)
     eval_every: int = 10  # held-out eval before steps 0, K, 2K, ... and after the last step (0: never)
     eval_k: int = 0  # >0: also sample k responses per eval prompt (rollout temperature): eval_mean_at_k
@@ -42,6 +45,10 @@ class RolloutConfig:
                              f"{self.eval_prompts}, {self.eval_k}")
         if self.top_k < 0:
             raise ValueError(f"rollout.top_k must be >= 0, got {self.top_k}")
+        if isinstance(self.prefill_tokens, bool) or not isinstance(self.prefill_tokens, int) or \
+                self.prefill_tokens < 0:
+            raise ValueError(f"rollout.prefill_tokens must be an int >= 0 (0: one forward), "
+                             f"got {self.prefill_tokens!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError(f"rollout.stop must be a list of non-empty strings, got {self.stop!r}")
 
