@@ -19,7 +19,7 @@ from tools.klcost import cli, methods
 from tools.klcost.project import project
 
 FIELDS = {"name", "method", "mode", "pass", "source", "tokens", "hidden", "vocab", "tp", "dtype", "peak_bytes",
-          "time_s", "comm_bytes"}
+          "time_s", "comm_bytes", "memory_source", "first_run_s"}
 ALL = list(methods.METHODS)
 
 
