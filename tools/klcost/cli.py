@@ -161,6 +161,10 @@ def check_args(ap, a):
         if why:
             notes.append(why)
             peers.remove(p)
+    if a.cpu_peak == "profiler" and max(tps) > 1 and not a.project:
+        notes.append("--cpu-peak profiler at tp > 1: gloo's worker thread releases an all_gather's input and outputs "
+                     "a moment after the call returns, and the profiler's overhead makes that land inside the run "
+                     "often: gathering rows vary run to run by up to 3 [T, Vp/tp] per all_gather (docs/kl_cost.md)")
     passes = ["forward", "forward+backward"] if a.pass_ == "both" else [a.pass_]
     return names + peers, notes, passes, shapes, tps
 
