@@ -19,7 +19,7 @@ from tools.klcost import cli, methods
 from tools.klcost.project import project
 
 FIELDS = {"name", "method", "mode", "pass", "source", "tokens", "hidden", "vocab", "tp", "dtype", "peak_bytes",
-          "time_s", "comm_bytes"}
+          "time_s", "comm_bytes", "memory_source", "first_run_s"}
 ALL = list(methods.METHODS)
 
 
@@ -70,9 +70,11 @@ def test_cli_tp2_rows_comm_and_projection(tmp_path):
         r = by[pr["name"], pr["pass"]]
         assert pr["source"] == "projected" and pr["comm_bytes"] == r["comm_bytes"], (pr["name"], pr["pass"])
         if pr["name"] == "gather" and pr["pass"] == "forward":
-            # KNOWN, open (issue 13): inside the full suite the measured gather forward at tp=2 has held three
-            # more [T, Vp/tp] fp32 buffers (127584 vs 99936 bytes) than when this test runs alone; cause not
-            # found. The bound below holds in both; the other rows keep the 10% bound.
+            # Inside the full suite the measured gather forward at tp=2 has held three more [T, Vp/tp] fp32
+            # buffers (127584 vs 99936 bytes) than alone: the last all_gather's input and two outputs, which
+            # gloo's Work still references on its worker thread for a moment after the call returns (seen in
+            # ~0.2-2% of calls; more under load; docs/kl_cost.md). The bound allows exactly those three; the
+            # other rows keep the 10% bound.
             assert r["peak_bytes"] - 3 * T * width * 4 <= pr["peak_bytes"] <= r["peak_bytes"] * 1.10, (pr, r)
             continue
         assert abs(pr["peak_bytes"] - r["peak_bytes"]) <= 0.10 * r["peak_bytes"], (pr, r)

@@ -71,6 +71,9 @@ def build_parser():
     ap.add_argument("--device", choices=["cpu", "cuda"], default=None,
                     help="measured rows: cpu (default) or cuda; projected rows: the device path to project "
                     "(default cuda: fp32 logits straight from the matmul, as on a GPU)")
+    ap.add_argument("--cpu-peak", choices=["memtracker", "profiler"], default="memtracker",
+                    help="how a measured CPU row's peak is read: MemTracker (a dispatch mode) or the allocator's "
+                    "events via torch.profiler (tools/klcost/cpu_peak.py); cce_k3 always uses the profiler")
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--timeout", type=float, default=1800.0, help="seconds before ranks still running are killed")
@@ -158,6 +161,10 @@ def check_args(ap, a):
         if why:
             notes.append(why)
             peers.remove(p)
+    if a.cpu_peak == "profiler" and max(tps) > 1 and not a.project:
+        notes.append("--cpu-peak profiler at tp > 1: gloo's worker thread releases an all_gather's input and outputs "
+                     "a moment after the call returns, and the profiler's overhead makes that land inside the run "
+                     "often: gathering rows vary run to run by up to 3 [T, Vp/tp] per all_gather (docs/kl_cost.md)")
     passes = ["forward", "forward+backward"] if a.pass_ == "both" else [a.pass_]
     return names + peers, notes, passes, shapes, tps
 
@@ -190,7 +197,7 @@ def measure_grid(names, passes, shapes, tps, a) -> list[dict]:
 
     rows = []
     kw = dict(names=names, passes=passes, dtype=a.dtype, chunk=a.chunk_size, seed=a.seed, device=a.device,
-              warmup=a.warmup, repeats=a.repeats)
+              warmup=a.warmup, repeats=a.repeats, cpu_peak=a.cpu_peak)
     for tp in tps:
         if tp == 1:
             rows += run_all(shapes=shapes, log=_log, **kw)

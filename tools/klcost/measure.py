@@ -2,12 +2,20 @@
 runs, one run for the peak and the communication, then `repeats` timed runs (median and min).
 
 peak_bytes is the peak of tensor memory allocated inside one run above what existed before it (the
-inputs are not counted; the gradients produced are): on CPU MemTracker's peak
-(torch.distributed._tools.mem_tracker), on CUDA the caching allocator's
-torch.cuda.max_memory_allocated() minus torch.cuda.memory_allocated() before the run. The timed
-runs are not tracked (MemTracker's hooks would inflate them); on CUDA they are bracketed by
-torch.cuda.synchronize(). comm_bytes / comm_calls are this rank's payload to kltron's collectives
-in one run (parallel.comm.count_comm), copy_to_tp's backward all-reduce included.
+inputs are not counted; the gradients produced are); the row's memory_source says how it was read:
+- "memtracker": on CPU by default, MemTracker's peak (torch.distributed._tools.mem_tracker, a
+  dispatch mode; also what projections run under, tools/klcost/project.py);
+- "profiler": the CPU allocator's own events via torch.profiler (tools/klcost/cpu_peak.py, no
+  dispatch mode), with `cpu_peak="profiler"` (--cpu-peak profiler), and always for the compiled
+  peer cce_k3 (no dispatch mode around torch.compile); cpu_peak.py says where the two differ;
+- "cuda_allocator": on CUDA, torch.cuda.max_memory_allocated() minus torch.cuda.memory_allocated()
+  before the run.
+The timed runs are not tracked (MemTracker's hooks would inflate them); on CUDA they are bracketed
+by torch.cuda.synchronize(). A compiled method (COMPILED) gets at least one warm-up run, so the
+compile is neither in the peak nor in the timed repeats; first_run_s is the first warm-up run's
+time (for cce_k3: torch.compile's one-time cost plus one run), None without a warm-up.
+comm_bytes / comm_calls are this rank's payload to kltron's collectives in one run
+(parallel.comm.count_comm), copy_to_tp's backward all-reduce included.
 """
 
 from __future__ import annotations
@@ -20,8 +28,11 @@ import torch
 
 from parallel import comm
 from parallel.vocab_stats import resolve_chunk_size
+from tools.klcost.cpu_peak import profiled_peak
 from tools.klcost.methods import CHUNKED, DTYPES, METHODS, Inputs, outputs
-from tools.klcost.peers import PEERS, peer_outputs
+from tools.klcost.peers import COMPILED, PEERS, peer_outputs
+
+CPU_PEAKS = ("memtracker", "profiler")
 
 
 def describe(name: str) -> tuple[str, str]:
@@ -45,12 +56,28 @@ def _sync(device):
         torch.cuda.synchronize()
 
 
-def _tracked_peak(name, x, group, chunk, backward, device, fake=False):
-    """(peak bytes above the start, outputs, CommCounter) of one run; MemTracker on CPU and under a
-    fake mode or on meta tensors (tools/klcost/project.py), the allocator's peak on a real GPU."""
+def memory_source(name, device, cpu_peak="memtracker", fake=False) -> str:
+    """How `name`'s peak is read (the module docstring): memtracker, profiler or cuda_allocator."""
+    if device == "cuda" and not fake:
+        return "cuda_allocator"
+    if fake or device == "meta":
+        return "memtracker"
+    return "profiler" if cpu_peak == "profiler" or name in COMPILED else "memtracker"
+
+
+def _tracked_peak(name, x, group, chunk, backward, device, fake=False, cpu_peak="memtracker"):
+    """(peak bytes above the start, outputs, CommCounter) of one run, read as memory_source() says:
+    MemTracker on CPU and under a fake mode or on meta tensors (tools/klcost/project.py), the CPU
+    allocator's profiler events, or the allocator's peak on a real GPU."""
     if not fake:
         gc.collect()
-    if device == "cuda" and not fake:
+    source = memory_source(name, device, cpu_peak, fake)
+    if source == "profiler":
+        x.h.grad = x.w.grad = None  # free the last run's gradients first: frees of older memory are not seen
+        with comm.count_comm() as counter:
+            peak, outs = profiled_peak(lambda: _run(name, x, group, chunk, backward))
+        return peak, outs, counter
+    if source == "cuda_allocator":
         _sync(device)
         base = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
@@ -74,17 +101,26 @@ def _mean(t):
 
 
 def measure(name, pass_, T, H, V, dtype, chunk, group=None, seed=0, device="cpu", warmup=1, repeats=3,
-            fake=False) -> dict:
+            fake=False, cpu_peak="memtracker") -> dict:
     """One measured row for `name` at this shape on this rank (see the module docstring). `chunk`:
     tokens per chunk, or None / "auto" (parallel/vocab_stats.py's auto_chunk_size for T and this
-    rank's Vp/tp, what the fused heads pick by default); the row reports the chunk used."""
+    rank's Vp/tp, what the fused heads pick by default); the row reports the chunk used.
+    `cpu_peak`: "memtracker" or "profiler", how a CPU peak is read (cce_k3 always by the profiler)."""
+    if cpu_peak not in CPU_PEAKS:
+        raise ValueError(f"cpu_peak must be one of {CPU_PEAKS}, got {cpu_peak!r}")
     tp, rank = comm.group_size(group), comm.group_rank(group)
     backward = pass_ == "forward+backward"
     x = Inputs(T, H, V, tp, rank, DTYPES[dtype], seed, backward, device, fake)
     chunk = resolve_chunk_size(chunk, T, x.Vp // tp)
-    for _ in range(warmup):
+    if name in COMPILED and not fake:
+        warmup = max(warmup, 1)  # the compile belongs to neither the peak nor the timed repeats
+    first_run = None
+    for i in range(warmup):
+        start = time.perf_counter()
         _run(name, x, group, chunk, backward)
-    peak, outs, counter = _tracked_peak(name, x, group, chunk, backward, device, fake)
+        _sync(device)
+        first_run = time.perf_counter() - start if i == 0 else first_run
+    peak, outs, counter = _tracked_peak(name, x, group, chunk, backward, device, fake, cpu_peak)
     times = []
     for _ in range(repeats):
         gc.collect()
@@ -96,6 +132,8 @@ def measure(name, pass_, T, H, V, dtype, chunk, group=None, seed=0, device="cpu"
     method, mode = describe(name)
     row = dict(name=name, method=method, mode=mode, source="measured", tokens=T, hidden=H, vocab=V, tp=tp,
                dtype=dtype, device=device, chunk_size=chunk if name in CHUNKED else None, peak_bytes=int(peak),
+               memory_source=memory_source(name, device, cpu_peak, fake),
+               first_run_s=None if first_run is None else round(first_run, 5),
                time_s=round(statistics.median(times), 5) if times else None,
                time_min_s=round(min(times), 5) if times else None, repeats=repeats, warmup=warmup,
                comm_bytes=counter.bytes, comm_calls=counter.calls,
@@ -118,13 +156,14 @@ def add_floor_ratios(rows: list[dict]) -> list[dict]:
 
 
 def run_all(names, passes, shapes, dtype, chunk, group=None, seed=0, device="cpu", warmup=1, repeats=3,
-            log=None) -> list[dict]:
+            log=None, cpu_peak="memtracker") -> list[dict]:
     """Measured rows for every (shape (T, H, V), pass, name) on this rank."""
     rows = []
     for T, H, V in shapes:
         for pass_ in passes:
             for name in names:
-                row = measure(name, pass_, T, H, V, dtype, chunk, group, seed, device, warmup, repeats)
+                row = measure(name, pass_, T, H, V, dtype, chunk, group, seed, device, warmup, repeats,
+                              cpu_peak=cpu_peak)
                 rows.append(row)
                 if log:
                     log(row)

@@ -7,9 +7,17 @@ tools/klcost/methods.py. Optional packages that are not installed are skipped wi
 | verl_k3   | -                      | full logits of both models, log-prob of the sampled token as            |
 |           |                        | z[t] - logsumexp(z) per row (as verl / OpenRLHF compute it), then k3     |
 | trl_k3    | trl                    | full logits, trl's selective_log_softmax for both models, then k3        |
-| cce_k3    | cut-cross-entropy      | Cut Cross-Entropy's linear_cross_entropy (torch_compile impl) gives      |
-|           |                        | log p(t) and log q(t) without logits, then k3                           |
+| cce_k3    | cut-cross-entropy      | Cut Cross-Entropy's linear_cross_entropy(impl="torch_compile") gives     |
+|           |                        | log p(t) and log q(t), then k3. That implementation is the package's     |
+|           |                        | compiled reference (e @ c.T, then cross_entropy, under torch.compile):  |
+|           |                        | inductor fuses the softmax but the [T, V] logits are made and kept for   |
+|           |                        | backward; the cut kernels (impl="cce", no logits) are Triton, CUDA only |
 | liger_jsd | liger-kernel, CUDA     | Liger's fused linear JSD (a generalized JSD, not KL) on CUDA only        |
+
+cce_k3 is compiled (COMPILED): tools/klcost/measure.py gives it a warm-up run for the compile and
+reads its CPU peak from the allocator's profiler events (tools/klcost/cpu_peak.py), which need no
+dispatch mode around compiled code (whether torch.compile traces under MemTracker's depends on
+the torch version).
 """
 
 from __future__ import annotations
@@ -20,6 +28,7 @@ from tools.klcost.methods import Inputs, k3, linear_loss
 
 PEERS = {"verl_k3": ("verl", "k3"), "trl_k3": ("trl", "k3"), "cce_k3": ("cce", "k3"),
          "liger_jsd": ("liger", "jsd")}
+COMPILED = {"cce_k3"}  # torch.compile'd: a warm-up run compiles it; no dispatch mode around it
 _NEEDS = {"trl_k3": "trl", "cce_k3": "cut_cross_entropy", "liger_jsd": "liger_kernel"}
 
 
@@ -46,15 +55,23 @@ def unavailable(name: str, device: str) -> str | None:
         return f"{name}: skipped, package {mod!r} is not installed"
     if name == "liger_jsd" and device != "cuda":
         return "liger_jsd: skipped, Liger's Triton kernels run on CUDA only"
-    if name == "cce_k3" and device != "cuda":
-        return ("cce_k3: skipped on CPU, its torch_compile implementation does not compile under MemTracker's "
-                "dispatch mode (the CPU peak needs one); run it with --device cuda (allocator peak)")
     if name == "cce_k3":
         try:
             import cut_cross_entropy  # noqa: F401 - it imports triton at import time
         except Exception as e:  # noqa: BLE001 - any import failure means: skip with the reason
             return f"cce_k3: skipped, cut_cross_entropy does not import here ({type(e).__name__}: {e})"
+        if device == "cpu" and not _cxx_compiler():
+            return "cce_k3: skipped on CPU, torch.compile's CPU backend needs a C++ compiler (g++, clang++ or $CXX)"
     return None
+
+
+def _cxx_compiler() -> str | None:
+    """The C++ compiler inductor's CPU backend would use ($CXX, else g++ / clang++ / c++), or None."""
+    import os
+    import shutil
+
+    names = [os.environ["CXX"]] if os.environ.get("CXX") else ["g++", "clang++", "c++"]
+    return next((p for p in map(shutil.which, names) if p), None)
 
 
 def _full_logits(x: Inputs):

@@ -21,9 +21,12 @@ def _fmt_bytes(b) -> str:
 
 
 def table(rows: list[dict]) -> str:
-    """One markdown line per row; peak and time also as ratios to gather and to the matmul floor."""
-    head = ["| name | mode | pass | source | T | H | V | tp | dtype | peak | peak / gather | time s (median) "
-            "| min s | time / floor | comm bytes | comm calls |", "|" + "---|" * 4 + "---:|" * 12]
+    """One markdown line per row; peak and time also as ratios to gather and to the matmul floor; `memory`:
+    how the peak was read (measure.py: memtracker, profiler, cuda_allocator); `first run s`: the first
+    warm-up run (a compiled peer's compile included), not in the median."""
+    head = ["| name | mode | pass | source | T | H | V | tp | dtype | peak | memory | peak / gather "
+            "| time s (median) | min s | first run s | time / floor | comm bytes | comm calls |",
+            "|" + "---|" * 4 + "---:|" * 6 + "---|" + "---:|" * 7]
     key = lambda r: (r["pass"], r["tokens"], r["hidden"], r["vocab"], r["tp"], r["dtype"], r["source"])
     gathers = {key(r): r["peak_bytes"] for r in rows if r["name"] == "gather"}
     out = []
@@ -32,8 +35,9 @@ def table(rows: list[dict]) -> str:
         ratio = f"{r['peak_bytes'] / g:.3f}" if g else "-"
         num = lambda k, r=r: "-" if r.get(k) is None else f"{r[k]:.3f}"
         out.append(f"| {r['name']} | {r['mode']} | {r['pass']} | {r['source']} | {r['tokens']} | {r['hidden']} "
-                   f"| {r['vocab']} | {r['tp']} | {r['dtype']} | {_fmt_bytes(r['peak_bytes'])} | {ratio} "
-                   f"| {num('time_s')} | {num('time_min_s')} | {num('time_vs_floor')} | {r['comm_bytes']} "
+                   f"| {r['vocab']} | {r['tp']} | {r['dtype']} | {_fmt_bytes(r['peak_bytes'])} "
+                   f"| {r.get('memory_source', '-')} | {ratio} | {num('time_s')} | {num('time_min_s')} "
+                   f"| {num('first_run_s')} | {num('time_vs_floor')} | {r['comm_bytes']} "
                    f"| {r.get('comm_calls', '-')} |")
     return "\n".join(head + out)
 
@@ -110,6 +114,10 @@ def write_report(folder: str, rows: list[dict], notes: list[str], command: str) 
     os.makedirs(folder, exist_ok=True)
     written = [os.path.join(folder, "rows.json"), os.path.join(folder, "table.md")]
     atomic_write(written[0], json.dumps(rows, indent=1))
+    sources = {r.get("memory_source") for r in rows} - {None}
+    if len(sources) > 1:  # the pivot below mixes instruments: say which row used which
+        notes = notes + [f"peaks read by {', '.join(sorted(sources))} (column memory; tools/klcost/measure.py); "
+                         "tools/klcost/cpu_peak.py says where memtracker and profiler differ"]
     md = [f"`{command}`", ""] + [f"- note: {n}" for n in notes] + ["", table(rows), ""]
     for p in dict.fromkeys(r["pass"] for r in rows):
         md += [f"Peak GiB per rank, {p}:", "", pivot(rows, p), ""]

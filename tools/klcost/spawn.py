@@ -131,7 +131,7 @@ def run_spawned(tp: int, timeout: float = 1800.0, log=None, **kwargs) -> list[di
         _stop(procs, grace=30.0 if per_rank is not None else 0.0)
     rows = per_rank[0]
     for i, row in enumerate(rows):
-        for k in ("peak_bytes", "time_s", "time_min_s"):
+        for k in ("peak_bytes", "time_s", "time_min_s", "first_run_s"):
             vals = [per_rank[r][i][k] for r in range(tp)]
             row[k] = None if None in vals else max(vals)
     return add_floor_ratios(rows)
