@@ -93,9 +93,12 @@ class KVCache:
                    [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.n_layers)])
 
     def keep_rows(self, rows: torch.Tensor) -> None:
-        """Keep only batch rows `rows` [b] (indices), e.g. when finished sequences leave the batch."""
-        self.k = [k.index_select(0, rows) for k in self.k]
-        self.v = [v.index_select(0, rows) for v in self.v]
+        """Keep only batch rows `rows` [b] (indices), e.g. when finished sequences leave the batch.
+        One layer at a time, each old tensor dropped as its copy is made: the copy costs one layer's
+        [b, nkv_l, max_len, hd], not a second cache."""
+        for store in (self.k, self.v):
+            for i in range(len(store)):
+                store[i] = store[i].index_select(0, rows)
 
 
 def attention_mask_4d(key_valid: torch.Tensor, q_len: int) -> torch.Tensor:

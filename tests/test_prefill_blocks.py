@@ -94,3 +94,37 @@ def test_bad_prefill_tokens_refused(tokens):
 
     with pytest.raises(ValueError, match="rollout.prefill_tokens must be an int >= 0"):
         RolloutConfig(prefill_tokens=tokens)
+
+
+def test_compaction_copies_one_layer_at_a_time():
+    """KVCache.keep_rows drops each layer's old tensor as its copy is made: the peak is the cache plus
+    one layer's copy (allocator events, tools/klcost/cpu_peak.py), not two caches."""
+    from tools.klcost.cpu_peak import profiled_peak
+
+    cfg = ModelConfig(**dict(CFG, n_layers=4))
+    B, L = 32, 64
+
+    def run():
+        cache = KVCache.empty(cfg, B, L, 1, "cpu", torch.float32)
+        cache.keep_rows(torch.arange(24))  # 3/4 of the rows stay
+
+    peak, _ = profiled_peak(run)
+    layer = B * cfg.n_kv_heads * L * cfg.head_dim * 4  # bytes of one [B, nkv, L, hd] fp32 tensor
+    want = 2 * cfg.n_layers * layer + layer * 24 // B  # the old code: + 6 layers' copies (786 KB more)
+    assert abs(peak - want) <= 4096, (peak, want)  # a few small index tensors beside
+
+
+def test_blocked_prefill_bounds_the_prefill_activations():
+    """The whole generation's allocator peak with one-row prefill blocks sits below the one-forward
+    prefill's by about the MLP transients of the rows it no longer runs at once."""
+    from tools.klcost.cpu_peak import profiled_peak
+
+    cfg = ModelConfig(vocab_size=512, hidden_size=64, n_layers=2, n_heads=4, n_kv_heads=2, intermediate_size=512,
+                      max_seq_len=128)
+    model = build_model(cfg, seed=0).eval()
+    B, P = 32, 48
+    ids, mask = torch.randint(3, 512, (B, P)), torch.ones(B, P, dtype=torch.long)
+    peaks = [profiled_peak(lambda t=t: generate(model, ids, mask, max_new_tokens=4, eos_id=None, pad_id=0,
+                                                  prefill_tokens=t))[0] for t in (0, P)]
+    mlp = 3 * P * cfg.intermediate_size * 4  # gate, up and their product, one row, fp32
+    assert peaks[0] - peaks[1] >= (B - 1) * mlp, peaks
