@@ -12,10 +12,13 @@
 | KL head          | by method: gather ~7 [T, Vp] fp32; vp_materialized ~6 [T, Vp/tp]; fused ~6 chunk    |
 |                  | x Vp/tp fp32 + grad hidden [T, H] (the tools.kl_memory projections, checked there)  |
 | rollout KV cache | 2 x L x rows x S x kv_local x hd in the compute dtype (alive in the rollout phase)  |
+| rollout work     | the larger of one prefill block's forward transients (rollout.prefill_tokens, whole  |
+|                  | rows) and a decode position's [rows, Vp/tp] logits + one fp32 sampler temporary plus |
+|                  | one layer's K (or V) copy when finished rows are compacted                           |
 | reference        | by placement: replicated P, tp P_tp, tp_fsdp P_tp / dp + 2 gathered layers,          |
 |                  | cpu_offload 2 layers on the device (+ a host->device copy of P_tp per forward)      |
 
-Three phases peak separately: rollout (weights, optimizer state, reference, KV cache), experience
+Three phases peak separately: rollout (weights, optimizer state, reference, KV cache, rollout work), experience
 (weights, optimizer state, the reference's no-grad forward: its weights plus one layer's
 transients and the copy of its head weight that reference_hidden keeps) and update (weights,
 optimizer state, reference, then the larger of activations + KL head + the head's gradient and all
@@ -53,6 +56,8 @@ class Batch:
     seq_len: int  # prompt + response tokens
     response_len: int  # tokens the KL head sees per row
     kl_chunk: int | None = None  # tokens per fused-head chunk; None: "auto" (parallel/vocab_stats.py's rule)
+    prefill_tokens: int = 16384  # rollout.prefill_tokens: prompt tokens per prefill forward (0: all rows)
+    rows_per_prompt: int = 1  # rows sharing one prefill (rollout.share_prefill: the group size G)
 
 
 def param_counts(cfg: ModelConfig, tp: int) -> dict[str, int]:
@@ -128,8 +133,9 @@ def step_budget(cfg: ModelConfig, lay: Layout, batch: Batch, placement: str = "t
     ref, offload_s = reference_bytes(placement, cfg, lay, DTYPE_BYTES[ref_dtype or lay.compute_dtype])
     head = kl_head_bytes(kl_method, batch.update_rows * batch.response_len, cfg, lay.tp, batch.kl_chunk, act_b)
     parts = {"policy weights": master + gathered, "gradients": master, "AdamW state": 2 * master,
-             "activations": acts, "KL head": head, "rollout KV cache": kv_cache, "reference": ref}
-    rollout = parts["policy weights"] + parts["AdamW state"] + ref + kv_cache
+             "activations": acts, "KL head": head, "rollout KV cache": kv_cache,
+             "rollout work": rollout_work(cfg, lay.tp, batch, act_b, kv_cache), "reference": ref}
+    rollout = parts["policy weights"] + parts["AdamW state"] + ref + kv_cache + parts["rollout work"]
     # backward frees activations as it makes gradients: the head's transients meet the head's gradient
     # only (the first made), the full gradients meet no activations; the larger of the two is the top
     head_grad = -(-pc["vocab"] // shard) * 4 // (1 if cfg.tie_embeddings else 2)
@@ -158,6 +164,21 @@ def forward_transient(cfg: ModelConfig, tp: int, tokens: int, act_bytes: int) ->
     return tokens * (3 * cfg.intermediate_size // tp + 3 * cfg.hidden_size) * act_bytes
 
 
+def rollout_work(cfg: ModelConfig, tp: int, batch: Batch, act_bytes: int, kv_cache: int) -> int:
+    """Bytes the rollout allocates beside its KV cache (core/generate.py): the larger of a prefill
+    block's forward transients (rows_per_block x P tokens; `prefill_tokens` 0 runs every row at once;
+    with a shared prefill only one row per prompt runs)
+    and a decode position's logits [rows, Vp/tp] (compute dtype) with one fp32 [rows, Vp/tp] sampler
+    temporary, plus one layer's K (or V) copy when compaction drops finished rows."""
+    P = max(batch.seq_len - batch.response_len, 1)
+    prompts = -(-batch.rollout_rows // max(batch.rows_per_prompt, 1))  # rows the prefill runs
+    per = prompts if batch.prefill_tokens <= 0 else max(1, batch.prefill_tokens // P)
+    prefill = forward_transient(cfg, tp, min(per, prompts) * P, act_bytes)
+    vp_local = cfg.padded_vocab_size(tp) // tp
+    decode = batch.rollout_rows * vp_local * (act_bytes + 4) + kv_cache // (2 * cfg.n_layers)
+    return max(prefill, decode)
+
+
 def projected_peak_bytes(cfg, world_size: int, device: str = "cuda") -> dict:
     """The projected peak per rank of one RL step for an RLConfig-shaped `cfg` (sections model,
     parallel, rollout, algo, reference; duck-typed, so core does not import rl) on `world_size`
@@ -172,7 +193,8 @@ def projected_peak_bytes(cfg, world_size: int, device: str = "cuda") -> dict:
     per_mb = -(-rows // algo.mini_batches)
     update_rows = min(per_mb, algo.micro_batch_size) if algo.micro_batch_size else per_mb
     seq = cfg.model.max_seq_len
-    batch = Batch(rows, update_rows, seq, ro.max_new_tokens, algo.kl_chunk_size)
+    batch = Batch(rows, update_rows, seq, ro.max_new_tokens, algo.kl_chunk_size,
+                  getattr(ro, "prefill_tokens", 16384), ro.group_size if getattr(ro, "share_prefill", False) else 1)
     placement = "cpu_offload" if cfg.reference.cpu_offload else ("tp_fsdp" if (par.fsdp and dp > 1) else "tp")
     out = step_budget(cfg.model, lay, batch, placement, "fused")
     return {**out, "layout": lay, "batch": batch, "placement": placement, "device": device}

@@ -38,6 +38,27 @@ def test_budget_adds_up_to_the_measured_peak(shape):
     assert abs(got - ref["peak_total"]) <= 0.15 * ref["peak_total"], (shape, got, ref)
 
 
+@pytest.mark.parametrize("shape", sorted(SHAPES))
+def test_rollout_budget_matches_the_allocator_peak(shape):
+    """The rollout phase (MemTracker refuses generation's repeated module calls): what one rollout
+    allocates above the resident weights, read from the CPU allocator's events, against the budget's
+    KV cache + rollout work (prefill of one row per prompt with the shared prefill, or a decode
+    position's logits and sampler temporary) within 15%."""
+    from bench.bench_budget import rollout_memory
+
+    spec = SHAPES[shape]
+    tr = bench.build_trainer(spec, "grpo")
+    tr.step(0)
+    ro = rollout_memory(tr, 1)
+    rcfg = tr.cfg.rollout
+    batch = Batch(rollout_rows=ro["rows"], update_rows=ro["rows"], seq_len=ro["seq_len"],
+                  response_len=ro["seq_len"] - ro["prompt_len"], prefill_tokens=rcfg.prefill_tokens,
+                  rows_per_prompt=rcfg.group_size if rcfg.share_prefill else 1)
+    parts = step_budget(spec.model, Layout(), batch, placement="tp", kl_method="fused")["parts"]
+    want = parts["rollout KV cache"] + parts["rollout work"]
+    assert abs(want - ro["peak_above_start"]) <= 0.15 * ro["peak_above_start"], (shape, want, ro, parts)
+
+
 def test_param_counts_match_the_built_model():
     from core.model import build_model
 
