@@ -1,4 +1,4 @@
-"""The fused heads' default chunk ("auto": chunk x Vp/tp <= 2^25 elements, in [64, T]) and the
+"""The fused heads' default chunk ("auto": chunk x Vp/tp <= 2^25 elements and chunk <= H/16, in [64, T]) and the
 loss-inside head's backward, which hands its saved gradients over without a second weight-sized
 tensor and refuses a second backward."""
 
@@ -11,19 +11,35 @@ from parallel.fused import fused_head
 from parallel.fused_loss import fused_head_loss
 
 
-@pytest.mark.parametrize("T, width, want", [
-    (8192, 128256, 256),  # Llama-3 head, tp 1: 2^25 / 128256 = 261.6 -> 256 (a multiple of 64)
-    (8192, 128256 // 8, 2048),  # tp 8: 2^25 / 16032 = 2093 -> 2048
-    (131072, 152064, 192),  # Qwen2.5: 2^25 / 152064 = 220.7 -> 192
-    (8192, 2**24, 64),  # a huge shard: 2 tokens by the budget, clamped up to 64
-    (100, 1000, 100),  # 33554 tokens by the budget, clamped down to T
-    (0, 1000, 1),
+@pytest.mark.parametrize("T, width, H, want", [
+    (8192, 128256, 4096, 256),  # Llama-3-8B head, tp 1: min(2^25 / 128256 = 261.6, 4096 / 16 = 256) -> 256
+    (8192, 128256 // 8, 4096, 256),  # tp 8: min(2^25 / 16032 = 2093, 256) -> 256 (2048 by the element bound alone)
+    (8192, 128256 // 8, 8192, 512),  # Llama-3-70B, tp 8: min(2093, 512) -> 512
+    (131072, 152064, 3584, 192),  # Qwen2.5-7B, tp 1: min(220.7, 224) -> 192 (a multiple of 64)
+    (131072, 152064 // 8, 3584, 192),  # tp 8: min(1765, 224) -> 192
+    (2048, 32000, 1024, 64),  # the CPU bar shape: min(1048, 64) -> 64
+    (8192, 2**24, 4096, 64),  # a huge shard: 2 tokens by the element bound, clamped up to 64
+    (8192, 1000, 16, 64),  # a tiny hidden size: 1 token by H / 16, clamped up to 64
+    (100, 1000, 4096, 100),  # 256 tokens by both bounds, clamped down to T
+    (0, 1000, 4096, 1),
 ])
-def test_auto_chunk_rule(T, width, want):
-    assert vocab_stats.auto_chunk_size(T, width) == want
-    assert vocab_stats.resolve_chunk_size(None, T, width) == want
-    assert vocab_stats.resolve_chunk_size("auto", T, width) == want
-    assert vocab_stats.resolve_chunk_size(7, T, width) == 7
+def test_auto_chunk_rule(T, width, H, want):
+    assert vocab_stats.auto_chunk_size(T, width, H) == want
+    assert vocab_stats.resolve_chunk_size(None, T, width, H) == want
+    assert vocab_stats.resolve_chunk_size("auto", T, width, H) == want
+    assert vocab_stats.resolve_chunk_size(7, T, width, H) == 7
+
+
+@pytest.mark.parametrize("width, H", [(128256, 4096), (128256 // 8, 4096), (152064 // 4, 3584), (16032, 8192),
+                                      (32000, 1024), (1000, 640)])
+def test_auto_chunk_temporary_is_a_fraction_of_the_head(width, H):
+    """Whenever the chunk is not clamped up to 64, one [chunk, Vp/tp] fp32 temporary is at most 128 MiB
+    and at most 1/8 of the head's bf16 weight gradient [Vp/tp, H] (counted here in bytes)."""
+    c = vocab_stats.auto_chunk_size(10**6, width, H)
+    assert c % 64 == 0
+    if c > 64:
+        assert c * width * 4 <= 128 * 2**20
+        assert c * width * 4 <= width * H * 2 / 8
 
 
 @pytest.mark.parametrize("bad", [0, -3, "big", 2.5, True])
@@ -61,10 +77,9 @@ def _fused_grads(chunk, loss_inside):
 
 @pytest.mark.parametrize("loss_inside", [False, True])
 def test_auto_chunk_equals_the_explicit_chunk(monkeypatch, loss_inside):
-    """With a budget of 64 x 1000 elements the default chunk of a [200, 1000] head is 64 (4 chunks,
-    the last one short); the results are bitwise those of chunk_size=64, and within float64
-    rounding of one chunk of all 200 tokens."""
-    monkeypatch.setattr(vocab_stats, "AUTO_CHUNK_ELEMENTS", 64 * 1000 + 999)
+    """The default chunk of 200 tokens on a [1000, 16] head is 64 (H / 16 = 1 token, clamped up to
+    64: 4 chunks, the last one short); the results are bitwise those of chunk_size=64, and within
+    float64 rounding of one chunk of all 200 tokens."""
     calls = []
     real = vocab_stats.chunks
     monkeypatch.setattr("parallel.fused.chunks" if not loss_inside else "parallel.fused_loss.chunks",
