@@ -114,37 +114,40 @@ def check_targets(targets: torch.Tensor, shape, vocab: int, ignore_index: int | 
 
 
 AUTO_CHUNK_ELEMENTS = 2**25  # chunk x Vp/tp elements of one [chunk, Vp/tp] fp32 temporary: 128 MiB
-AUTO_CHUNK_PER_HIDDEN = 16  # chunk <= H / 16 tokens: a temporary <= 1/8 of the bf16 weight-gradient shard
+AUTO_CHUNK_HEAD_FRACTION = 8  # one [chunk, Vp/tp] fp32 temporary <= 1/8 of the head's weight-gradient shard
 AUTO_CHUNK_MIN = 64  # tokens: below this the head's matmuls get thin
 
 
-def auto_chunk_size(tokens: int, width: int, hidden: int) -> int:
-    """The fused heads' default tokens per chunk for [T, width] logits (width = Vp/tp, this rank's
-    vocabulary shard) from a head [width, hidden]: the largest multiple of 64 with both
+def auto_chunk_size(tokens: int, width: int, hidden: int, itemsize: int) -> int:
+    """The fused heads' default tokens per chunk for a head [width, hidden] (width = Vp/tp, this
+    rank's vocabulary shard; weights of `itemsize` bytes): the largest multiple of 64 with both
 
       chunk x width <= AUTO_CHUNK_ELEMENTS (2^25): each [chunk, Vp/tp] fp32 temporary <= 128 MiB;
-      chunk <= hidden / AUTO_CHUNK_PER_HIDDEN (16): each such temporary (chunk x width x 4 bytes)
-          <= 1/8 of the weight-gradient shard [width, hidden] in bf16 (1/16 in fp32), at any tp;
+      chunk x width x 4 <= width x hidden x itemsize / AUTO_CHUNK_HEAD_FRACTION (8), i.e.
+          chunk <= hidden x itemsize / 32 (H/16 for bf16 weights, H/8 for fp32): each such
+          temporary <= 1/8 of the head's weight-gradient shard, whatever tp;
 
     at least AUTO_CHUNK_MIN (64), at most T. The second bound keeps the chunk's temporaries a fixed
-    fraction of the head's own memory when tp shrinks the shard: the exact KL holds one [chunk,
-    Vp/tp] temporary more than a sampled-token estimator (the reference's logits), so with the
-    first bound alone that extra 128 MiB stayed while the gradient shard shrank (exact / k3 with the
-    loss inside: 1.27x at Llama-3-8B, T = 8k, tp 8; now 1.07x). Chunks it gives:
-      Llama-3-8B  (H 4096, Vp 128256): tp 1: min(261, 256) -> 256; tp 8: min(2093, 256) -> 256
-      Qwen2.5-7B  (H 3584, Vp 152064): tp 1: min(220, 224) -> 192; tp 8: min(1765, 224) -> 192
-      Llama-3-70B (H 8192, Vp 128256): tp 1: min(261, 512) -> 256; tp 8: min(2093, 512) -> 512
-      the CPU bar shape (H 1024, V 32000, tp 1): min(1048, 64) -> 64 (was 1024)."""
-    c = min(AUTO_CHUNK_ELEMENTS // max(int(width), 1), int(hidden) // AUTO_CHUNK_PER_HIDDEN)
-    c = c // AUTO_CHUNK_MIN * AUTO_CHUNK_MIN
+    fraction of the head's own memory when tp shrinks the shard. The exact KL holds one [chunk,
+    Vp/tp] temporary more than a sampled-token estimator (the reference's logits); with the first
+    bound alone that extra 128 MiB stayed while the gradient shard shrank (exact / k3 with the loss
+    inside, projected at Llama-3-8B bf16, T = 8k: 1.09x at tp 1 but 1.27x at tp 8; both bounds:
+    1.09x and 1.07x). Chunks it gives (min of the two bounds, rounded down to a multiple of 64):
+      Llama-3-8B  bf16 (H 4096, Vp 128256): tp 1: min(261, 256) -> 256; tp 8: min(2093, 256) -> 256
+      Qwen2.5-7B  bf16 (H 3584, Vp 152064): tp 1: min(220, 224) -> 192; tp 8: min(1765, 224) -> 192
+      Llama-3-70B bf16 (H 8192, Vp 128256): tp 1: min(261, 512) -> 256; tp 8: min(2093, 512) -> 512
+      the CPU bar shape, fp32 (H 1024, V 32000, tp 1): min(1048, 128) -> 128 (1024 by the first alone)."""
+    by_head = int(hidden) * int(itemsize) // (4 * AUTO_CHUNK_HEAD_FRACTION)
+    c = min(AUTO_CHUNK_ELEMENTS // max(int(width), 1), by_head) // AUTO_CHUNK_MIN * AUTO_CHUNK_MIN
     return max(1, min(max(c, AUTO_CHUNK_MIN), int(tokens)))
 
 
-def resolve_chunk_size(chunk_size, tokens: int, width: int, hidden: int) -> int:
-    """A fused head's chunk: `chunk_size` None or "auto" -> auto_chunk_size(tokens, width, hidden) for
-    a head [width = Vp/tp, hidden]; a positive int as given. One clear error otherwise."""
+def resolve_chunk_size(chunk_size, tokens: int, width: int, hidden: int, itemsize: int) -> int:
+    """A fused head's chunk: `chunk_size` None or "auto" -> auto_chunk_size(tokens, width, hidden,
+    itemsize) for a head [width = Vp/tp, hidden] of `itemsize`-byte weights; a positive int as given.
+    One clear error otherwise."""
     if chunk_size is None or chunk_size == "auto":
-        return auto_chunk_size(tokens, width, hidden)
+        return auto_chunk_size(tokens, width, hidden, itemsize)
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size <= 0:
         raise ValueError(f"chunk_size must be a positive int, None or 'auto', got {chunk_size!r}")
     return chunk_size

@@ -76,12 +76,12 @@ def _mean(t):
 def measure(name, pass_, T, H, V, dtype, chunk, group=None, seed=0, device="cpu", warmup=1, repeats=3,
             fake=False) -> dict:
     """One measured row for `name` at this shape on this rank (see the module docstring). `chunk`:
-    tokens per chunk, or None / "auto" (parallel/vocab_stats.py's auto_chunk_size for T, this rank's
-    Vp/tp and H, what the fused heads pick by default); the row reports the chunk used."""
+    tokens per chunk, or None / "auto" (parallel/vocab_stats.py's auto_chunk_size for T and this
+    rank's head [Vp/tp, H] in `dtype`, what the fused heads pick by default); the row reports the chunk used."""
     tp, rank = comm.group_size(group), comm.group_rank(group)
     backward = pass_ == "forward+backward"
     x = Inputs(T, H, V, tp, rank, DTYPES[dtype], seed, backward, device, fake)
-    chunk = resolve_chunk_size(chunk, T, x.Vp // tp, H)
+    chunk = resolve_chunk_size(chunk, T, x.Vp // tp, H, x.w.element_size())
     for _ in range(warmup):
         _run(name, x, group, chunk, backward)
     peak, outs, counter = _tracked_peak(name, x, group, chunk, backward, device, fake)
