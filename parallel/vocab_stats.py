@@ -113,32 +113,39 @@ def check_targets(targets: torch.Tensor, shape, vocab: int, ignore_index: int | 
     return t
 
 
-AUTO_CHUNK_ELEMENTS = 2**25  # chunk x Vp/tp elements of one [chunk, Vp/tp] fp32 temporary: 128 MiB
-AUTO_CHUNK_HEAD_FRACTION = 8  # one [chunk, Vp/tp] fp32 temporary <= 1/8 of the head's weight-gradient shard
+AUTO_CHUNK_ELEMENTS = 2**25  # one [chunk, Vp/tp] fp32 temporary: at most 128 MiB
+AUTO_CHUNK_HEAD_FRACTION = 8  # ... and at most 1/8 of the head's weight-gradient shard [Vp/tp, H]
+AUTO_CHUNK_SMALL_ELEMENTS = 2**21  # ... unless that is under 8 MiB: small heads are not cut finer
 AUTO_CHUNK_MIN = 64  # tokens: below this the head's matmuls get thin
 
 
 def auto_chunk_size(tokens: int, width: int, hidden: int, itemsize: int) -> int:
     """The fused heads' default tokens per chunk for a head [width, hidden] (width = Vp/tp, this
-    rank's vocabulary shard; weights of `itemsize` bytes): the largest multiple of 64 with both
+    rank's vocabulary shard; weights of `itemsize` bytes). Each [chunk, Vp/tp] fp32 temporary gets
 
-      chunk x width <= AUTO_CHUNK_ELEMENTS (2^25): each [chunk, Vp/tp] fp32 temporary <= 128 MiB;
-      chunk x width x 4 <= width x hidden x itemsize / AUTO_CHUNK_HEAD_FRACTION (8), i.e.
-          chunk <= hidden x itemsize / 32 (H/16 for bf16 weights, H/8 for fp32): each such
-          temporary <= 1/8 of the head's weight-gradient shard, whatever tp;
+      E = min(2^25, max(2^21, width x hidden x itemsize / 32)) elements,
 
-    at least AUTO_CHUNK_MIN (64), at most T. The second bound keeps the chunk's temporaries a fixed
-    fraction of the head's own memory when tp shrinks the shard. The exact KL holds one [chunk,
-    Vp/tp] temporary more than a sampled-token estimator (the reference's logits); with the first
-    bound alone that extra 128 MiB stayed while the gradient shard shrank (exact / k3 with the loss
-    inside, projected at Llama-3-8B bf16, T = 8k: 1.09x at tp 1 but 1.27x at tp 8; both bounds:
-    1.09x and 1.07x). Chunks it gives (min of the two bounds, rounded down to a multiple of 64):
-      Llama-3-8B  bf16 (H 4096, Vp 128256): tp 1: min(261, 256) -> 256; tp 8: min(2093, 256) -> 256
-      Qwen2.5-7B  bf16 (H 3584, Vp 152064): tp 1: min(220, 224) -> 192; tp 8: min(1765, 224) -> 192
-      Llama-3-70B bf16 (H 8192, Vp 128256): tp 1: min(261, 512) -> 256; tp 8: min(2093, 512) -> 512
-      the CPU bar shape, fp32 (H 1024, V 32000, tp 1): min(1048, 128) -> 128 (1024 by the first alone)."""
-    by_head = int(hidden) * int(itemsize) // (4 * AUTO_CHUNK_HEAD_FRACTION)
-    c = min(AUTO_CHUNK_ELEMENTS // max(int(width), 1), by_head) // AUTO_CHUNK_MIN * AUTO_CHUNK_MIN
+    i.e. at most 128 MiB and at most 1/8 of the weight-gradient shard (width x hidden x itemsize
+    bytes; the 1/8 is AUTO_CHUNK_HEAD_FRACTION), but never less than 8 MiB; the chunk is E / width
+    rounded down to a multiple of 64, at least AUTO_CHUNK_MIN (64), at most T. Where the middle term
+    decides, chunk = hidden x itemsize / 32: H/16 tokens for bf16 weights, H/8 for fp32, whatever tp.
+
+    Why the head bound: the exact KL holds one [chunk, Vp/tp] temporary more than a sampled-token
+    estimator (the reference's logits). With the 128 MiB bound alone the chunk grew as tp shrank the
+    shard, that extra 128 MiB stayed while the gradient shard shrank, and exact / k3 with the loss
+    inside (projected, Llama-3-8B bf16, T = 8k) went from 1.09x at tp 1 to 1.27x at tp 8; with it:
+    1.09x and 1.07x. The 8 MiB floor keeps small heads (a few MiB of temporaries whatever the
+    chunk) from being cut into many thin chunks. Chunks it gives:
+      Llama-3-8B  bf16 (H 4096, Vp 128256): tp 1: 2^25 / 128256 = 261 -> 256; tp 8: H / 16 = 256
+          (2^25 / 16032 = 2093 -> 2048 by the 128 MiB bound alone)
+      Qwen2.5-7B  bf16 (H 3584, Vp 152064): tp 1: 220 -> 192; tp 8: 224 -> 192
+      Llama-3-70B bf16 (H 8192, Vp 128256): tp 1: 261 -> 256; tp 2-8: H / 16 = 512
+      the CPU bar shape, fp32 (H 1024, V 32000, tp 1): H / 8 = 128 (1024 by the 128 MiB bound alone)
+      the tiny test model, fp32 (H 64, V 256): 2^21 / 256 = 8192 tokens, i.e. T."""
+    width = max(int(width), 1)
+    by_head = width * int(hidden) * int(itemsize) // (4 * AUTO_CHUNK_HEAD_FRACTION)
+    elements = min(AUTO_CHUNK_ELEMENTS, max(AUTO_CHUNK_SMALL_ELEMENTS, by_head))
+    c = elements // width // AUTO_CHUNK_MIN * AUTO_CHUNK_MIN
     return max(1, min(max(c, AUTO_CHUNK_MIN), int(tokens)))
 
 
