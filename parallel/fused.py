@@ -203,7 +203,7 @@ class PreparedHead(NamedTuple):
     sh: VocabShard
     spec: StatsSpec
     lead: torch.Size  # hidden's leading dims, the outputs' shape
-    chunk_size: int  # tokens per chunk, resolved ("auto" -> from T and Vp/tp)
+    chunk_size: int  # tokens per chunk, resolved ("auto" -> from T and the head [Vp/tp, H] and its dtype)
 
 
 def _check_ref(hidden, weight_local, ref_hidden, ref_weight_local, kl):
