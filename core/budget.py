@@ -89,13 +89,14 @@ def kl_head_bytes(method: str, tokens: int, cfg: ModelConfig, tp: int, chunk: in
     if method == "vp_materialized":
         return 6 * tokens * vp // tp * 4 + grad_hidden
     if method == "fused":
-        return 6 * head_chunk(chunk, tokens, vp // tp) * vp // tp * 4 + grad_hidden
+        return 6 * head_chunk(chunk, tokens, vp // tp, cfg.hidden_size, act_bytes) * vp // tp * 4 + grad_hidden
     raise ValueError(f"kl method {method!r}: choose from {KL_METHODS}")
 
 
-def head_chunk(chunk: int | None, tokens: int, width: int) -> int:
-    """Tokens per fused-head chunk: `chunk` (None: auto_chunk_size(tokens, width = Vp/tp)), at most tokens."""
-    return min(resolve_chunk_size(chunk, tokens, width), max(tokens, 1))
+def head_chunk(chunk: int | None, tokens: int, width: int, hidden: int, itemsize: int) -> int:
+    """Tokens per fused-head chunk of a head [width = Vp/tp, hidden] with `itemsize`-byte weights: `chunk`
+    (None: auto_chunk_size(tokens, width, hidden, itemsize), the fused heads' rule), at most tokens."""
+    return min(resolve_chunk_size(chunk, tokens, width, hidden, itemsize), max(tokens, 1))
 
 
 def reference_bytes(placement: str, cfg: ModelConfig, lay: Layout, ref_bytes: int) -> tuple[int, float]:
@@ -148,8 +149,10 @@ def step_budget(cfg: ModelConfig, lay: Layout, batch: Batch, placement: str = "t
     # the reference's no-grad pass (experience phase): the copy of its head weight [Vp/tp, H] that
     # rl/logprobs.py's reference_hidden keeps, plus the larger of one layer's forward transients and
     # its log-probs by the fused head: one [chunk, Vp/tp] fp32 logits tensor (statistics in place)
-    ref_head_copy = vp_local * cfg.hidden_size * DTYPE_BYTES[ref_dtype or lay.compute_dtype]
-    ref_logits = head_chunk(batch.kl_chunk, batch.update_rows * batch.response_len, vp_local) * vp_local * 4
+    ref_b = DTYPE_BYTES[ref_dtype or lay.compute_dtype]
+    ref_head_copy = vp_local * cfg.hidden_size * ref_b
+    ref_logits = head_chunk(batch.kl_chunk, batch.update_rows * batch.response_len, vp_local, cfg.hidden_size, ref_b)
+    ref_logits *= vp_local * 4
     ref_fwd = ref + ref_head_copy + max(forward_transient(cfg, lay.tp, batch.update_rows * batch.seq_len, act_b),
                                         ref_logits)
     experience = parts["policy weights"] + parts["AdamW state"] + ref_fwd

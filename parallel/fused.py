@@ -11,12 +11,14 @@ the exact KL to a reference, chunked over tokens, never holding a [T, V] logits 
 | outputs            | [...] each     | replicated                                            |
 
 Forward, per chunk of `chunk_size` tokens (None or "auto", the default: chosen from this rank's
-vocabulary shard by parallel/vocab_stats.py's auto_chunk_size, chunk x Vp/tp <= 2^25 elements,
-clamped to [64, T]; the results do not depend on it): logits = hidden_c @ weight_local.T (no bias), reduced
-to local statistics (parallel/vocab.py's core) and freed; after the last chunk the same two O(T)
-collectives as the unfused functions finish the values. Backward recomputes each chunk's logits,
-forms d/dlogits locally and accumulates grad_hidden and grad_weight; no collective. So the extra
-memory is O(chunk_size * Vp/tp), independent of T.
+head shard [Vp/tp, H] by parallel/vocab_stats.py's auto_chunk_size: each [chunk, Vp/tp] fp32
+temporary <= 128 MiB and <= 1/8 of the weight gradient's bytes (chunk <= H/16 for bf16 weights,
+H/8 fp32) unless that is under 8 MiB, clamped to [64, T]; the results do not depend on it):
+logits = hidden_c @ weight_local.T (no bias), reduced to local statistics (parallel/vocab.py's
+core) and freed; after the last chunk the same two O(T) collectives as the unfused functions finish
+the values. Backward recomputes each chunk's logits, forms d/dlogits locally and accumulates
+grad_hidden and grad_weight; no collective. So the extra memory is O(chunk_size * Vp/tp),
+independent of T.
 
 Tensor parallelism: with tp > 1 each rank's grad_hidden is the partial sum over its vocabulary
 shard. fused_head stays local and does NOT reduce it: the caller passes
@@ -201,7 +203,7 @@ class PreparedHead(NamedTuple):
     sh: VocabShard
     spec: StatsSpec
     lead: torch.Size  # hidden's leading dims, the outputs' shape
-    chunk_size: int  # tokens per chunk, resolved ("auto" -> from T and Vp/tp)
+    chunk_size: int  # tokens per chunk, resolved ("auto" -> from T and the head [Vp/tp, H] and its dtype)
 
 
 def _check_ref(hidden, weight_local, ref_hidden, ref_weight_local, kl):
@@ -231,7 +233,7 @@ def _check_ref(hidden, weight_local, ref_hidden, ref_weight_local, kl):
 def prepare_head(hidden, weight_local, targets, tp_group, vocab_size, ref_hidden, ref_weight_local, temperature,
                  entropy, kl, fp32, who, mask=None, chunk_size=None) -> PreparedHead:
     """Validate the fused head's inputs (one clear error naming the culprit), flatten them and
-    resolve the chunk size (None / "auto": auto_chunk_size(T, Vp/tp)).
+    resolve the chunk size (None / "auto": auto_chunk_size of T and the head [Vp/tp, H] and its dtype).
     Shared by fused_head and parallel/fused_loss.py's fused_head_loss."""
     ref_hidden = _check_ref(hidden, weight_local, ref_hidden, ref_weight_local, kl)
     lead, width = hidden.shape[:-1], weight_local.shape[0]
@@ -247,7 +249,7 @@ def prepare_head(hidden, weight_local, targets, tp_group, vocab_size, ref_hidden
         raise ValueError(f"{who} was asked for nothing: pass targets, entropy=True or kl=...")
     spec = StatsSpec(has_q, t is not None, bool(entropy), kl, outputs)
     flat = hidden.reshape(-1, hidden.shape[-1])
-    chunk = resolve_chunk_size(chunk_size, flat.shape[0], width)
+    chunk = resolve_chunk_size(chunk_size, flat.shape[0], width, weight_local.shape[1], weight_local.element_size())
     return PreparedHead(flat, ref_hidden, t, keep, sh, spec, lead, chunk)
 
 
@@ -259,8 +261,8 @@ def fused_head(hidden, weight_local, targets=None, tp_group=None, *, vocab_size=
     reference logits = ref_hidden @ ref_weight_local.T. Fields not requested are None; ref_logprobs
     is filled when both targets and ref_weight_local are given. `mask` [...] (optional, like
     targets): tokens to drop, exactly (see the module docstring). `chunk_size`: tokens per chunk, an
-    int or None / "auto" (chunk x Vp/tp <= 2^25 elements, in [64, T]; auto_chunk_size). See the
-    module docstring for the copy_to_tp contract at tp > 1."""
+    int or None / "auto" (chunk x Vp/tp <= 2^25 elements and, above 2^21, chunk <= H/16 in bf16,
+    H/8 in fp32; in [64, T]; auto_chunk_size). See the module docstring for the copy_to_tp contract at tp > 1."""
     ph = prepare_head(hidden, weight_local, targets, tp_group, vocab_size, ref_hidden, ref_weight_local,
                       temperature, entropy, kl, fp32, "fused_head", mask, chunk_size)
     outs = _FusedHead.apply(ph.hidden, weight_local, ph.ref_hidden, ref_weight_local, ph.targets, ph.keep, ph.sh,

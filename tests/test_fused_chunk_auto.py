@@ -1,6 +1,6 @@
-"""The fused heads' default chunk ("auto": chunk x Vp/tp <= 2^25 elements, in [64, T]) and the
-loss-inside head's backward, which hands its saved gradients over without a second weight-sized
-tensor and refuses a second backward."""
+"""The fused heads' default chunk ("auto": chunk x Vp/tp <= 2^25 elements and chunk <= H/16 in bf16,
+H/8 in fp32, in [64, T]) and the loss-inside head's backward, which hands its saved gradients over
+without a second weight-sized tensor and refuses a second backward."""
 
 import pytest
 import torch
@@ -11,19 +11,56 @@ from parallel.fused import fused_head
 from parallel.fused_loss import fused_head_loss
 
 
-@pytest.mark.parametrize("T, width, want", [
-    (8192, 128256, 256),  # Llama-3 head, tp 1: 2^25 / 128256 = 261.6 -> 256 (a multiple of 64)
-    (8192, 128256 // 8, 2048),  # tp 8: 2^25 / 16032 = 2093 -> 2048
-    (131072, 152064, 192),  # Qwen2.5: 2^25 / 152064 = 220.7 -> 192
-    (8192, 2**24, 64),  # a huge shard: 2 tokens by the budget, clamped up to 64
-    (100, 1000, 100),  # 33554 tokens by the budget, clamped down to T
-    (0, 1000, 1),
+@pytest.mark.parametrize("T, width, H, itemsize, want", [
+    (8192, 128256, 4096, 2, 256),  # Llama-3-8B bf16, tp 1: min(2^25 / 128256 = 261.6, 4096 * 2 / 32 = 256) -> 256
+    (8192, 128256 // 8, 4096, 2, 256),  # tp 8: min(2^25 / 16032 = 2093, 256) (2048 by the element bound alone)
+    (8192, 128256 // 8, 4096, 4, 512),  # the same head in fp32: min(2093, 4096 * 4 / 32 = 512)
+    (8192, 128256 // 8, 8192, 2, 512),  # Llama-3-70B bf16, tp 8: min(2093, 512)
+    (131072, 152064, 3584, 2, 192),  # Qwen2.5-7B bf16, tp 1: min(220.7, 224) -> 192 (a multiple of 64)
+    (131072, 152064 // 8, 3584, 2, 192),  # tp 8: min(1765, 224) -> 192
+    (2048, 32000, 1024, 4, 128),  # the CPU bar shape, fp32: min(1048, 128)
+    (2048, 32000, 1024, 2, 64),  # the same in bf16: 7.8 MiB by the head bound, so the 8 MiB floor: 65 -> 64
+    (8192, 2**24, 4096, 2, 64),  # a huge shard: 2 tokens by the element bound, clamped up to 64
+    (8192, 1000, 16, 8, 2048),  # a small float64 head: 4 tokens by the head bound, 2^21 / 1000 = 2097 by the floor
+    (1536, 256, 64, 4, 1536),  # the tiny configs' head (fp32): 2^21 / 256 = 8192 by the floor, clamped to T
+    (100, 1000, 4096, 2, 100),  # 256 tokens by both bounds, clamped down to T
+    (0, 1000, 4096, 2, 1),
 ])
-def test_auto_chunk_rule(T, width, want):
-    assert vocab_stats.auto_chunk_size(T, width) == want
-    assert vocab_stats.resolve_chunk_size(None, T, width) == want
-    assert vocab_stats.resolve_chunk_size("auto", T, width) == want
-    assert vocab_stats.resolve_chunk_size(7, T, width) == 7
+def test_auto_chunk_rule(T, width, H, itemsize, want):
+    assert vocab_stats.auto_chunk_size(T, width, H, itemsize) == want
+    assert vocab_stats.resolve_chunk_size(None, T, width, H, itemsize) == want
+    assert vocab_stats.resolve_chunk_size("auto", T, width, H, itemsize) == want
+    assert vocab_stats.resolve_chunk_size(7, T, width, H, itemsize) == 7
+
+
+@pytest.mark.parametrize("width, H", [(128256, 4096), (128256 // 8, 4096), (152064 // 4, 3584), (16032, 8192),
+                                      (32000, 1024), (1000, 640), (4000, 2**16), (256, 64)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_auto_chunk_temporary_is_a_fraction_of_the_head(width, H, dtype):
+    """Unless clamped up to 64 tokens, one [chunk, Vp/tp] fp32 temporary is at most 128 MiB and at
+    most 1/8 of the head's weight gradient [Vp/tp, H] in the weights' dtype (in bytes), or 8 MiB if
+    that is more; and the chunk is the largest multiple of 64 that is so."""
+    es = torch.empty((), dtype=dtype, device="cpu").element_size()
+    c = vocab_stats.auto_chunk_size(10**6, width, H, es)
+    limit = min(128 * 2**20, max(width * H * es / 8, 8 * 2**20))  # bytes
+    assert c % 64 == 0
+    if c > 64:
+        assert c * width * 4 <= limit < (c + 64) * width * 4
+
+
+def test_auto_chunk_of_the_heads_follows_the_weights_shape_and_dtype(monkeypatch):
+    """The fused heads resolve "auto" from weight_local's [Vp/tp, H] and dtype: 1000 tokens on a
+    [1000, 2048] head (the 8 MiB floor off, so small a head is cut like a large one) are chunks of
+    128 in bf16 (2048 * 2 / 32) and 256 in fp32."""
+    monkeypatch.setattr(vocab_stats, "AUTO_CHUNK_SMALL_ELEMENTS", 0)
+    calls = []
+    real = vocab_stats.chunks
+    monkeypatch.setattr("parallel.fused.chunks", lambda n, c: calls.append(c) or real(n, c))
+    for dtype, want in ((torch.bfloat16, 128), (torch.float32, 256)):
+        calls.clear()
+        h, w = torch.randn(1000, 2048, dtype=dtype), torch.randn(1000, 2048, dtype=dtype)
+        fused_head(h, w, torch.zeros(1000, dtype=torch.long), entropy=False)
+        assert set(calls) == {want}, (dtype, calls)
 
 
 @pytest.mark.parametrize("bad", [0, -3, "big", 2.5, True])
@@ -61,10 +98,10 @@ def _fused_grads(chunk, loss_inside):
 
 @pytest.mark.parametrize("loss_inside", [False, True])
 def test_auto_chunk_equals_the_explicit_chunk(monkeypatch, loss_inside):
-    """With a budget of 64 x 1000 elements the default chunk of a [200, 1000] head is 64 (4 chunks,
-    the last one short); the results are bitwise those of chunk_size=64, and within float64
-    rounding of one chunk of all 200 tokens."""
-    monkeypatch.setattr(vocab_stats, "AUTO_CHUNK_ELEMENTS", 64 * 1000 + 999)
+    """With the 8 MiB floor off, the default chunk of 200 tokens on a [1000, 16] float64 head is 64
+    (16 * 8 / 32 = 4 tokens, clamped up to 64: 4 chunks, the last one short); the results are
+    bitwise those of chunk_size=64, and within float64 rounding of one chunk of all 200 tokens."""
+    monkeypatch.setattr(vocab_stats, "AUTO_CHUNK_SMALL_ELEMENTS", 0)
     calls = []
     real = vocab_stats.chunks
     monkeypatch.setattr("parallel.fused.chunks" if not loss_inside else "parallel.fused_loss.chunks",

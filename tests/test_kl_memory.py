@@ -162,11 +162,28 @@ def test_default_chunk_is_auto_and_meets_the_10x_target_at_llama_scale(tmp_path)
                            str(tmp_path / "p.json"), "--methods", "gather,fused_exact,fused_exact_loss"])
     by = {r["name"]: r for r in rows}
     Vp = ModelConfig(vocab_size=128256).padded_vocab_size(1)
-    assert by["fused_exact"]["chunk_size"] == 256 == (2**25 // Vp) // 64 * 64
+    assert by["fused_exact"]["chunk_size"] == 256 == min(2**25 // Vp, 4096 * 2 // 32) // 64 * 64  # bf16 head
     assert by["gather"]["peak_bytes"] >= 10 * by["fused_exact"]["peak_bytes"]
     assert by["gather"]["peak_bytes"] >= 10 * by["fused_exact_loss"]["peak_bytes"]
     # the head's weight gradient (bf16 [Vp, H]), grad hidden (bf16 [T, H]) and at most 7 [256, Vp] fp32
     assert by["fused_exact"]["peak_bytes"] <= Vp * 4096 * 2 + 8192 * 4096 * 2 + 7 * 256 * Vp * 4
+
+
+@pytest.mark.parametrize("tp", [2, 8])
+def test_exact_kl_within_1p1x_the_memory_of_k3_at_llama_scale_tp(tp):
+    """Issue 13's target at tp > 1: projected at T=8192, H=4096, V=128256 bf16 (Llama-3-8B's head),
+    forward+backward at the default chunk, the fused exact KL with the loss inside peaks at most
+    1.1x the fused sampled-k3 path with the loss inside. The exact path holds one [chunk, Vp/tp]
+    fp32 temporary more (the reference's logits); with the chunk bounded by elements only (2048
+    tokens at tp 8) that 128 MiB stayed while the head's gradient (in both peaks) shrank with tp:
+    1.15x at tp 2, 1.27x at tp 8 (this test fails so with the second bound of auto_chunk_size removed)."""
+    T, H, V = 8192, 4096, 128256
+    exact = project("fused_exact_loss", "forward+backward", T, H, V, tp, "bf16", None)
+    k3 = project("fused_k3_loss", "forward+backward", T, H, V, tp, "bf16", None)
+    width = ModelConfig(vocab_size=V).padded_vocab_size(tp) // tp
+    assert k3["peak_bytes"] >= width * H * 2  # the weight gradient is inside the k3 path's peak
+    assert exact["chunk_size"] == k3["chunk_size"]
+    assert exact["peak_bytes"] <= 1.1 * k3["peak_bytes"], (exact["peak_bytes"], k3["peak_bytes"], exact["chunk_size"])
 
 
 def test_sweep_parsing():

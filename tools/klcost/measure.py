@@ -104,14 +104,14 @@ def measure(name, pass_, T, H, V, dtype, chunk, group=None, seed=0, device="cpu"
             fake=False, cpu_peak="memtracker") -> dict:
     """One measured row for `name` at this shape on this rank (see the module docstring). `chunk`:
     tokens per chunk, or None / "auto" (parallel/vocab_stats.py's auto_chunk_size for T and this
-    rank's Vp/tp, what the fused heads pick by default); the row reports the chunk used.
+    rank's head [Vp/tp, H] in `dtype`, what the fused heads pick by default); the row reports the chunk used.
     `cpu_peak`: "memtracker" or "profiler", how a CPU peak is read (cce_k3 always by the profiler)."""
     if cpu_peak not in CPU_PEAKS:
         raise ValueError(f"cpu_peak must be one of {CPU_PEAKS}, got {cpu_peak!r}")
     tp, rank = comm.group_size(group), comm.group_rank(group)
     backward = pass_ == "forward+backward"
     x = Inputs(T, H, V, tp, rank, DTYPES[dtype], seed, backward, device, fake)
-    chunk = resolve_chunk_size(chunk, T, x.Vp // tp)
+    chunk = resolve_chunk_size(chunk, T, x.Vp // tp, H, x.w.element_size())
     if name in COMPILED and not fake:
         warmup = max(warmup, 1)  # the compile belongs to neither the peak nor the timed repeats
     first_run = None

@@ -74,7 +74,7 @@ def project(name, pass_, T, H, V, tp, dtype, chunk, seed=0, device="cuda", extra
     tests/test_kl_memory.py checks it equals the direct projection), so 128k tokens cost as much
     as 8 chunks. `extrapolated_from` marks such a row.
     """
-    c = resolve_chunk_size(chunk, T, ModelConfig(vocab_size=V).padded_vocab_size(tp) // tp)
+    c = resolve_chunk_size(chunk, T, ModelConfig(vocab_size=V).padded_vocab_size(tp) // tp, H, DTYPES[dtype].itemsize)
     a, b = EXTRAPOLATE_FROM
     r = T % c  # the last, short chunk: the same in the two runs extrapolated from
     if extrapolate and name in EXTRAPOLATED and T // c > b:
