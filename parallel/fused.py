@@ -13,7 +13,7 @@ the exact KL to a reference, chunked over tokens, never holding a [T, V] logits 
 Forward, per chunk of `chunk_size` tokens (None or "auto", the default: chosen from this rank's
 head shard [Vp/tp, H] by parallel/vocab_stats.py's auto_chunk_size: each [chunk, Vp/tp] fp32
 temporary <= 128 MiB and <= 1/8 of the weight gradient's bytes (chunk <= H/16 for bf16 weights,
-H/8 fp32) unless that is under 8 MiB, clamped to [64, T]; the results do not depend on it):
+H/8 fp32) unless that is under 8 MiB, clamped to [128, T]; the results do not depend on it):
 logits = hidden_c @ weight_local.T (no bias), reduced to local statistics (parallel/vocab.py's
 core) and freed; after the last chunk the same two O(T) collectives as the unfused functions finish
 the values. Backward recomputes each chunk's logits, forms d/dlogits locally and accumulates
@@ -262,7 +262,7 @@ def fused_head(hidden, weight_local, targets=None, tp_group=None, *, vocab_size=
     is filled when both targets and ref_weight_local are given. `mask` [...] (optional, like
     targets): tokens to drop, exactly (see the module docstring). `chunk_size`: tokens per chunk, an
     int or None / "auto" (chunk x Vp/tp <= 2^25 elements and, above 2^21, chunk <= H/16 in bf16,
-    H/8 in fp32; in [64, T]; auto_chunk_size). See the module docstring for the copy_to_tp contract at tp > 1."""
+    H/8 in fp32; in [128, T]; auto_chunk_size). See the module docstring for the copy_to_tp contract at tp > 1."""
     ph = prepare_head(hidden, weight_local, targets, tp_group, vocab_size, ref_hidden, ref_weight_local,
                       temperature, entropy, kl, fp32, "fused_head", mask, chunk_size)
     outs = _FusedHead.apply(ph.hidden, weight_local, ph.ref_hidden, ref_weight_local, ph.targets, ph.keep, ph.sh,

@@ -141,7 +141,7 @@ def fused_head_loss(hidden, weight_local, targets=None, tp_group=None, *, token_
     "reverse" against the frozen reference ref_hidden @ ref_weight_local.T, mask [...] (optional):
     the tokens that exist (a masked token adds exactly nothing to the loss or the gradients).
     `chunk_size`: tokens per chunk, an int or None / "auto" (the default: chunk x Vp/tp <= 2^25
-    elements and, above 2^21, chunk <= H/16 in bf16, H/8 in fp32; in [64, T]; parallel/vocab_stats.py's
+    elements and, above 2^21, chunk <= H/16 in bf16, H/8 in fp32; in [128, T]; parallel/vocab_stats.py's
     auto_chunk_size).
 
     token_loss(logprobs, entropy, kl, tokens) -> [c]: called once per chunk with that chunk's [c]

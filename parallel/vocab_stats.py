@@ -116,13 +116,15 @@ def check_targets(targets: torch.Tensor, shape, vocab: int, ignore_index: int | 
 AUTO_CHUNK_ELEMENTS = 2**25  # one [chunk, Vp/tp] fp32 temporary: at most 128 MiB
 AUTO_CHUNK_HEAD_FRACTION = 8  # ... and at most 1/8 of the head's weight-gradient shard [Vp/tp, H]
 AUTO_CHUNK_SMALL_ELEMENTS = 2**21  # ... unless that is under 8 MiB: small heads are not cut finer
-AUTO_CHUNK_MIN = 64  # tokens: below this the head's matmuls get thin
+AUTO_CHUNK_STEP = 64  # chunks are multiples of this many tokens
+AUTO_CHUNK_MIN = 128  # tokens: below this the head's matmuls get thin (a 58M model's GRPO step, fp32 CPU:
+# chunk 64 took 12.7 s, 128 11.7 s, 256 11.3 s, 1024 11.3 s per step, docs/benchmarks.md)
 
 
 def auto_chunk_size(tokens: int, width: int, hidden: int, itemsize: int) -> int:
     """The fused heads' default tokens per chunk for a head [width, hidden] (width = Vp/tp, this
     rank's vocabulary shard; weights of `itemsize` bytes): E / width rounded down to a multiple of 64,
-    in [AUTO_CHUNK_MIN = 64, T], where one [chunk, Vp/tp] fp32 temporary gets
+    in [AUTO_CHUNK_MIN = 128, T], where one [chunk, Vp/tp] fp32 temporary gets
       E = min(2^25, max(2^21, width x hidden x itemsize / 32)) elements:
     at most 128 MiB and at most 1/8 (AUTO_CHUNK_HEAD_FRACTION) of the weight-gradient shard, but not
     under 8 MiB. Where the middle term decides, chunk = hidden x itemsize / 32 (H/16 tokens for bf16
@@ -134,11 +136,13 @@ def auto_chunk_size(tokens: int, width: int, hidden: int, itemsize: int) -> int:
       Qwen2.5-7B  bf16 (H 3584, Vp 152064): tp 1: 220 -> 192; tp 8: 224 -> 192
       Llama-3-70B bf16 (H 8192, Vp 128256): tp 1: 261 -> 256; tp 2-8: H / 16 = 512
       the CPU bar shape, fp32 (H 1024, V 32000, tp 1): H / 8 = 128 (1024 by the 128 MiB bound alone)
-      the tiny configs' head, fp32 (H 64, V 256): 2^21 / 256 = 8192 tokens, i.e. T."""
+      the tiny configs' head, fp32 (H 64, V 256): 2^21 / 256 = 8192 tokens, i.e. T
+      small heads where E / width < 128: 128 (a 58M model, H 512 fp32, V 32000: 64 -> 128; Qwen2.5-0.5B
+      bf16: 56 -> 128), where a thinner matmul costs more time than the temporary saves memory."""
     width = max(int(width), 1)
     by_head = width * int(hidden) * int(itemsize) // (4 * AUTO_CHUNK_HEAD_FRACTION)
     elements = min(AUTO_CHUNK_ELEMENTS, max(AUTO_CHUNK_SMALL_ELEMENTS, by_head))
-    c = elements // width // AUTO_CHUNK_MIN * AUTO_CHUNK_MIN
+    c = elements // width // AUTO_CHUNK_STEP * AUTO_CHUNK_STEP
     return max(1, min(max(c, AUTO_CHUNK_MIN), int(tokens)))
 
 

@@ -75,7 +75,7 @@ class AlgoConfig:
     whiten_advantages: bool = True  # PPO
     early_stop_kl: float | None = None  # stop the update epochs once approx KL(old||new) exceeds this
     # tokens per chunk of the fused head; null or "auto": chunk x Vp/tp <= 2^25 elements and, above 2^21,
-    # chunk <= H/16 (bf16 head; H/8 fp32), in [64, T] (parallel/vocab_stats.py's auto_chunk_size)
+    # chunk <= H/16 (bf16 head; H/8 fp32), in [128, T] (parallel/vocab_stats.py's auto_chunk_size)
     kl_chunk_size: int | str | None = "auto"
     fused_loss: bool = True  # policy loss inside the fused head, gradient formed in forward (no logits recomputed)
 

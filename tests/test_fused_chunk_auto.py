@@ -1,5 +1,5 @@
 """The fused heads' default chunk ("auto": chunk x Vp/tp <= 2^25 elements and chunk <= H/16 in bf16,
-H/8 in fp32, in [64, T]) and the loss-inside head's backward, which hands its saved gradients over
+H/8 in fp32, a multiple of 64 in [128, T]) and the loss-inside head's backward, which hands its saved gradients over
 without a second weight-sized tensor and refuses a second backward."""
 
 import pytest
@@ -19,8 +19,10 @@ from parallel.fused_loss import fused_head_loss
     (131072, 152064, 3584, 2, 192),  # Qwen2.5-7B bf16, tp 1: min(220.7, 224) -> 192 (a multiple of 64)
     (131072, 152064 // 8, 3584, 2, 192),  # tp 8: min(1765, 224) -> 192
     (2048, 32000, 1024, 4, 128),  # the CPU bar shape, fp32: min(1048, 128)
-    (2048, 32000, 1024, 2, 64),  # the same in bf16: 7.8 MiB by the head bound, so the 8 MiB floor: 65 -> 64
-    (8192, 2**24, 4096, 2, 64),  # a huge shard: 2 tokens by the element bound, clamped up to 64
+    (2048, 32000, 1024, 2, 128),  # the same in bf16: 7.8 MiB by the head bound, the 8 MiB floor: 64 -> 128 (min)
+    (8192, 32000, 512, 4, 128),  # the 58M bench model, fp32: 64 by the bounds, clamped up to 128
+    (8192, 151936, 896, 2, 128),  # Qwen2.5-0.5B bf16: 56 by the head bound, 13 by the floor -> 128
+    (8192, 2**24, 4096, 2, 128),  # a huge shard: 2 tokens by the element bound, clamped up to 128
     (8192, 1000, 16, 8, 2048),  # a small float64 head: 4 tokens by the head bound, 2^21 / 1000 = 2097 by the floor
     (1536, 256, 64, 4, 1536),  # the tiny configs' head (fp32): 2^21 / 256 = 8192 by the floor, clamped to T
     (100, 1000, 4096, 2, 100),  # 256 tokens by both bounds, clamped down to T
@@ -37,14 +39,14 @@ def test_auto_chunk_rule(T, width, H, itemsize, want):
                                       (32000, 1024), (1000, 640), (4000, 2**16), (256, 64)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_auto_chunk_temporary_is_a_fraction_of_the_head(width, H, dtype):
-    """Unless clamped up to 64 tokens, one [chunk, Vp/tp] fp32 temporary is at most 128 MiB and at
+    """Unless clamped up to 128 tokens, one [chunk, Vp/tp] fp32 temporary is at most 128 MiB and at
     most 1/8 of the head's weight gradient [Vp/tp, H] in the weights' dtype (in bytes), or 8 MiB if
     that is more; and the chunk is the largest multiple of 64 that is so."""
     es = torch.empty((), dtype=dtype, device="cpu").element_size()
     c = vocab_stats.auto_chunk_size(10**6, width, H, es)
     limit = min(128 * 2**20, max(width * H * es / 8, 8 * 2**20))  # bytes
-    assert c % 64 == 0
-    if c > 64:
+    assert c % 64 == 0 and c >= 128
+    if c > 128:
         assert c * width * 4 <= limit < (c + 64) * width * 4
 
 
@@ -98,10 +100,12 @@ def _fused_grads(chunk, loss_inside):
 
 @pytest.mark.parametrize("loss_inside", [False, True])
 def test_auto_chunk_equals_the_explicit_chunk(monkeypatch, loss_inside):
-    """With the 8 MiB floor off, the default chunk of 200 tokens on a [1000, 16] float64 head is 64
-    (16 * 8 / 32 = 4 tokens, clamped up to 64: 4 chunks, the last one short); the results are
-    bitwise those of chunk_size=64, and within float64 rounding of one chunk of all 200 tokens."""
+    """With the 8 MiB floor off and the minimum at 64, the default chunk of 200 tokens on a
+    [1000, 16] float64 head is 64 (16 * 8 / 32 = 4 tokens, clamped up to 64: 4 chunks, the last one
+    short); the results are bitwise those of chunk_size=64, and within float64 rounding of one chunk
+    of all 200 tokens."""
     monkeypatch.setattr(vocab_stats, "AUTO_CHUNK_SMALL_ELEMENTS", 0)
+    monkeypatch.setattr(vocab_stats, "AUTO_CHUNK_MIN", 64)
     calls = []
     real = vocab_stats.chunks
     monkeypatch.setattr("parallel.fused.chunks" if not loss_inside else "parallel.fused_loss.chunks",

@@ -65,7 +65,7 @@ def build_parser():
     ap.add_argument("--chunk-size", type=parse_chunk, default="auto",
                     help="tokens per chunk of the chunked methods, or 'auto' (default: what the fused heads pick, "
                     "chunk x Vp/tp <= 2^25 elements and, above 2^21, chunk <= H/16 in bf16, H/8 in fp32; "
-                    "in [64, T])")
+                    "in [128, T])")
     ap.add_argument("--pass", dest="pass_", choices=["forward", "forward+backward", "both"],
                     default="forward+backward")
     ap.add_argument("--project", action="store_true", help="projected rows (FakeTensorMode), nothing allocated")
