@@ -69,12 +69,12 @@ def test_cli_tp2_rows_comm_and_projection(tmp_path):
     for pr in projected:
         r = by[pr["name"], pr["pass"]]
         assert pr["source"] == "projected" and pr["comm_bytes"] == r["comm_bytes"], (pr["name"], pr["pass"])
-        if pr["name"] == "gather" and pr["pass"] == "forward":
-            # Inside the full suite the measured gather forward at tp=2 has held three more [T, Vp/tp] fp32
-            # buffers (127584 vs 99936 bytes) than alone: the last all_gather's input and two outputs, which
-            # gloo's Work still references on its worker thread for a moment after the call returns (seen in
-            # ~0.2-2% of calls; more under load; docs/kl_cost.md). The bound allows exactly those three; the
-            # other rows keep the 10% bound.
+        if pr["name"] == "gather":
+            # The measured gather rows at tp=2 have, now and then, held three more [T, Vp/tp] fp32 buffers
+            # than the projection (forward 127584 vs 99936 bytes; forward+backward 127680 vs 100032): the
+            # last all_gather's input and two outputs, which gloo's Work still references on its worker
+            # thread for a moment after the call returns (seen in ~0.2-2% of calls; more under load;
+            # docs/kl_cost.md). The bound allows exactly those three; the other rows keep the 10% bound.
             assert r["peak_bytes"] - 3 * T * width * 4 <= pr["peak_bytes"] <= r["peak_bytes"] * 1.10, (pr, r)
             continue
         assert abs(pr["peak_bytes"] - r["peak_bytes"]) <= 0.10 * r["peak_bytes"], (pr, r)
