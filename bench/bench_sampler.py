@@ -39,7 +39,9 @@ MODELS = {
 
 
 def load_old(ref: str, path: str = "core/generate.py", name: str = "old_generate"):
-    """`path` as of git `ref`, imported as a separate module `name` (None when unavailable)."""
+    """`path` as of git `ref`, imported as a separate module `name` (None when unavailable or ref is "none")."""
+    if ref in ("", "none"):
+        return None
     try:
         src = subprocess.run(["git", "show", f"{ref}:{path}"], capture_output=True, text=True, check=True).stdout
     except (subprocess.CalledProcessError, FileNotFoundError) as e:
@@ -179,7 +181,7 @@ def main(argv=None) -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--repeats", type=int, default=5, help="sampler repeats")
     ap.add_argument("--gen-repeats", type=int, default=2, help="generation repeats")
-    ap.add_argument("--old-ref", default="main", help="git ref whose core/generate.py is the 'before'")
+    ap.add_argument("--old-ref", default="main", help="git ref whose core/generate.py is the 'before' ('none': skip)")
     ap.add_argument("--skip-gen", action="store_true")
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where the sampler part runs")
     ap.add_argument("--json", default=None)

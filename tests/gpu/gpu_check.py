@@ -105,7 +105,7 @@ def sections(out: str, cpu: bool, ngpu: int) -> list[dict]:
     bk += ["--tokens", "128", "--vocab", "4096"] if cpu else []
     s.append(dict(name="bf16_kl", cmds=[bk], json=j("bf16_kl"), timeout=60))
     s.append(kl_memory_section(py, j, cpu))
-    sm = [py, "-m", "bench.bench_sampler", "--skip-gen", "--json", j("sampler")]
+    sm = [py, "-m", "bench.bench_sampler", "--skip-gen", "--old-ref", "none", "--json", j("sampler")]
     sm += ["--repeats", "1"] if cpu else ["--device", "cuda", "--repeats", "10"]
     s.append(dict(name="sampler", cmds=[sm], json=j("sampler"), timeout=90))
     # last: compilation time is the least predictable, and the other sections must not wait on it
@@ -124,7 +124,8 @@ def kl_memory_section(py: str, j, cpu: bool) -> dict:
         ["--tokens", "8192", "--hidden", "4096", "--vocab", "128256", "--dtype", "bf16"]
     base = [py, "-m", "tools.kl_memory", *shape, "--methods", KL_METHODS]
     dev = ["--device", "cpu" if cpu else "cuda"]
-    cmds = [base + dev + ["--warmup", "1", "--repeats", "3", "--json", j("kl_measured")],
+    reps = ["--warmup", "0", "--repeats", "1"] if cpu else ["--warmup", "1", "--repeats", "3"]
+    cmds = [base + dev + reps + ["--json", j("kl_measured")],
             base + dev + ["--project", "--json", j("kl_projected")]]
     return dict(name="kl_memory", cmds=cmds, json=None, timeout=150,
                 summary=lambda: kl_memory_summary(j("kl_measured"), j("kl_projected")))
