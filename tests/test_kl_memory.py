@@ -169,6 +169,7 @@ def test_default_chunk_is_auto_and_meets_the_10x_target_at_llama_scale(tmp_path)
     assert by["fused_exact"]["peak_bytes"] <= Vp * 4096 * 2 + 8192 * 4096 * 2 + 7 * 256 * Vp * 4
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tp", [2, 8])
 def test_exact_kl_within_1p1x_the_memory_of_k3_at_llama_scale_tp(tp):
     """Issue 13's target at tp > 1: projected at T=8192, H=4096, V=128256 bf16 (Llama-3-8B's head),

@@ -82,6 +82,7 @@ def _dp_blocked_prefill():
     return calls[0], torch.equal(out.sequences, alone)
 
 
+@pytest.mark.slow
 def test_dp_ranks_run_the_same_number_of_prefill_forwards(dist_pools):
     res = dist_pools.run(2, _dp_blocked_prefill, timeout=120)
     assert res[0][0] == res[1][0] == 6 + 2  # 6 prefill forwards (rank 1: 1 + 5 fillers), 2 decode steps
