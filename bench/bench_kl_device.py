@@ -8,10 +8,12 @@ the policy head (hidden [T, H] @ weight [V, H].T) and a frozen reference head (i
 weight), then backpropagate sum(KL) + sum(log p) into the policy hidden and weight:
   gather  the usual way: full logits [T, V] in the weights' dtype, fp32 log_softmax of each, KL
   fused   parallel/fused.py's fused_head (chunks of --chunk-size tokens, fp32 logits, no [T, V])
-Reported per method: peak_bytes (the allocator's peak above the inputs on CUDA; the RSS high-water
-mark above the start on CPU), time_s (mean of --repeats runs after one warm-up, synchronised), and
-"oom" when the method ran out of memory. (tools.kl_memory does the CPU study with a tensor tracker
-and more methods; it has no device flag.)
+Reported per method: peak_bytes (the allocator's peak above the inputs on CUDA; on CPU the CPU
+allocator's peak from its events in one more, untimed run, tools/klcost/cpu_peak.py: the RSS
+high-water mark read 0 for the fused head, whose memory the gather's freed pages served), time_s
+(mean of --repeats runs after one warm-up, synchronised), and
+"oom" when the method ran out of memory. (tools.kl_memory does the full study, more methods and
+projections, on CPU or `--device cuda`.)
 """
 
 from __future__ import annotations
@@ -78,6 +80,16 @@ def run_one(name, T, H, V, dtype, device, chunk, repeats) -> dict:
                 times.append(time.perf_counter() - t0)
                 peak = max(peak, phase_peak_end(device)[0] - base)
             del kl, lp
+        if device.type == "cpu":
+            from tools.klcost.cpu_peak import profiled_peak
+
+            h.grad = w.grad = None
+
+            def once():
+                kl, lp = fn(h, w, rh, rw, t, chunk)
+                (kl.sum() + lp.sum()).backward()
+
+            peak = profiled_peak(once)[0]
     except torch.OutOfMemoryError:
         return {"method": name, "status": "oom"}
     return {"method": name, "status": "ok", "peak_bytes": int(peak), "time_s": sum(times) / len(times)}

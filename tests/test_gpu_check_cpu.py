@@ -34,6 +34,7 @@ def test_gpu_check_cpu_version(tmp_path):
         assert all(r[g][f"time_{k}_s"] > 0 for k in ("rollout", "ref_logprobs", "old_logprobs", "update"))
         assert r[g]["step_time_s"] >= r[g]["time_rollout_s"]
     assert {m["method"] for m in r["kl_head"]["methods"]} == {"gather", "fused"}
+    assert 0 < r["kl_head"]["fused_over_gather_memory"] < 1  # CPU: the allocator's events (RSS read 0)
     assert r["bf16_kl"]["fused"]["max_abs_err"] < r["bf16_kl"]["bf16_logits"]["max_abs_err"]
     km = r["kl_memory"]  # measured (MemTracker on CPU) against the meta-tensor projection, per method
     assert set(km["methods"]) == {"matmul_floor", "gather", "fused_exact_loss", "fused_k3_loss"}
