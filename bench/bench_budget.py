@@ -20,7 +20,7 @@ import argparse
 import json
 import os
 
-from core.budget import KL_METHODS, PLACEMENTS, Batch, Layout, step_budget
+from core.budget import KL_METHODS, PLACEMENTS, Batch, Layout, rollout_fields, step_budget
 from core.config import ModelConfig
 
 QWEN05B = ModelConfig(vocab_size=151936, hidden_size=896, n_layers=24, n_heads=14, n_kv_heads=2,
@@ -61,13 +61,12 @@ def check(json_path=None) -> dict:
     P = tr.make_experience(3).ro.prompt_len
     batch = Batch(rollout_rows=pol["rows"], update_rows=pol["rows"], seq_len=pol["seq_len"],
                   response_len=pol["seq_len"] - P, kl_chunk=tr.cfg.algo.kl_chunk_size,
-                  prefill_tokens=tr.cfg.rollout.prefill_tokens)
+                  **rollout_fields(tr.cfg.rollout))
     b = step_budget(QWEN05B, Layout(), batch, placement="tp", kl_method="fused")
     parts = b["parts"]
     ro = rollout_memory(tr, 2)
     ro_batch = Batch(rollout_rows=ro["rows"], update_rows=ro["rows"], seq_len=ro["seq_len"],
-                     response_len=ro["seq_len"] - ro["prompt_len"], prefill_tokens=tr.cfg.rollout.prefill_tokens,
-                     rows_per_prompt=tr.cfg.rollout.group_size if tr.cfg.rollout.share_prefill else 1)
+                     response_len=ro["seq_len"] - ro["prompt_len"], **rollout_fields(tr.cfg.rollout))
     rb = step_budget(QWEN05B, Layout(), ro_batch, placement="tp", kl_method="fused")
     resident = rb["parts"]["policy weights"] + rb["parts"]["AdamW state"] + rb["parts"]["reference"]
     rows = [("policy update forward+backward", pol["peak_total"], b["update_peak"] - parts["reference"]),

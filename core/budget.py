@@ -167,6 +167,12 @@ def forward_transient(cfg: ModelConfig, tp: int, tokens: int, act_bytes: int) ->
     return tokens * (3 * cfg.intermediate_size // tp + 3 * cfg.hidden_size) * act_bytes
 
 
+def rollout_fields(ro) -> dict:
+    """The Batch fields a rollout config (rl/config.py's RolloutConfig, duck-typed) sets: prompt tokens
+    per prefill forward, and the rows sharing one prefill (the group size with share_prefill)."""
+    return {"prefill_tokens": ro.prefill_tokens, "rows_per_prompt": ro.group_size if ro.share_prefill else 1}
+
+
 def rollout_work(cfg: ModelConfig, tp: int, batch: Batch, act_bytes: int, kv_cache: int) -> int:
     """Bytes the rollout allocates beside its KV cache (core/generate.py): the larger of a prefill
     block's forward transients (rows_per_block x P tokens; `prefill_tokens` 0 runs every row at once;
@@ -196,8 +202,7 @@ def projected_peak_bytes(cfg, world_size: int, device: str = "cuda") -> dict:
     per_mb = -(-rows // algo.mini_batches)
     update_rows = min(per_mb, algo.micro_batch_size) if algo.micro_batch_size else per_mb
     seq = cfg.model.max_seq_len
-    batch = Batch(rows, update_rows, seq, ro.max_new_tokens, algo.kl_chunk_size,
-                  getattr(ro, "prefill_tokens", 16384), ro.group_size if getattr(ro, "share_prefill", False) else 1)
+    batch = Batch(rows, update_rows, seq, ro.max_new_tokens, algo.kl_chunk_size, **rollout_fields(ro))
     placement = "cpu_offload" if cfg.reference.cpu_offload else ("tp_fsdp" if (par.fsdp and dp > 1) else "tp")
     out = step_budget(cfg.model, lay, batch, placement, "fused")
     return {**out, "layout": lay, "batch": batch, "placement": placement, "device": device}

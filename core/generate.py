@@ -103,6 +103,20 @@ class _Stopper:
         return torch.tensor(flags, dtype=torch.bool, device=tok.device)
 
 
+def distinct_prompts(ids: torch.Tensor, mask: torch.Tensor) -> tuple[list[int], list[int]]:
+    """Left-padded prompts ids, mask [B, P] -> (each row's prompt id [B], numbered in order of first
+    appearance; the first row holding each prompt [U]). Rows hold the same prompt iff their real
+    tokens are equal. By hashing host tuples: torch.unique(dim=0) compares rows one by one (~2 ms
+    at [256, 12])."""
+    key = torch.where(mask.bool(), ids, torch.full_like(ids, -1))  # padding never equals a token id
+    ids_of: dict[tuple, int] = {}
+    inv = [ids_of.setdefault(tuple(r), len(ids_of)) for r in key.tolist()]
+    first = [0] * len(ids_of)
+    for row in range(len(inv) - 1, -1, -1):
+        first[inv[row]] = row
+    return inv, first
+
+
 def _prefill_blocks(model, ids, mask, cache: KVCache, head, rows_per_block: int, dp_group) -> torch.Tensor:
     """Prompts [n, P] into cache rows [:n], at most `rows_per_block` rows per forward -> last-position
     logits [n, Vp/tp]. Each block writes its own slice of the cache (views), so the forward's
@@ -139,13 +153,7 @@ def _prefill(model, prompt_ids, prompt_mask, cache: KVCache, head, share: bool, 
         logits = _prefill_blocks(model, prompt_ids, prompt_mask, cache, head, per, group)
         cache.length = P
         return logits
-    key = torch.where(prompt_mask.bool(), prompt_ids, torch.full_like(prompt_ids, -1))  # padding is no token
-    # distinct prompts by hashing host tuples (unique(dim=0) compares rows one by one: ~2 ms at [256, 12])
-    ids_of: dict[tuple, int] = {}
-    inv_l = [ids_of.setdefault(tuple(r), len(ids_of)) for r in key.tolist()]  # (B,): each row's prompt
-    first_l = [0] * len(ids_of)
-    for row in range(B - 1, -1, -1):  # the first row holding each prompt
-        first_l[inv_l[row]] = row
+    inv_l, first_l = distinct_prompts(prompt_ids, prompt_mask)
     inv = torch.tensor(inv_l, dtype=torch.long, device=prompt_ids.device)
     first = torch.tensor(first_l, dtype=torch.long, device=prompt_ids.device)
     logits = _prefill_blocks(model, prompt_ids[first], prompt_mask[first], cache, head, per, group)

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import torch
 
+from core.generate import distinct_prompts
 from rl.micro_batches import MicroBatch, PackedRows, agreed_count, by_row_count, filler, row_lengths, split_to
 from rl.rollout import Rollout
 
@@ -49,13 +50,9 @@ from rl.rollout import Rollout
 def prompt_keys(ro: Rollout, rows: torch.Tensor) -> list[int]:
     """A group id per row of `rows` [k] (local indices): equal iff the rows' real prompt tokens are equal."""
     P = ro.prompt_len
-    seq, am = ro.sequences[rows, :P], ro.attention_mask[rows, :P].bool()
-    key = torch.where(am, seq, torch.full_like(seq, -1))  # padding never equals a token id
-    if P == 0 or key.shape[0] == 0:
+    if P == 0 or rows.numel() == 0:
         return [0] * int(rows.numel())
-    tuples = [tuple(r) for r in key.tolist()]  # one host copy; hashing beats unique(dim=0)'s per-row compares
-    rank = {t: i for i, t in enumerate(sorted(set(tuples)))}  # ids in sorted order, as unique(dim=0) numbers them
-    return [rank[t] for t in tuples]
+    return distinct_prompts(ro.sequences[rows, :P], ro.attention_mask[rows, :P])[0]
 
 
 def _layout(rows: list[int], p: list[int], n: list[int], keys: list[int], P: int):

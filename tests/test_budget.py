@@ -4,7 +4,7 @@ update pass and the reference's pass of a tiny GRPO step (bench/bench_rl_step.py
 import pytest
 
 from bench import bench_rl_step as bench
-from core.budget import Batch, Layout, param_counts, step_budget
+from core.budget import Batch, Layout, param_counts, rollout_fields, step_budget
 from core.config import ModelConfig
 
 SHAPES = {  # one where the parameters dominate, one where the activations do
@@ -50,10 +50,8 @@ def test_rollout_budget_matches_the_allocator_peak(shape):
     tr = bench.build_trainer(spec, "grpo")
     tr.step(0)
     ro = rollout_memory(tr, 1)
-    rcfg = tr.cfg.rollout
     batch = Batch(rollout_rows=ro["rows"], update_rows=ro["rows"], seq_len=ro["seq_len"],
-                  response_len=ro["seq_len"] - ro["prompt_len"], prefill_tokens=rcfg.prefill_tokens,
-                  rows_per_prompt=rcfg.group_size if rcfg.share_prefill else 1)
+                  response_len=ro["seq_len"] - ro["prompt_len"], **rollout_fields(tr.cfg.rollout))
     parts = step_budget(spec.model, Layout(), batch, placement="tp", kl_method="fused")["parts"]
     want = parts["rollout KV cache"] + parts["rollout work"]
     assert abs(want - ro["peak_above_start"]) <= 0.15 * ro["peak_above_start"], (shape, want, ro, parts)
