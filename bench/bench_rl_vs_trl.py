@@ -1,7 +1,7 @@
 """One GRPO step of kltron against TRL's GRPOTrainer, side by side, on the same weights, tokenizer,
 prompts and work; and generation alone against transformers' `generate`. fp32, CPU, one process.
 
-    python -m bench.bench_rl_vs_trl [--sizes tiny,60m] [--steps 3] [--warmup 1] [--threads 2] [--json OUT]
+    python -m bench.bench_rl_vs_trl [--sizes tiny,60m] [--steps 3] [--warmup 1] [--threads 2] [--rounds 1] [--json OUT]
 
 Same weights: a seeded kltron model saved as a kltron checkpoint, exported with tools.convert_hf.export_hf.
 Same tokenizer: the shipped sentencepiece BPE model (256 pieces) rebuilt as one tokenizer.json (its ids,
@@ -12,7 +12,9 @@ mini-batches of 128 rows (AdamW lr 1e-4 constant, betas (0.9, 0.999), no decay, 
 loss at beta 0.02, token-mean loss (TRL "dapo"). TRL: per_device_train_batch_size=128,
 gradient_accumulation_steps=1, steps_per_generation=2, num_iterations=2: one generation serves 4
 optimizer steps, and TRL computes old log-probs. Each side runs in a fresh subprocess (ru_maxrss is its
-own peak); medians over `--steps` after `--warmup`.
+own peak); medians over `--steps` after `--warmup`. `--rounds R`: R fresh processes per side, the sides
+alternating (kltron, TRL, TRL, kltron, ...), every timed step pooled, each round's median step kept: on a
+shared machine the load drifts between one side's run and the other's, and alternation spreads it over both.
 
 Phases. kltron: RLTrainer's timers; other = step minus them. TRL, by wrapping its methods: rollout =
 `_generate` + `_calculate_rewards`; ref / old = `_get_per_token_logps_and_entropies` on the reference /
@@ -164,7 +166,8 @@ def kltron_side(a) -> dict:
     row = {p: [r[f"time_{p}_s"] for r in recs] for p in PHASES[:4]} | {"step": [r["step_time_s"] for r in recs]}
     row["other"] = [s - sum(row[p][i] for p in PHASES[:4]) for i, s in enumerate(row["step"])]
     return {"side": "kltron", **{k: statistics.median(v) for k, v in row.items()}, "steps_s": row["step"],
-            "reward_mean": recs[-1]["reward_mean"], "rss_after_setup": rss_setup, "peak_rss": peak_rss()}
+            "phases_s": {p: row[p] for p in PHASES}, "reward_mean": recs[-1]["reward_mean"],
+            "rss_after_setup": rss_setup, "peak_rss": peak_rss()}
 
 
 # the TRL side
@@ -257,7 +260,8 @@ def _trl_rows(times: dict, marks: list, a) -> dict:
         row["update"].append(step - exp)
         row["other"].append(exp - sum(parts.values()))
         row["step"].append(step)
-    return {**{p: statistics.median(v) for p, v in row.items()}, "steps_s": row["step"]}
+    return {**{p: statistics.median(v) for p, v in row.items()}, "steps_s": row["step"],
+            "phases_s": {p: row[p] for p in PHASES}}
 
 
 # generation alone
@@ -309,11 +313,25 @@ def run_side(side: str, size: str, setup: dict, a) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def pool_rounds(runs: list[dict]) -> dict:
+    """One side's rounds (fresh processes) as one row: medians over every timed step of every round, the
+    highest peak RSS, the median set-up RSS, and each round's median step (`round_steps_s`)."""
+    if len(runs) == 1:
+        return {**runs[0], "round_steps_s": [runs[0]["step"]]}
+    phases = {p: [x for r in runs for x in r["phases_s"][p]] for p in PHASES}
+    steps = [x for r in runs for x in r["steps_s"]]
+    return {**runs[-1], **{p: statistics.median(v) for p, v in phases.items()}, "step": statistics.median(steps),
+            "steps_s": steps, "phases_s": phases, "round_steps_s": [r["step"] for r in runs],
+            "peak_rss": max(r["peak_rss"] for r in runs),
+            "rss_after_setup": statistics.median(r["rss_after_setup"] for r in runs)}
+
+
 def table(results: list[dict], command: str, a, load: tuple) -> str:
     out = [f"`{command}`", "", f"fp32, CPU, {a.threads} threads, one process per side; {PROMPTS} prompts x {GROUP} "
            f"samples, {NEW_TOKENS} new tokens, {EPOCHS} epochs x {MINI_BATCHES} mini-batches, beta {BETA}; median of "
-           f"{a.steps} steps after {a.warmup} warm-up; 1-min load average {load[0]:.2f} at start, {load[1]:.2f} at end "
-           f"({os.cpu_count()} CPUs)", "",
+           f"{a.steps} steps after {a.warmup} warm-up" + (f", pooled over {a.rounds} rounds (a fresh process per side "
+           "and round, the sides alternating, the order swapped each round)" if a.rounds > 1 else "")
+           + f"; 1-min load average {load[0]:.2f} at start, {load[1]:.2f} at end ({os.cpu_count()} CPUs)", "",
            "| model | side | step s | rollout s | ref log-probs s | old log-probs s | update s | other s "
            "| RSS after set-up MiB | peak RSS MiB |",
            "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
@@ -329,6 +347,11 @@ def table(results: list[dict], command: str, a, load: tuple) -> str:
                        + " | ".join(f"{t[p] / k[p]:.2f}x" if k[p] > 0 else "-" for p in PHASES)
                        + f" | {t['rss_after_setup'] / k['rss_after_setup']:.2f}x"
                        + f" | {t['peak_rss'] / k['peak_rss']:.2f}x |")
+    per_round = [(r["size"], [t / k for k, t in zip(r["kltron"]["round_steps_s"], r["trl"]["round_steps_s"])])
+                 for r in results if "trl" in r and len(r["kltron"]["round_steps_s"]) > 1]
+    if per_round:
+        out += ["", "TRL / kltron step, each round's medians: " + "; ".join(
+            f"{size} " + ", ".join(f"{x:.2f}x" for x in ratios) for size, ratios in per_round)]
     out += ["", f"Generation alone ({PROMPTS * GROUP} rows, {NEW_TOKENS} new tokens, full-vocabulary sampling, median "
             f"of {a.gen_reps}):", "", "| model | kltron generate tok/s | transformers generate tok/s | kltron / HF "
             "| max logit diff |", "|---|---:|---:|---:|---:|"]
@@ -347,14 +370,17 @@ def parse(argv):
     ap.add_argument("--steps", type=int, default=3, help="timed steps after the warm-up")
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="fresh-process runs per side, alternating with the other side; steps pooled (noise)")
     ap.add_argument("--gen-reps", type=int, default=3, help="timed generations per side after one warm-up")
     ap.add_argument("--json", default=None)
     ap.add_argument("--workdir", default=None, help="keep checkpoints and exports here (default: a temp folder)")
     for internal in ("--side", "--size", "--ckpt", "--hf-dir"):
         ap.add_argument(internal, default=None, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
-    if a.steps < 1 or a.warmup < 0 or a.gen_reps < 1:
-        ap.error(f"need --steps >= 1, --warmup >= 0, --gen-reps >= 1; got {a.steps}, {a.warmup}, {a.gen_reps}")
+    if a.steps < 1 or a.warmup < 0 or a.gen_reps < 1 or a.rounds < 1:
+        ap.error(f"need --steps >= 1, --warmup >= 0, --gen-reps >= 1, --rounds >= 1; got {a.steps}, {a.warmup}, "
+                 f"{a.gen_reps}, {a.rounds}")
     bad = [s for s in a.sizes.split(",") if s not in SIZES]
     if bad:
         ap.error(f"--sizes: unknown {bad}; choose from {list(SIZES)}")
@@ -377,11 +403,18 @@ def main(argv=None) -> list[dict]:
         for size in a.sizes.split(","):
             setup = prepare(size, os.path.join(a.workdir or tmp, size), a.warmup + a.steps)
             res = {"size": size, "params": setup["params"], "prompts_checked": setup["prompts_checked"]}
-            for side in ("kltron", "trl", "generate") if has_trl else ("kltron", "generate"):
-                res[side] = run_side(side, size, setup, a)
-                log(f"  {size} {side}: " + (f"step {res[side]['step']:.3f} s" if "step" in res[side] else
-                                            f"{res[side]['kltron_tokens_per_s']:.0f} vs "
-                                            f"{res[side]['hf_tokens_per_s']:.0f} tok/s"))
+            runs: dict[str, list[dict]] = {"kltron": [], "trl": []}
+            for r in range(a.rounds):  # the sides alternate, the order swapping each round
+                order = ("kltron", "trl") if has_trl else ("kltron",)
+                for side in order[::-1] if r % 2 else order:
+                    runs[side].append(run_side(side, size, setup, a))
+                    log(f"  {size} {side} (round {r + 1}): step {runs[side][-1]['step']:.3f} s")
+            for side, got in runs.items():
+                if got:
+                    res[side] = pool_rounds(got)
+            res["generate"] = run_side("generate", size, setup, a)
+            g = res["generate"]
+            log(f"  {size} generate: {g['kltron_tokens_per_s']:.0f} vs {g['hf_tokens_per_s']:.0f} tok/s")
             results.append(res)
     load = (load0, os.getloadavg()[0])
     command = "python -m bench.bench_rl_vs_trl " + " ".join(argv if argv is not None else sys.argv[1:])
@@ -389,6 +422,7 @@ def main(argv=None) -> list[dict]:
     if a.json:
         with open(a.json + ".tmp", "w") as f:
             json.dump({"command": command.strip(), "threads": a.threads, "steps": a.steps, "warmup": a.warmup,
+                       "rounds": a.rounds,
                        "load_avg_1min": load, "trl": has_trl, "results": results}, f, indent=1)
         os.replace(a.json + ".tmp", a.json)
     return results

@@ -121,6 +121,9 @@ class OptimConfig:
     schedule: str = "cosine"  # "cosine" | "constant"
     grad_clip: float = 1.0  # <= 0 disables clipping
     skip_nonfinite: bool = True  # skip (on every rank) steps whose grad norm is not finite
+    # torch AdamW kernel: "fused" (one kernel per parameter, no temporaries; CPU and CUDA, as torchtitan's
+    # default) or "foreach" (multi-tensor ops); the same update up to float rounding order
+    implementation: str = "fused"
 
 
 @dataclass

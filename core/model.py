@@ -67,15 +67,20 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
 
 
 def rope_cos_sin(inv_freq: torch.Tensor, position_ids: torch.Tensor, dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """position_ids [B, S] -> cos, sin [B, 1, S, hd] (rotate-half layout, as Hugging Face stores)."""
+    """position_ids [B, S] -> cos, signed sin [B, 1, S, hd] (rotate-half layout, as Hugging Face
+    stores): the sin's first half negated, so `apply_rope` needs no negation of x (bitwise the same
+    result as x * cos + rotate_half(x) * sin: a negation is exact, either operand)."""
     ang = position_ids.to(torch.float32).unsqueeze(-1) * inv_freq.to(position_ids.device)  # (B, S, hd/2)
     emb = torch.cat([ang, ang], dim=-1).unsqueeze(1)  # (B, 1, S, hd)
-    return emb.cos().to(dtype), emb.sin().to(dtype)
+    sin = emb.sin()
+    sin[..., : ang.shape[-1]].neg_()
+    return emb.cos().to(dtype), sin.to(dtype)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """x rotated: x * cos + [x2, x1] * signed_sin, i.e. [x1 cos - x2 sin, x2 cos + x1 sin] for x = [x1, x2]."""
     x1, x2 = x.chunk(2, dim=-1)
-    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+    return x * cos + torch.cat([x2, x1], dim=-1) * signed_sin
 
 
 @dataclass

@@ -30,6 +30,7 @@ from parallel.comm import all_reduce, group_size
 from parallel.fsdp import is_fsdp, local_tensor
 
 SCHEDULES = ("cosine", "constant")
+IMPLEMENTATIONS = ("fused", "foreach")
 
 
 class OptimConfigError(ValueError):
@@ -48,6 +49,8 @@ def check_optim_config(cfg: OptimConfig) -> OptimConfig:
         raise OptimConfigError(f"optim.warmup_steps must be >= 0, got {cfg.warmup_steps}")
     if len(cfg.betas) != 2 or not all(0 <= b < 1 for b in cfg.betas):
         raise OptimConfigError(f"optim.betas must be two numbers in [0, 1), got {list(cfg.betas)}")
+    if cfg.implementation not in IMPLEMENTATIONS:
+        raise OptimConfigError(f"optim.implementation must be one of {IMPLEMENTATIONS}, got {cfg.implementation!r}")
     if cfg.decay_steps is not None and cfg.decay_steps < 0:
         raise OptimConfigError(f"optim.decay_steps must be >= 0, got {cfg.decay_steps}")
     return cfg
@@ -148,7 +151,7 @@ class TrainOptimizer:
         groups = [{"params": decay, "weight_decay": cfg.weight_decay},
                   {"params": no_decay, "weight_decay": 0.0}]
         self.opt = torch.optim.AdamW([g for g in groups if g["params"]], lr=lr_at(0, cfg, total_steps),
-                                     betas=tuple(cfg.betas), eps=cfg.eps, foreach=True)
+                                     betas=tuple(cfg.betas), eps=cfg.eps, **{cfg.implementation: True})
         self.groups = replica_groups(self.named, model_cfg, self.tp)
         self.step_count = 0
         self.skipped_total = 0

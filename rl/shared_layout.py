@@ -55,28 +55,19 @@ def prompt_keys(ro: Rollout, rows: torch.Tensor) -> list[int]:
     return distinct_prompts(ro.sequences[rows, :P], ro.attention_mask[rows, :P])[0]
 
 
-def _layout(rows: list[int], p: list[int], n: list[int], keys: list[int], P: int):
-    """Per group (first appearance order): the (row, column) of each token in the rollout, its
-    document id, and for each response token its (row, response column, position in the group's row)."""
+def _layout(rows: list[int], p: list[int], n: list[int], keys: list[int]):
+    """The pieces of the layout, one per group key (first appearance order), rows without a response
+    left out: (prompt row, prompt tokens p_g, [(row, response extent n_i) of each member in order]).
+    Per row, not per token: `_assemble` expands them to tokens with tensor ops."""
     groups: dict[int, list[int]] = {}
     for i, k in enumerate(keys):
         if n[i] > 0:
             groups.setdefault(k, []).append(i)
-    out = []
-    for members in groups.values():
-        pg = p[members[0]]
-        srow, scol, doc = [rows[members[0]]] * pg, list(range(P - pg, P)), [0] * pg
-        hrow, hcol, hpos = [], [], []
-        for d, i in enumerate(members, 1):
-            start = len(srow)
-            srow += [rows[i]] * n[i]
-            scol += list(range(P, P + n[i]))
-            doc += [d] * n[i]
-            hrow += [rows[i]] * n[i]
-            hcol += list(range(n[i]))
-            hpos += [pg - 1] + list(range(start, start + n[i] - 1))  # token t is predicted at t - 1
-        out.append((srow, scol, doc, hrow, hcol, hpos))
-    return out
+    return [(rows[m[0]], p[m[0]], [(rows[i], n[i]) for i in m]) for m in groups.values()]
+
+
+def _piece_len(piece) -> int:
+    return piece[1] + sum(ni for _, ni in piece[2])
 
 
 def _split_long_groups(p: list[int], n: list[int], keys: list[int]) -> list[int]:
@@ -134,50 +125,60 @@ def share_rows(ro: Rollout, rows: list[int], p: list[int], n: list[int], keys: l
     shared layout -> PackedRows ([R, W] inputs, M head tokens), or None when no row has a valid
     response token. Every group must have p_g >= 1 (a response needs a predicting position)."""
     _check_prompts(p, n)
-    groups = _layout(rows, p, n, _split_long_groups(p, n, keys), ro.prompt_len)
+    groups = _layout(rows, p, n, _split_long_groups(p, n, keys))
     if not groups:
         return None
-    return _assemble(ro, groups, _pack_groups([len(g[0]) for g in groups]))
+    return _assemble(ro, groups, _pack_groups([_piece_len(g) for g in groups]))
 
 
 def _assemble(ro: Rollout, groups: list, bins: list[list[int]]) -> PackedRows:
-    """`groups` (`_layout`'s, one per piece) placed in the rows `bins` (lists of group indices, in
-    row order) -> PackedRows [R, W], W the longest row."""
+    """`groups` (`_layout`'s pieces) placed in the rows `bins` (lists of piece indices, in row order)
+    -> PackedRows [R, W], W the longest row. Python walks the segments (a piece's prompt, each of its
+    responses: O(rows)); the tokens are laid out by tensor ops on the rollout's device from one table."""
     dev, P = ro.sequences.device, ro.prompt_len
-    R, T = len(bins), max(sum(len(groups[i][0]) for i in b) for b in bins)
-    srow, scol, doc, prefix, valid = ([] for _ in range(5))  # flat [R * T] host lists, one tensor each
-    hrow, hcol, hpos = [], [], []
+    R, T = len(bins), max(sum(_piece_len(groups[i]) for i in b) for b in bins)
+    # one row per segment: flat start in [R * T], source row, source column, length, document id,
+    # prefix id, predicting flat position of its token 0 (a response: its prompt's last; a prompt: -1)
+    seg, resp, total, n_resp = [], [], 0, 0  # seg: the table, flat (7 per segment); resp: response segments
     for r, members in enumerate(bins):
-        at, base = 0, 0  # this group's first column in row r, its prompt's document id
+        at, base = r * T, 0  # this piece's first flat position, its prompt's document id
         for i in members:
-            sr, sc, d, hr, hc, hp = groups[i]
-            L = len(sr)
-            srow += sr
-            scol += sc
-            doc += [x + base for x in d]
-            prefix += [base] * L  # every token of the group also sees the group's prompt
-            hrow += hr
-            hcol += hc
-            hpos += [r * T + at + x for x in hp]  # flat index into [R * T]
-            at, base = at + L, base + max(d) + 1
-        pad = T - at
-        srow += [0] * pad
-        scol += [0] * pad
-        doc += [-1] * pad
-        prefix += [-1] * pad
-        valid += [True] * at + [False] * pad
-    cpu = dict(dtype=torch.long, device="cpu")
-    srow, scol, doc, prefix = (torch.tensor(v, **cpu).view(R, T) for v in (srow, scol, doc, prefix))
-    valid = torch.tensor(valid, dtype=torch.bool, device="cpu").view(R, T)
-    srow, scol, valid_d = srow.to(dev), scol.to(dev), valid.to(dev)
+            prow, pg, answers = groups[i]
+            seg += (at, prow, P - pg, pg, base, base, -1)
+            last, at, total = at + pg - 1, at + pg, total + pg
+            for d, (row, ni) in enumerate(answers, 1):
+                resp.append(len(seg) // 7)
+                seg += (at, row, P, ni, base + d, base, last)
+                at, total, n_resp = at + ni, total + ni, n_resp + ni
+            base += len(answers) + 1
+    table = torch.tensor(seg, dtype=torch.long, device="cpu").view(-1, 7).to(dev)
+    start, src_row, src_col, length, doc, prefix, pred0 = table.unbind(1)
+    first = length.cumsum(0) - length  # each segment's first token
+    sid = torch.repeat_interleave(torch.arange(table.shape[0], device=dev), length, output_size=total)
+    off = torch.arange(total, device=dev) - first[sid]  # the token's place in its segment
+    flat = start[sid] + off
+    tok_row, tok_col = src_row[sid], src_col[sid] + off
+
+    def spread(values: torch.Tensor, pad: int) -> torch.Tensor:  # token values -> [R, T], `pad` elsewhere
+        return torch.full((R * T,), pad, dtype=torch.long, device=dev).index_put_((flat,), values).view(R, T)
+
+    valid = torch.zeros(R * T, dtype=torch.bool, device=dev).index_fill_(0, flat, True).view(R, T)
+    srow, scol = spread(tok_row, 0), spread(tok_col, 0)
     pos = ro.attention_mask.long().cumsum(-1) - 1  # the padded path's positions
     zero = torch.zeros((), dtype=torch.long, device=dev)
-    ids = torch.where(valid_d, ro.sequences[srow, scol], zero)
-    pos = torch.where(valid_d, pos[srow, scol], zero)
-    doc, prefix = doc.to(dev), prefix.to(dev)
-    src_rows, src_cols = torch.tensor(hrow, **cpu).to(dev), torch.tensor(hcol, **cpu).to(dev)
-    return PackedRows(ids, pos, doc, src_rows, src_cols, torch.tensor(hpos, **cpu).to(dev),
-                      ro.sequences[src_rows, P + src_cols], prefix_ids=prefix)
+    ids = torch.where(valid, ro.sequences[srow, scol], zero)
+    pos = torch.where(valid, pos[srow, scol], zero)
+    # the response tokens, in layout order, by a second expansion over the response segments only (a
+    # boolean selection would make the host wait for the device)
+    rs = torch.tensor(resp, dtype=torch.long, device="cpu").to(dev)
+    rlen = length[rs]
+    rsid = torch.repeat_interleave(torch.arange(len(resp), device=dev), rlen, output_size=n_resp)
+    src_cols = torch.arange(rsid.numel(), device=dev) - (rlen.cumsum(0) - rlen)[rsid]
+    at = first[rs][rsid] + src_cols  # index into the layout's tokens
+    src_rows = tok_row[at]
+    head_pos = torch.where(src_cols == 0, pred0[rs][rsid], flat[at] - 1)  # token t is predicted at t - 1
+    return PackedRows(ids, pos, spread(doc[sid], -1), src_rows, src_cols, head_pos,
+                      ro.sequences[src_rows, P + src_cols], prefix_ids=spread(prefix[sid], -1))
 
 
 def share_rollout(ro: Rollout, rows: torch.Tensor | None = None):
@@ -268,7 +269,7 @@ def _micro_batch(ro: Rollout, mb: list[list[list[int]]], p: dict, n: dict, devic
     pieces = [g for row in mb for g in row]
     flat = [i for g in pieces for i in g]
     key = [k for k, g in enumerate(pieces) for _ in g]  # a key per piece: `_layout` keeps their order
-    groups = _layout(flat, [p[i] for i in flat], [n[i] for i in flat], key, ro.prompt_len)
+    groups = _layout(flat, [p[i] for i in flat], [n[i] for i in flat], key)
     bins, k = [], 0
     for row in mb:
         bins.append(list(range(k, k + len(row))))

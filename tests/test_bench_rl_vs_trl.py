@@ -62,3 +62,15 @@ def test_hf_tokenizer_matches_sentencepiece(tmp_path):
     for ln in lines:
         assert ours.encode(ln) == sp.encode(ln), ln
     assert ours.decode(sp.encode(lines[0])) == lines[0]
+
+
+def test_rounds_pool_every_step():
+    """--rounds: each side's timed steps of every round pooled (medians by hand), the highest peak RSS."""
+    def run(steps, peak):
+        ph = {p: [s / 5 for s in steps] for p in bench.PHASES}
+        return {"side": "kltron", "step": sorted(steps)[len(steps) // 2], "steps_s": steps, "phases_s": ph,
+                "peak_rss": peak, "rss_after_setup": 10}
+    pooled = bench.pool_rounds([run([1.0, 2.0, 9.0], 50), run([3.0, 4.0, 5.0], 70)])
+    assert pooled["step"] == 3.5 and pooled["round_steps_s"] == [2.0, 4.0]  # median of 1, 2, 3, 4, 5, 9
+    assert pooled["update"] == pytest.approx(0.7) and pooled["peak_rss"] == 70
+    assert bench.pool_rounds([run([1.0], 5)])["round_steps_s"] == [1.0]
