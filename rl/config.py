@@ -78,6 +78,11 @@ class AlgoConfig:
     # chunk <= H/16 (bf16 head; H/8 fp32), in [128, T] (parallel/vocab_stats.py's auto_chunk_size)
     kl_chunk_size: int | str | None = "auto"
     fused_loss: bool = True  # policy loss inside the fused head, gradient formed in forward (no logits recomputed)
+    # the first mini-batch of epoch 0 is on-policy: its rows' old log-probs (and entropy, exact KL) are read
+    # from its own update forward, and the old-log-prob pass runs over the other rows only (none with one
+    # mini-batch); where nothing reads them before the update (kl.where=loss, kl_ctl.mode != grad_ratio),
+    # else every row. false: every row in the pass, and `logp_drift` compares the two on those rows
+    old_from_update: bool = True
 
     def __post_init__(self):
         if self.name not in ("grpo", "ppo"):

@@ -30,6 +30,7 @@ from rl.config import RLConfig
 from rl.controller import EntropyController, KLController
 from rl.kl import HEAD_DIRECTION, kl_by_position, kl_from_config, kl_quantiles, masked_mean, sanitize
 from rl.logprobs import (
+    TokenStats,
     critic_values,
     logprobs_from_hidden,
     packed_fused_loss,
@@ -66,6 +67,9 @@ class StepData:
     advantages: torch.Tensor
     returns: torch.Tensor | None = None  # PPO
     old_values: torch.Tensor | None = None  # PPO
+    # local rows of epoch 0's first mini-batch whose old log-probs, entropy (and exact KL) its on-policy update
+    # forward fills in (`algo.old_from_update`); None: the old-log-prob pass computed every row
+    deferred: torch.Tensor | None = None
 
 
 class RLTrainer:
@@ -142,10 +146,10 @@ class RLTrainer:
             ref_logp = logprobs_from_hidden(ref_h, ref_w, ro.responses_ids, tp_group=self.tp_group,
                                             vocab_size=self.vocab, temperature=self._temperature,
                                             chunk_size=cfg.algo.kl_chunk_size, mask=mask)
+        deferred = self._deferred_rows(ro, step)
         with self.timer("old_logprobs"):
             kl_dir = HEAD_DIRECTION[cfg.kl.direction] if exact else None
-            old = self._token_stats(self.policy, ro, entropy=True, kl=kl_dir, ref_hidden=ref_h, ref_weight=ref_w,
-                                    packed=shared)
+            old = self._old_pass(ro, shared, deferred, entropy=True, kl=kl_dir, ref_hidden=ref_h, ref_weight=ref_w)
         # padding is replaced here, once, before anything reaches advantages, losses or the heads
         old_logp, ref_logp = sanitize(old.logprobs, mask), sanitize(ref_logp, mask)
         kl = sanitize(old.kl.float(), mask) if exact else kl_from_config(cfg.kl, old_logp, ref_logp, mask)
@@ -153,7 +157,7 @@ class RLTrainer:
         if self.reward_norm is not None:
             scores = self.reward_norm.normalize_(scores.clone(), self.dp_group)
         data = StepData(ro, mask, old_logp, ref_logp, ref_h if exact else None, ref_w if exact else None,
-                        kl, sanitize(old.entropy, mask), advantages=None)
+                        kl, sanitize(old.entropy, mask), advantages=None, deferred=deferred)
         if cfg.algo.name == "grpo":
             if cfg.kl.where == "reward":  # the response's summed KL penalty enters its reward
                 scores = scores - self.controller.beta * kl.sum(1)
@@ -172,6 +176,62 @@ class RLTrainer:
                 adv = whiten(adv, mask, self.dp_group)
             data.advantages, data.returns, data.old_values = adv, ret, values
         return data
+
+    def _deferred_rows(self, ro: Rollout, step: int) -> torch.Tensor | None:
+        """Epoch 0's first mini-batch (local rows), whose old values its on-policy update forward provides
+        (`algo.old_from_update`), or None where the old-log-prob pass must compute every row: something
+        reads old log-probs before the update (the KL in the reward, grad_ratio's beta), or the option is off."""
+        c = self.cfg
+        if not c.algo.old_from_update or c.kl.where != "loss" or c.kl_ctl.mode == "grad_ratio":
+            return None
+        return self._mini_batches(ro.row_ids.cpu(), step, 0)[0]
+
+    def _old_pass(self, ro: Rollout, shared, deferred: torch.Tensor | None, **kw) -> TokenStats:
+        """The old-log-prob pass (policy, no grad) over every local row but `deferred`: TokenStats [B, N],
+        0 on the deferred rows (filled in by the update). With every row deferred (one mini-batch) no
+        forward runs, on every rank alike (the same count of rows is deferred on each)."""
+        if deferred is None:
+            return self._token_stats(self.policy, ro, packed=shared, **kw)
+        B, N = ro.response_mask.shape
+        keep = torch.ones(B, dtype=torch.bool, device=ro.response_mask.device)
+        keep[deferred] = False
+        rows = torch.nonzero(keep).flatten()
+        if rows.numel() == 0:
+            dt = torch.promote_types(next(self.policy.parameters()).dtype, torch.float32)
+            zero = torch.zeros(B, N, dtype=dt, device=ro.response_mask.device)
+            return TokenStats(zero, zero if kw["entropy"] else None, zero if kw["kl"] else None)
+        packed = share_rollout(ro, rows) if self.cfg.algo.share_prompts else None
+        if packed is not None:  # the head's [1, M] values land on their rows, 0 elsewhere
+            return self._token_stats(self.policy, ro, packed=packed, **kw)
+        # padded (or no row with a response token): the kept rows' own forward, scattered back
+        mb = MicroBatch(rows, ro.prompt_len, N)
+        rh = kw.pop("ref_hidden")
+        out = self._token_stats(self.policy, mb.rollout(ro), ref_hidden=mb.row_tokens(rh), **kw)
+
+        def back(t):
+            if t is None:
+                return None
+            full = t.new_zeros((B, N) + tuple(t.shape[2:]))
+            full[rows] = t
+            return full
+        return TokenStats(*(back(t) for t in out))
+
+    def _fill_deferred(self, data: StepData, mb: MicroBatch, cur: TokenStats, mask: torch.Tensor) -> None:
+        """Write an on-policy micro-batch's own values (its tokens' log-probs, entropy, exact KL: what
+        the old-log-prob pass would have computed, up to float rounding order) into the step's data."""
+        if mb.filler:
+            return
+
+        def put(full: torch.Tensor, vals: torch.Tensor) -> None:
+            vals = sanitize(vals.detach().to(full.dtype), mask)
+            if mb.packed is not None:
+                full[mb.packed.src_rows, mb.packed.src_cols] = vals.reshape(-1)
+            else:
+                full[mb.rows, :mb.response_cols] = vals
+        put(data.old_logp, cur.logprobs)
+        put(data.entropy, cur.entropy)
+        if self.cfg.kl.exact:
+            put(data.kl, cur.kl.float())
 
     # -----------------------------------------------------------------------------------------
     # 6: update
@@ -251,6 +311,8 @@ class RLTrainer:
                 if acc.epoch_approx_kl(self.dp_group) > cfg.algo.early_stop_kl:
                     stop_early = True
                     break
+        if data.deferred is not None and not cfg.kl.exact:  # the sampled KL of the filled-in rows
+            data.kl = kl_from_config(cfg.kl, data.old_logp, data.ref_logp, data.mask)
         out = acc.summary(self.dp_group)
         out.update(grad_norm=opt_stats[-1].grad_norm, lr=opt_stats[-1].lr,
                    skipped=sum(int(s.skipped) for s in opt_stats), skipped_total=opt_stats[-1].skipped_total,
@@ -271,9 +333,10 @@ class RLTrainer:
         set_gradient_sync(self.policy, last)
         mask, tok = mb.mask(data.mask), mb.tokens
         exact = cfg.kl.exact and cfg.kl.where == "loss"
+        fill = on_policy and data.deferred is not None  # this micro-batch's old values come from here
         kw = dict(kl=HEAD_DIRECTION[cfg.kl.direction] if exact else None,
                   ref_hidden=tok(data.ref_hidden) if exact else None, ref_weight=data.ref_weight if exact else None,
-                  entropy=self.ent_ctl.coef != 0.0)
+                  entropy=self.ent_ctl.coef != 0.0 or fill)
         weights = tok(token_weights(data.mask, cfg.loss.agg, scale, cfg.loss.norm_len))  # per row: split-invariant
         fn = TokenPolicyLoss(cfg.loss, weights, mask, tok(data.old_logp), tok(data.advantages), kl_cfg=cfg.kl,
                              beta=self.controller.beta, ref_logp=tok(data.ref_logp), on_policy=on_policy,
@@ -281,7 +344,9 @@ class RLTrainer:
         loss, cur = self._policy_loss(data.ro, mb, mask, fn, kw)
         loss.backward()
         stats = fn.stats()
-        stats["drift"] = _max_abs(cur.logprobs.detach() - tok(data.old_logp), mask) if on_policy else 0.0
+        stats["drift"] = _max_abs(cur.logprobs.detach() - tok(data.old_logp), mask) if on_policy and not fill else 0.0
+        if fill:
+            self._fill_deferred(data, mb, cur, mask)
         if self.critic is not None:
             self._critic_backward(data, mb, scale, last)
         return stats

@@ -316,7 +316,7 @@ def test_tp2_equals_tp1(dist_pools):
         torch.testing.assert_close(g2, g1, atol=1e-10, rtol=1e-10)  # a replicated parameter's gradient
 
 
-def _trainer_params(overrides: list[str], plans: list | None = None):
+def _trainer_params(overrides: list[str], plans: list | None = None, old_rows: list | None = None, steps: int = 1):
     from core.tokenizer import load_tokenizer
     from parallel.dims import ParallelDims, init_parallel
     from rl.config import RLConfig
@@ -335,7 +335,15 @@ def _trainer_params(overrides: list[str], plans: list | None = None):
     if plans is not None:  # record each mini-batch's micro-batches
         plan = tr._micro_batches
         tr._micro_batches = lambda data, rows: plans.append(plan(data, rows)) or plans[-1]
-    rec = tr.step(0)
+    if old_rows is not None:  # record how many rows each old-log-prob forward computes
+        stats = tr._token_stats
+
+        def counted(model, ro, packed=None, **kw):
+            if not torch.is_grad_enabled():  # the old-log-prob pass (make_experience), not an unfused update
+                old_rows.append(ro.sequences.shape[0] if packed is None else len(set(packed.src_rows.tolist())))
+            return stats(model, ro, packed=packed, **kw)
+        tr._token_stats = counted
+    rec = [tr.step(s) for s in range(steps)][-1]
     return {n: p.detach().clone() for n, p in tr.policy.named_parameters()}, rec
 
 
@@ -394,3 +402,28 @@ def test_shared_prefill_samples_the_same_tokens():
     assert torch.equal(outs[1].sequences, outs[0].sequences)
     assert torch.equal(outs[1].response_mask, outs[0].response_mask)
     assert len({tuple(r) for r in outs[0].sequences[:, P:].tolist()}) > 4  # a group's rows drew different tokens
+
+
+@pytest.mark.parametrize("algo", [["kl.estimator=k3+"], ["kl.exact=true", "loss.agg=seq-mean-token-mean"],
+                                  ["kl.estimator=k3+", "algo.share_prompts=false"],
+                                  ["kl.estimator=k3+", "algo.mini_batches=1", "algo.epochs=1"],
+                                  ["kl.exact=true", "algo.micro_batch_size=0", "algo.micro_batch_tokens=14"],
+                                  ["kl.exact=true", "algo.fused_loss=false", "algo.share_prompts=false"]],
+                         ids=["k3", "exact", "padded", "one_mini_batch", "token_budget", "unfused"])
+def test_old_values_from_the_on_policy_update_equal_the_old_pass(algo):
+    """algo.old_from_update: epoch 0's first mini-batch takes its old log-probs, entropy and exact KL from
+    its own update forward, the old-log-prob pass computes the other rows only (none with one mini-batch).
+    Two whole steps in float64 against every row through the pass: the same parameters after each epoch's
+    optimizer steps, the same KL (policy != reference in the second step) and entropy metrics."""
+    rows_all, rows_rest = [], []
+    a, ra = _trainer_params(algo + ["algo.old_from_update=false", "train.steps=2"], old_rows=rows_all, steps=2)
+    b, rb = _trainer_params(algo + ["algo.old_from_update=true", "train.steps=2"], old_rows=rows_rest, steps=2)
+    for k in a:
+        torch.testing.assert_close(b[k], a[k], atol=1e-12, rtol=1e-12, msg=lambda s, k=k: f"{k}: {s}")
+    for k in ("kl_mean", "kl_p90", "kl_max", "entropy", "pg_loss", "kl_loss", "approx_kl_old", "ratio_mean"):
+        assert rb[k] == pytest.approx(ra[k], rel=1e-9, abs=1e-12), k
+    assert ra["kl_mean"] > 1e-6 and ra["entropy"] > 0
+    n_rows = 16  # 4 prompts x 4 samples
+    assert rows_all == [n_rows] * 2
+    assert rows_rest == ([] if "algo.mini_batches=1" in algo else [n_rows // 2] * 2)
+    assert rb["logp_drift"] == 0.0 and 0.0 <= ra["logp_drift"] < 1e-12  # measured only where the pass ran
