@@ -402,6 +402,9 @@ def main(argv=None) -> list[dict]:
     with tempfile.TemporaryDirectory() as tmp:
         for size in a.sizes.split(","):
             setup = prepare(size, os.path.join(a.workdir or tmp, size), a.warmup + a.steps)
+            # the checkpoint and export just written: flushed now, not by the kernel's writeback during the
+            # first timed side (which had run ~10% slower, always round 1's first side)
+            os.sync()
             res = {"size": size, "params": setup["params"], "prompts_checked": setup["prompts_checked"]}
             runs: dict[str, list[dict]] = {"kltron": [], "trl": []}
             for r in range(a.rounds):  # the sides alternate, the order swapping each round
