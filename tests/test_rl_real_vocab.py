@@ -51,6 +51,10 @@ def test_heads_use_the_tokenizer_vocabulary():
     want_ref = lr.gather(-1, ro.responses_ids.unsqueeze(-1)).squeeze(-1)
     want_ent = -(lp.exp() * lp).sum(-1)
     want_kl = (lp.exp() * (lp - lr)).sum(-1)  # KL(pi || ref) over the tokenizer's ids
+    # the first mini-batch's rows get their old values from the update's on-policy forward
+    # (algo.old_from_update): after it, every row holds the step-0 policy's values
+    assert data.deferred is not None and 0 < data.deferred.numel() <= m.shape[0]
+    trainer.update(data, 0)
     for got, want in ((data.old_logp, want_logp), (data.ref_logp, want_ref), (data.entropy, want_ent),
                       (data.kl, want_kl)):
         torch.testing.assert_close(got[m].double(), want[m], rtol=0, atol=2e-5)
