@@ -173,10 +173,11 @@ class Tokenizer:
     def decode_batch(self, batch: Sequence[list[int]]) -> list[str]:
         """`decode` of each list of ids, in one backend call (a rollout decodes every response)."""
         batch = [[int(i) for i in ids] for ids in batch]
+        V, holes = self.vocab_size, self._holes
         for ids in batch:
-            bad = [i for i in ids if not 0 <= i < self.vocab_size or i in self._holes]
+            bad = [i for i in ids if not 0 <= i < V or i in holes]
             if bad:
-                raise ValueError(f"decode: id {bad[0]} is outside the vocabulary [0, {self.vocab_size}) of "
+                raise ValueError(f"decode: id {bad[0]} is outside the vocabulary [0, {V}) of "
                                  f"{self.path}")
         return self._b.decode_batch(batch)
 

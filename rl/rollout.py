@@ -76,16 +76,29 @@ def step_prompts(task, n_global: int, seed: int, step: int, dp_rank: int, dp_siz
 
 
 class TaskPrompts:
-    """A built-in task's prompts (`step_prompts`), encoded with bos when the tokenizer has one."""
+    """A built-in task's prompts (`step_prompts`), encoded with bos when the tokenizer has one. A
+    generated task repeats its prompts (the arithmetic task has 100 at max_operand 9), so each text's ids
+    are kept (up to `CACHE` texts, then the cache starts over): a step encodes only the texts it has
+    not seen."""
+
+    CACHE = 1 << 16
 
     def __init__(self, task, tokenizer):
         self.task, self.tok = task, tokenizer
+        self._ids: dict[str, tuple[int, ...]] = {}
 
     def _encode(self, texts: list[str]) -> list[list[int]]:
         """Ids of `texts` with bos prepended when the tokenizer has one (one batched call where it can)."""
-        bos = [] if self.tok.bos_id is None else [self.tok.bos_id]
-        batch = getattr(self.tok, "encode_batch", None)
-        return [bos + ids for ids in (batch(texts) if batch else [self.tok.encode(t) for t in texts])]
+        new = list(dict.fromkeys(t for t in texts if t not in self._ids))
+        if new:
+            if len(self._ids) + len(new) > self.CACHE:
+                self._ids.clear()
+                new = list(dict.fromkeys(texts))
+            bos = [] if self.tok.bos_id is None else [self.tok.bos_id]
+            batch = getattr(self.tok, "encode_batch", None)
+            got = batch(new) if batch else [self.tok.encode(t) for t in new]
+            self._ids.update((t, tuple(bos + list(ids))) for t, ids in zip(new, got))
+        return [list(self._ids[t]) for t in texts]
 
     def rank_prompts(self, n_global: int, seed: int, step: int, dp_rank: int, dp_size: int):
         """(global index of the first local prompt, [prompt ids], [meta]) for this rank."""

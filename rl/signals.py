@@ -20,14 +20,43 @@ from rl.losses import PolicyLossConfig, clipped_surrogate, loss_scale, token_wei
 def repetition_rate(ids: torch.Tensor, mask: torch.Tensor, n: int = 3, dp_group=None) -> float:
     """Mean over responses with at least one n-gram of 1 - (distinct n-grams / n-grams), the share of
     a response's token n-grams that repeat an earlier one (0: no repetition). ids, mask: [B, N]; a
-    response is its valid tokens (mask true), in order. Global over DP."""
-    rates = []
-    for row, m in zip(ids.tolist(), mask.bool().tolist()):
-        toks = [t for t, keep in zip(row, m) if keep]
-        grams = [tuple(toks[i:i + n]) for i in range(len(toks) - n + 1)]
-        if grams:
-            rates.append(1.0 - len(set(grams)) / len(grams))
-    t = torch.tensor([sum(rates), float(len(rates))], dtype=torch.float64, device=ids.device)
+    response is its valid tokens (mask true), in order. Global over DP.
+
+    Tensor ops on the ids' device, O(B N log N), no per-token Python (a 512 x 2048 rollout is a million
+    tokens): each row's valid tokens moved to its front (a stable sort keeps their order), each n-gram
+    one int64 (t_0 V^(n-1) + ... + t_(n-1), exact while V^n < 2^62, V = max id + 1), the row's codes
+    sorted, distinct ones counted where the sorted code changes. Where V^n would overflow, the n-grams
+    are compared directly (unique over rows of n ids)."""
+    B, N = ids.shape
+    mask = mask.bool()
+    counts, distinct = torch.zeros(B, dtype=torch.long, device=ids.device), None
+    if N >= n and B > 0:
+        order = torch.sort((~mask).to(torch.uint8), dim=1, stable=True).indices  # valid tokens first, in order
+        toks = ids.gather(1, order).long()
+        length = mask.sum(1)
+        G = N - n + 1
+        counts = (length - n + 1).clamp(min=0)  # n-grams per row
+        valid = torch.arange(G, device=ids.device)[None, :] < counts[:, None]  # [B, G]
+        V = int(toks.max()) + 1 if toks.numel() else 1
+        if V ** n < 2 ** 62:
+            code = toks[:, :G].clone()
+            for j in range(1, n):
+                code = code * V + toks[:, j:j + G]
+            code = torch.where(valid, code, torch.full_like(code, torch.iinfo(torch.long).max))
+            srt = torch.sort(code, dim=1).values  # a row's valid codes first (every code < the fill)
+            change = torch.ones_like(valid)
+            change[:, 1:] = srt[:, 1:] != srt[:, :-1]
+            distinct = (change & valid).sum(1)
+        else:  # exact for any vocabulary: ids of (row, n-gram) compared whole
+            grams = torch.stack([toks[:, j:j + G] for j in range(n)], dim=-1)  # [B, G, n]
+            keys = torch.cat([torch.arange(B, device=ids.device)[:, None, None].expand(B, G, 1), grams], -1)
+            uniq = torch.unique(keys[valid], dim=0)
+            distinct = torch.bincount(uniq[:, 0], minlength=B)
+    has = counts > 0
+    rate = torch.zeros(B, dtype=torch.float64, device=ids.device)
+    if distinct is not None:
+        rate = torch.where(has, 1.0 - distinct.double() / counts.clamp(min=1).double(), rate)
+    t = torch.stack([rate.sum(), has.sum().double()])
     comm.all_reduce(t, "sum", dp_group)  # rate sums and counted responses over DP
     return float(t[0] / t[1]) if t[1] > 0 else 0.0
 

@@ -133,3 +133,27 @@ def test_repetition_rate_and_window_correlation():
     assert got[:2] == [None, None]
     assert got[2] == pytest.approx(np.corrcoef(xs[:3], ys[:3])[0, 1])
     assert got[4] == pytest.approx(np.corrcoef(xs[1:], ys[1:])[0, 1])
+
+
+def _repetition_by_definition(ids, mask, n):
+    """The rate written out per response in Python: its valid tokens in order, their n-grams, 1 - distinct/all."""
+    rates = []
+    for row, m in zip(ids.tolist(), mask.bool().tolist()):
+        toks = [t for t, keep in zip(row, m) if keep]
+        grams = [tuple(toks[i:i + n]) for i in range(len(toks) - n + 1)]
+        if grams:
+            rates.append(1.0 - len(set(grams)) / len(grams))
+    return sum(rates) / len(rates) if rates else 0.0
+
+
+@pytest.mark.parametrize("n,vocab", [(3, 5), (3, 151936), (1, 7), (4, 3), (2, 2 ** 33)])
+def test_repetition_rate_equals_its_definition(n, vocab):
+    """The vectorised rate against the per-response definition on random rows with masked holes, empty and
+    short responses; ids up to 2^33 with n=2 take the exact path for codes that would overflow int64."""
+    g = torch.Generator().manual_seed(n * 7 + vocab % 97)
+    for _ in range(20):
+        B, N = int(torch.randint(1, 9, (1,), generator=g)), int(torch.randint(0, 12, (1,), generator=g))
+        hi = min(vocab, 4)  # few distinct ids, so n-grams repeat
+        ids = torch.randint(0, hi, (B, N), generator=g) * (vocab // hi)
+        mask = torch.rand(B, N, generator=g) < 0.8
+        assert repetition_rate(ids, mask, n) == pytest.approx(_repetition_by_definition(ids, mask, n), abs=1e-12)

@@ -31,3 +31,22 @@ def test_batch_decode_matches_per_row_decode():
     assert decode_responses(tok, seq, mask) == [tok.decode(r) for r in rows]
     with pytest.raises(ValueError, match="outside the vocabulary"):
         tok.decode_batch([[3], [tok.vocab_size]])
+
+
+def test_task_prompts_cache_gives_the_tokenizers_ids(monkeypatch):
+    """TaskPrompts keeps each prompt text's ids: repeated texts, a batch with duplicates and a batch after the
+    cache starts over all get bos + the tokenizer's own encoding, and the backend sees each text once."""
+    from rl.rollout import TaskPrompts
+    tok, plain = load_tokenizer(None), load_tokenizer(None)
+    seen = []
+    real = tok.encode_batch
+    monkeypatch.setattr(tok, "encode_batch", lambda texts, **kw: seen.extend(texts) or real(texts, **kw))
+    tp = TaskPrompts(None, tok)
+    tp.CACHE = 4
+    want = lambda ts: [[plain.bos_id] + plain.encode(t) for t in ts]
+    for batch in (["1+2=", "3+4=", "1+2="], ["3+4=", "5+6="], ["7+8=", "9+1=", "1+2="], ["1+2="]):
+        got = tp._encode(batch)
+        assert got == want(batch)
+        got[0].append(-1)  # the caller's list, not the cache's
+    assert tp._encode(["1+2="]) == want(["1+2="])
+    assert seen == ["1+2=", "3+4=", "5+6=", "7+8=", "9+1=", "1+2="]  # 3rd batch: over 4 texts, starts over
