@@ -40,6 +40,8 @@ by_token_budget's (one max all-reduce, halving, zero-weight fillers).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from core.generate import distinct_prompts
@@ -96,13 +98,14 @@ def _split_long_groups(p: list[int], n: list[int], keys: list[int]) -> list[int]
     return out
 
 
-def _pack_groups(lengths: list[int]) -> list[list[int]]:
+def _pack_groups(lengths: list[int], spread: int = 2) -> list[list[int]]:
     """Groups of `lengths` tokens -> rows of the shared layout (lists of group indices), first-fit
-    decreasing into rows of max(longest group, twice the median group) tokens, so that groups of
+    decreasing into rows of max(longest group, `spread` x the median group) tokens, so that groups of
     different sizes (a mini-batch holds a varying number of each prompt's rows; a prompt drawn twice
-    makes one long group) are not each padded to the longest. Within a row groups keep their order;
+    makes one long group) are not each padded to the longest (spread 0: rows of the longest group, short
+    groups sharing a row only where they fit beside each other). Within a row groups keep their order;
     rows are sorted by first group."""
-    cap = max(max(lengths), 2 * sorted(lengths)[len(lengths) // 2])
+    cap = max(max(lengths), spread * sorted(lengths)[len(lengths) // 2])
     rows, room = [], []
     for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
         j = next((j for j, left in enumerate(room) if left >= lengths[i]), None)
@@ -115,19 +118,95 @@ def _pack_groups(lengths: list[int]) -> list[list[int]]:
     return sorted(sorted(r) for r in rows)
 
 
+@dataclass(frozen=True)
+class LayoutCost:
+    """The relative cost of a forward (and backward) over an [R, W] layout under a dense mask, per layer:
+    each token's projections and MLP (2 (2 H^2 + 2 H Hkv) + 6 H I multiply-adds) and each of the R W^2
+    attention scores (4 H: Q K^T and P V). With a dense mask every score is computed (neither SDPA's CPU
+    kernel nor its CUDA ones skip masked blocks), so the score term grows with the square of a row: a
+    group of G long responses in one row costs G^2 times one response's attention. tp divides both."""
+
+    per_token: float
+    per_score: float
+
+    def attention_share(self, width: int) -> float:
+        """The share of a row of `width` tokens' modelled cost spent in attention scores."""
+        return width * self.per_score / (self.per_token + width * self.per_score)
+
+    @classmethod
+    def of(cls, cfg) -> LayoutCost:
+        """From a ModelConfig."""
+        H, hkv = cfg.hidden_size, cfg.n_kv_heads * cfg.head_dim
+        return cls(2.0 * (2 * H * H + 2 * H * hkv) + 6.0 * H * cfg.intermediate_size, 4.0 * H)
+
+    def __call__(self, rows: int, width: int) -> float:
+        return rows * width * (self.per_token + width * self.per_score)
+
+
+# The model counts arithmetic, not per-row overheads, which decide short rows on a CPU: at the tiny bench
+# shapes (attention 16% of the modelled cost) one group a row measured 1.2x slower than two, although the
+# model priced it 19% cheaper. So other plans are priced only where the default's rows spend at least
+# ATTENTION_SHARE of their modelled cost in attention (rows of >= (per_token / per_score) / 3 tokens: ~130
+# at the tiny model, ~520 at H=256, ~8.9k at Llama-3-8B), and one is taken only at <= SWITCH_MARGIN of the
+# default's modelled cost.
+ATTENTION_SHARE = 0.25
+SWITCH_MARGIN = 0.9
+
+
+def _split_pieces(groups: list, k: int) -> list:
+    """Each piece (`_layout`'s) with more than k responses -> consecutive pieces of at most k, each
+    repeating the prompt."""
+    return [(prow, pg, answers[i:i + k]) for prow, pg, answers in groups for i in range(0, len(answers), k)]
+
+
+def _cheapest_plan(groups: list, cost: LayoutCost):
+    """(pieces, rows) of the lowest modelled cost among: the default (`groups` as they are, packed two
+    median groups a row; kept outright where its rows spend under ATTENTION_SHARE in attention) and the
+    pieces of at most k responses (k halving from the largest group's count
+    to 1) packed either way (two medians a row, or the longest piece a row), taken only when it costs at
+    most SWITCH_MARGIN of the default. k = 1 is the padded layout without its padding: one response per
+    row after its prompt. Long responses make it the cheapest: with a dense mask a group of G responses
+    of N tokens in one row runs G^2 N^2 scores, G rows of one response G N^2."""
+    def priced(pieces, spread):
+        lengths = [_piece_len(g) for g in pieces]
+        bins = _pack_groups(lengths, spread)
+        width = max(sum(lengths[i] for i in b) for b in bins)
+        return cost(len(bins), width), pieces, bins, width
+
+    default = priced(groups, 2)
+    if cost.attention_share(default[3]) < ATTENTION_SHARE:
+        return default[1:3]
+    best = default
+    k = max(len(g[2]) for g in groups)
+    while True:
+        pieces = _split_pieces(groups, k)
+        for spread in (2, 0):
+            cand = priced(pieces, spread)
+            if cand[0] < best[0]:
+                best = cand
+        if k == 1:
+            break
+        k = (k + 1) // 2
+    return best[1:3] if best[0] <= SWITCH_MARGIN * default[0] else default[1:3]
+
+
 def _check_prompts(p: list[int], n: list[int]) -> None:
     if any(ni > 0 and pi < 1 for pi, ni in zip(p, n)):
         raise ValueError("shared prompts: a row with a response has no prompt token (nothing predicts its first)")
 
 
-def share_rows(ro: Rollout, rows: list[int], p: list[int], n: list[int], keys: list[int]):
+def share_rows(ro: Rollout, rows: list[int], p: list[int], n: list[int], keys: list[int],
+               cost: LayoutCost | None = None):
     """Local rows `rows` (p_i real prompt tokens, response extent n_i, prompt group keys[i]) in the
     shared layout -> PackedRows ([R, W] inputs, M head tokens), or None when no row has a valid
-    response token. Every group must have p_g >= 1 (a response needs a predicting position)."""
+    response token. Every group must have p_g >= 1 (a response needs a predicting position). `cost`
+    (the model's LayoutCost): the plan `_cheapest_plan` prices lowest; None: the default plan."""
     _check_prompts(p, n)
     groups = _layout(rows, p, n, _split_long_groups(p, n, keys))
     if not groups:
         return None
+    if cost is not None:
+        return _assemble(ro, *_cheapest_plan(groups, cost))
     return _assemble(ro, groups, _pack_groups([_piece_len(g) for g in groups]))
 
 
@@ -181,22 +260,22 @@ def _assemble(ro: Rollout, groups: list, bins: list[list[int]]) -> PackedRows:
                       ro.sequences[src_rows, P + src_cols], prefix_ids=spread(prefix[sid], -1))
 
 
-def share_rollout(ro: Rollout, rows: torch.Tensor | None = None):
+def share_rollout(ro: Rollout, rows: torch.Tensor | None = None, cost: LayoutCost | None = None):
     """The shared layout of rows `rows` [k] of `ro` (default: all), or None when none has a response token."""
     rows = torch.arange(ro.sequences.shape[0], device=ro.sequences.device) if rows is None else rows
     p, n = row_lengths(ro, rows)
-    return share_rows(ro, rows.tolist(), p, n, prompt_keys(ro, rows))
+    return share_rows(ro, rows.tolist(), p, n, prompt_keys(ro, rows), cost)
 
 
 
-def shared_by_row_count(ro: Rollout, rows: torch.Tensor, size: int) -> list[MicroBatch]:
+def shared_by_row_count(ro: Rollout, rows: torch.Tensor, size: int, cost: LayoutCost | None = None) -> list[MicroBatch]:
     """by_row_count's micro-batches (`size` rows in the given order, 0: all), each in the shared
     layout (`share_rows`), or padded [m, P + N] when none of its rows has a response token (it still
     runs: every DP rank runs as many micro-batches)."""
     out = by_row_count(ro, rows, size)
     for mb in out:
         p, n = row_lengths(ro, mb.rows)
-        mb.packed = share_rows(ro, mb.rows.tolist(), p, n, prompt_keys(ro, mb.rows))
+        mb.packed = share_rows(ro, mb.rows.tolist(), p, n, prompt_keys(ro, mb.rows), cost)
     return out
 
 
@@ -206,18 +285,41 @@ def shared_by_row_count(ro: Rollout, rows: torch.Tensor, size: int) -> list[Micr
 # then these rows' responses).
 
 
-def budget_pieces(ids: list[int], p: dict, n: dict, keys: dict, budget: int) -> list[list[int]]:
+def members_per_piece(pg: int, ns: list[int], cost: LayoutCost) -> int:
+    """How many of a group's responses (lengths `ns`, prompt `pg` tokens) one piece should hold, each
+    piece a row of its own: the k (halving from all of them to 1) whose consecutive pieces the model
+    prices lowest, where that is at most SWITCH_MARGIN of the whole group in one row; else all (and
+    all outright where the whole group's row spends under ATTENTION_SHARE in attention)."""
+    def priced(k):
+        return sum(cost(1, pg + sum(ns[i:i + k])) for i in range(0, len(ns), k))
+
+    if cost.attention_share(pg + sum(ns)) < ATTENTION_SHARE:
+        return len(ns)
+    whole = priced(len(ns))
+    best_k, best, k = len(ns), whole, len(ns)
+    while k > 1:
+        k = (k + 1) // 2
+        v = priced(k)
+        if v < best:
+            best_k, best = k, v
+    return best_k if best <= SWITCH_MARGIN * whole else len(ns)
+
+
+def budget_pieces(ids: list[int], p: dict, n: dict, keys: dict, budget: int,
+                  cost: LayoutCost | None = None) -> list[list[int]]:
     """The prompt groups of row ids `ids` (rows with a response; keys[i]: the group of row i), each
     one piece, or, when p + sum n > budget, consecutive pieces of p + sum n <= budget, each repeating
-    the prompt (a prompt and one response over budget: a piece of its own)."""
+    the prompt (a prompt and one response over budget: a piece of its own). `cost`: pieces also hold at
+    most `members_per_piece` responses."""
     groups: dict[int, list[int]] = {}
     for i in ids:
         groups.setdefault(keys[i], []).append(i)
     out = []
     for members in groups.values():
+        k = len(members) if cost is None else members_per_piece(p[members[0]], [n[i] for i in members], cost)
         piece, used = [], p[members[0]]
         for i in members:
-            if piece and used + n[i] > budget:
+            if piece and (used + n[i] > budget or len(piece) >= k):
                 out.append(piece)
                 piece, used = [], p[members[0]]
             piece.append(i)
@@ -278,7 +380,8 @@ def _micro_batch(ro: Rollout, mb: list[list[list[int]]], p: dict, n: dict, devic
     return MicroBatch(idx, max(p[i] for i in flat), max(n[i] for i in flat), packed=_assemble(ro, groups, bins))
 
 
-def shared_by_token_budget(ro: Rollout, rows: torch.Tensor, budget: int, dp_group=None) -> list[MicroBatch]:
+def shared_by_token_budget(ro: Rollout, rows: torch.Tensor, budget: int, dp_group=None,
+                           cost: LayoutCost | None = None) -> list[MicroBatch]:
     """This rank's micro-batches of mini-batch `rows` [k] in the shared layout, each [R, W] with
     R x W <= `budget` (see the module docstring); the same count on every rank of `dp_group` (one max
     all-reduce; halving, then zero-weight fillers, as `by_token_budget`)."""
@@ -288,7 +391,7 @@ def shared_by_token_budget(ro: Rollout, rows: torch.Tensor, budget: int, dp_grou
     p, n = dict(zip(ids, p_list)), dict(zip(ids, n_list))
     keys = dict(zip(ids, prompt_keys(ro, rows)))
     length = lambda g: p[g[0]] + sum(n[i] for i in g)
-    plans = plan_shared(budget_pieces([i for i in ids if n[i] > 0], p, n, keys, budget), length, budget)
+    plans = plan_shared(budget_pieces([i for i in ids if n[i] > 0], p, n, keys, budget, cost), length, budget)
     count = agreed_count(len(plans), rows.device, dp_group)
     cost = lambda mb: len(mb) * max(sum(length(g) for g in row) for row in mb)
     size = lambda mb: sum(len(g) for row in mb for g in row)

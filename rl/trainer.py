@@ -43,7 +43,7 @@ from rl.losses import TokenPolicyLoss, aggregate, clipped_value_loss, loss_scale
 from rl.micro_batches import MicroBatch, by_row_count, by_token_budget
 from rl.reference import ReferenceSync
 from rl.rollout import Rollout, collect_rollout, evaluate
-from rl.shared_layout import share_rollout, shared_by_row_count, shared_by_token_budget
+from rl.shared_layout import LayoutCost, share_rollout, shared_by_row_count, shared_by_token_budget
 from rl.signals import WindowCorr, loss_term_grad_norms, repetition_rate
 from rl.update_stats import UpdateStats
 
@@ -106,6 +106,7 @@ class RLTrainer:
         self.eval_prompts = eval_prompts or None
         self.tp_group, self.dp_group = state.tp_group, state.dp_group
         self.world_group = None if state.mesh is None else torch.distributed.group.WORLD
+        self.layout_cost = LayoutCost.of(policy.cfg)  # the shared-prompt layout's plan (rl/shared_layout.py)
         self.timer = PhaseTimer(state.device, memory={"rollout": "rollout", "ref_logprobs": "ref",
                                                       "old_logprobs": "old", "update": "update"})
         self.rollout_stats: dict = {}  # this rank's last generation: rollout_tokens, rollout_s
@@ -140,7 +141,8 @@ class RLTrainer:
                                  stats=self.rollout_stats)
         mask = ro.response_mask
         exact = cfg.kl.exact
-        shared = share_rollout(ro) if cfg.algo.share_prompts else None  # each prompt once (rl/shared_layout.py)
+        # each prompt once (rl/shared_layout.py), in the plan the layout cost model prices lowest
+        shared = share_rollout(ro, cost=self.layout_cost) if cfg.algo.share_prompts else None
         with self.timer("ref_logprobs"):
             ref_h, ref_w = reference_hidden(self.ref, ro.sequences, ro.attention_mask, ro.prompt_len, packed=shared)
             ref_logp = logprobs_from_hidden(ref_h, ref_w, ro.responses_ids, tp_group=self.tp_group,
@@ -200,7 +202,7 @@ class RLTrainer:
             dt = torch.promote_types(next(self.policy.parameters()).dtype, torch.float32)
             zero = torch.zeros(B, N, dtype=dt, device=ro.response_mask.device)
             return TokenStats(zero, zero if kw["entropy"] else None, zero if kw["kl"] else None)
-        packed = share_rollout(ro, rows) if self.cfg.algo.share_prompts else None
+        packed = share_rollout(ro, rows, self.layout_cost) if self.cfg.algo.share_prompts else None
         if packed is not None:  # the head's [1, M] values land on their rows, 0 elsewhere
             return self._token_stats(self.policy, ro, packed=packed, **kw)
         # padded (or no row with a response token): the kept rows' own forward, scattered back
@@ -272,9 +274,9 @@ class RLTrainer:
         with `algo.share_prompts` either in the shared-prompt layout: rl/shared_layout.py."""
         a = self.cfg.algo
         if a.share_prompts and a.micro_batch_tokens:
-            return shared_by_token_budget(data.ro, rows, a.micro_batch_tokens, self.dp_group)
+            return shared_by_token_budget(data.ro, rows, a.micro_batch_tokens, self.dp_group, self.layout_cost)
         if a.share_prompts:
-            return shared_by_row_count(data.ro, rows, a.micro_batch_size)
+            return shared_by_row_count(data.ro, rows, a.micro_batch_size, self.layout_cost)
         if not a.micro_batch_tokens:
             return by_row_count(data.ro, rows, a.micro_batch_size)
         return by_token_budget(data.ro, rows, a.micro_batch_tokens, a.pack_sequences, self.dp_group)

@@ -94,9 +94,10 @@ def test_first_minibatch_is_on_policy_and_update_moves(singles):
 
 def test_exact_kl_and_two_epochs(singles):
     recs, _ = singles["exact"]
-    # policy == reference at step 0: 0 up to float rounding (the first mini-batch's KL comes from the update's
-    # forward, another layout than the reference pass's: algo.old_from_update)
-    assert abs(recs[0]["kl_mean"]) < 1e-9 and recs[1]["kl_mean"] > 1e-6
+    # policy == reference at step 0: 0 up to fp32 rounding of the KL's sum (~1e-8 here; the first mini-batch's KL
+    # comes from the update's forward, another layout than the reference pass's: algo.old_from_update), against
+    # ~1e-2 at step 1
+    assert abs(recs[0]["kl_mean"]) < 1e-6 and recs[1]["kl_mean"] > 1e-3
     assert recs[1]["kl_p99"] >= recs[1]["kl_p50"] >= 0.0  # the exact KL is never negative
 
 

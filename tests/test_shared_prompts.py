@@ -22,8 +22,10 @@ from rl.logprobs import packed_fused_loss, packed_token_stats, policy_fused_loss
 from rl.micro_batches import gather_tokens, row_lengths, scatter_tokens
 from rl.rollout import Rollout
 from rl.shared_layout import (
+    LayoutCost,
     _halve,
     budget_pieces,
+    members_per_piece,
     plan_shared,
     prompt_keys,
     share_rollout,
@@ -83,13 +85,13 @@ def test_prefix_mask_reduces_to_document_mask():
     assert m.tolist()[4] == [True, True, False, False, True, False]  # response 2 sees the prompt, not response 1
 
 
-def _stats_and_grads(shared: bool, fused: bool, **rollout_kw):
+def _stats_and_grads(shared: bool, fused: bool, cost=None, **rollout_kw):
     """float64: log-probs, entropy, exact KL [B, N] and every policy gradient of a weighted sum of them."""
     torch.manual_seed(0)
     policy, ref = _models()
     ro = _rollout(**rollout_kw)
     B, N = ro.response_mask.shape
-    sh = share_rollout(ro) if shared else None
+    sh = share_rollout(ro, cost=cost) if shared else None
     ref_h, ref_w = reference_hidden(ref, ro.sequences, ro.attention_mask, ro.prompt_len, packed=sh)
     w = torch.randn(3, B, N, dtype=torch.float64, generator=torch.Generator().manual_seed(9), device="cpu")
     kw = dict(vocab_size=131, entropy=True, kl="forward", ref_hidden=ref_h, ref_weight=ref_w,
@@ -120,11 +122,16 @@ def _stats_and_grads(shared: bool, fused: bool, **rollout_kw):
 LONG = dict(groups=[0, 1, 0, 2, 0, 3, 0, 0, 0, 1], resp=[4, 2, 4, 3, 4, 2, 4, 3, 4, 1])
 
 
+# attention priced high: the cost plan cuts every group into one-response pieces, a row each
+ATTENTION_BOUND = LayoutCost(per_token=1.0, per_score=100.0)
+
+
 @pytest.mark.parametrize("fused", [False, True], ids=["stats", "fused_loss"])
-@pytest.mark.parametrize("case", ["groups", "long_group"])
+@pytest.mark.parametrize("case", ["groups", "long_group", "cost_plan"])
 def test_shared_equals_padded_float64(fused, case):
-    kw = LONG if case == "long_group" else {}
-    a, b = _stats_and_grads(False, fused, **kw), _stats_and_grads(True, fused, **kw)
+    kw = LONG if case != "groups" else {}
+    cost = ATTENTION_BOUND if case == "cost_plan" else None
+    a, b = _stats_and_grads(False, fused, **kw), _stats_and_grads(True, fused, cost=cost, **kw)
     m = _rollout(**kw).response_mask
     tol = dict(atol=1e-12, rtol=1e-12)
     torch.testing.assert_close(b[0], a[0], **tol)  # reference hidden states at the response tokens
@@ -168,7 +175,8 @@ def test_budget_plan_by_hand():
     assert _halve([[[0, 2, 4]]]) == ([[[0]]], [[[2, 4]]])
 
 
-def test_budget_plans_of_random_rollouts():
+@pytest.mark.parametrize("cost", [None, "attention_bound"])
+def test_budget_plans_of_random_rollouts(cost):
     """200 random rollouts (1-16 rows of 4 prompts, responses of 0-4 tokens) and budgets 5-40: every row
     with a response in exactly one micro-batch, every response token once, and R x W <= budget but for
     a micro-batch of a single row whose prompt + response exceeds it."""
@@ -179,7 +187,9 @@ def test_budget_plans_of_random_rollouts():
         resp = torch.randint(0, 5, (B,), generator=g).tolist()
         budget = int(torch.randint(5, 41, (1,), generator=g))
         ro = _rollout(groups=groups, resp=resp)
-        mbs = [mb for mb in shared_by_token_budget(ro, torch.randperm(B, generator=g), budget) if not mb.filler]
+        plan_cost = ATTENTION_BOUND if cost else None  # pieces of fewer responses (one each), same invariants
+        mbs = [mb for mb in shared_by_token_budget(ro, torch.randperm(B, generator=g), budget, cost=plan_cost)
+               if not mb.filler]
         assert sorted(i for mb in mbs for i in mb.rows.tolist()) == [i for i in range(B) if resp[i] > 0]
         heads = [(r, c) for mb in mbs for r, c in zip(mb.packed.src_rows.tolist(), mb.packed.src_cols.tolist())]
         assert sorted(heads) == [(i, c) for i in range(B) for c in range(resp[i])]
@@ -427,3 +437,30 @@ def test_old_values_from_the_on_policy_update_equal_the_old_pass(algo):
     assert rows_all == [n_rows] * 2
     assert rows_rest == ([] if "algo.mini_batches=1" in algo else [n_rows // 2] * 2)
     assert rb["logp_drift"] == 0.0 and 0.0 <= ra["logp_drift"] < 1e-12  # measured only where the pass ran
+
+
+def test_layout_cost_plan_by_hand():
+    """The plan the cost model picks. Responses of 4 after a 3-token prompt: one row of 19 tokens costs
+    19 (+ 361 per-score units), two pieces of 11 cost 22 (+ 242), four of 7 cost 28 (+ 196): with no
+    attention cost the whole group stays one piece, with attention priced the responses go one per row.
+    On LONG's rollout: free attention keeps the default plan exactly; costly attention gives one response
+    per row (R = the rows with a response, W = the longest prompt + response), modelled under 0.9x."""
+    assert members_per_piece(3, [4, 4, 4, 4], LayoutCost(1.0, 0.0)) == 4
+    assert members_per_piece(3, [4, 4, 4, 4], LayoutCost(1.0, 1.0)) == 1
+    # 0.05 per score: two pieces 34.1 against 37.05 whole, 0.92x, not under the 0.9 margin: whole
+    assert members_per_piece(3, [4, 4, 4, 4], LayoutCost(1.0, 0.05)) == 4
+    assert members_per_piece(3, [4, 4, 4, 4], LayoutCost(1.0, 0.1)) == 2  # 46.2 against 55.1 whole (0.84x), 47.6 one each
+    ro = _rollout(**LONG)
+    default, free = share_rollout(ro), share_rollout(ro, cost=LayoutCost(1.0, 0.0))
+    for f in ("input_ids", "position_ids", "document_ids", "prefix_ids", "head_pos", "src_rows", "src_cols"):
+        assert torch.equal(getattr(free, f), getattr(default, f)), f
+    tiny = LayoutCost.of(ModelConfig(**{**MODEL, "hidden_size": 64, "intermediate_size": 176}))
+    assert tiny.attention_share(default.input_ids.shape[1]) < 0.25  # short rows: the default, outright
+    assert torch.equal(share_rollout(ro, cost=tiny).input_ids, default.input_ids)
+    split = share_rollout(ro, cost=ATTENTION_BOUND)
+    R, W = split.input_ids.shape
+    p, n = row_lengths(ro, torch.arange(10, device="cpu"))
+    assert R == sum(x > 0 for x in n) and W == max(a + b for a, b in zip(p, n))
+    assert ATTENTION_BOUND(R, W) <= 0.9 * ATTENTION_BOUND(*default.input_ids.shape)
+    assert sorted(zip(split.src_rows.tolist(), split.src_cols.tolist())) == sorted(
+        zip(default.src_rows.tolist(), default.src_cols.tolist()))  # the same response tokens, once each
