@@ -9,7 +9,7 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SECTIONS = ("layout", "hf_parity", "mfu_eager", "grpo_tiny", "grpo_0p5b", "kl_head", "bf16_kl", "kl_memory", "sampler",
-            "mfu_compile")
+            "layout_cost", "mfu_compile")
 
 
 @pytest.mark.slow
@@ -41,4 +41,7 @@ def test_gpu_check_cpu_version(tmp_path):
     assert all(abs(m["projection_error"]) <= 0.10 for m in km["methods"].values())
     assert km["gather_over_exact_memory"] > 1.0
     assert {"eager", "compiled", "eager top_p=0.9"} <= set(r["sampler"]["sampler"])
+    lc = r["layout_cost"]["rows"]  # the shared layout's plans against padding, one row per shape
+    assert [(x["P"], x["N"]) for x in lc] == [(16, 6), (32, 64)]
+    assert all(x[k]["s"] > 0 and x[k]["model"] > 0 for x in lc for k in ("padded", "default", "cost"))
     assert "| section" in p.stdout  # the table

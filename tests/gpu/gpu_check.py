@@ -108,6 +108,11 @@ def sections(out: str, cpu: bool, ngpu: int) -> list[dict]:
     sm = [py, "-m", "bench.bench_sampler", "--skip-gen", "--old-ref", "none", "--json", j("sampler")]
     sm += ["--repeats", "1"] if cpu else ["--device", "cuda", "--repeats", "10"]
     s.append(dict(name="sampler", cmds=[sm], json=j("sampler"), timeout=90))
+    lc = [py, "-m", "bench.bench_layout_cost", "--device", dev, "--json", j("layout_cost")]
+    lc += (["--hidden", "64", "--shapes", "16x6,32x64", "--groups", "2", "--group-size", "4", "--repeats", "1"] if cpu
+           else ["--hidden", "1024", "--layers", "4", "--dtype", "bf16", "--shapes", "64x64,64x512,256x2048",
+                 "--repeats", "3"])
+    s.append(dict(name="layout_cost", cmds=[lc], json=j("layout_cost"), timeout=90))
     # last: compilation time is the least predictable, and the other sections must not wait on it
     s.append(dict(name="mfu_compile", cmds=[mfu + ["--compile", "--json", j("mfu_compile")]],
                   json=j("mfu_compile"), timeout=240))
@@ -231,6 +236,10 @@ def headline(name: str, r: dict) -> str:
         return (f"[256, 32000] on {sm.get('device', 'cpu')}: eager {sm['eager']['ratio']:.2f}x, compiled "
                 f"{sm['compiled']['ratio']:.2f}x multinomial (compile {sm['compile_s']:.1f} s), top_p "
                 f"{sm['eager top_p=0.9']['ratio']:.2f}x")
+    if name == "layout_cost":  # the shared layout's default plan and the cost model's, each against padding
+        return f"{r['dtype']} on {r['device']}, time / padded: " + "; ".join(
+            f"{x['P']}x{x['N']} default {x['default']['s'] / x['padded']['s']:.2f}, cost plan "
+            f"{x['cost']['s'] / x['padded']['s']:.2f}" for x in r["rows"])
     return ""
 
 
