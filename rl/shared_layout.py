@@ -162,9 +162,9 @@ def _split_pieces(groups: list, k: int) -> list:
 def _cheapest_plan(groups: list, cost: LayoutCost):
     """(pieces, rows) of the lowest modelled cost among: the default (`groups` as they are, packed two
     median groups a row; kept outright where its rows spend under ATTENTION_SHARE in attention) and the
-    pieces of at most k responses (k halving from the largest group's count
-    to 1) packed either way (two medians a row, or the longest piece a row), taken only when it costs at
-    most SWITCH_MARGIN of the default. k = 1 is the padded layout without its padding: one response per
+    pieces of at most k responses (k halving from the largest group's count to 1) packed either way (two
+    medians a row, or the longest piece a row), taken only when it costs at most SWITCH_MARGIN of the
+    default. k = 1 is the padded layout without its padding: one response per
     row after its prompt. Long responses make it the cheapest: with a dense mask a group of G responses
     of N tokens in one row runs G^2 N^2 scores, G rows of one response G N^2."""
     def priced(pieces, spread):
@@ -393,7 +393,7 @@ def shared_by_token_budget(ro: Rollout, rows: torch.Tensor, budget: int, dp_grou
     length = lambda g: p[g[0]] + sum(n[i] for i in g)
     plans = plan_shared(budget_pieces([i for i in ids if n[i] > 0], p, n, keys, budget, cost), length, budget)
     count = agreed_count(len(plans), rows.device, dp_group)
-    cost = lambda mb: len(mb) * max(sum(length(g) for g in row) for row in mb)
+    tokens_run = lambda mb: len(mb) * max(sum(length(g) for g in row) for row in mb)  # R x W
     size = lambda mb: sum(len(g) for row in mb for g in row)
     return [filler(rows, p[ids[0]]) if mb is None else _micro_batch(ro, mb, p, n, rows.device)
-            for mb in split_to(plans, count, cost, size=size, halve=_halve)]
+            for mb in split_to(plans, count, tokens_run, size=size, halve=_halve)]
