@@ -5,11 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from core.config import ModelConfig, OptimConfig, ParallelConfig, TrainConfig
-from rl.controller import MAX_N_OVER_HORIZON, KLControllerConfig
-from rl.kl import KLConfig
-from rl.losses import PolicyLossConfig
-from rl.prompts import PromptDataConfig
-from rl.rewards import RewardConfig
+from rl.experience.prompts import PromptDataConfig
+from rl.experience.rewards import RewardConfig
+from rl.objectives.controller import MAX_N_OVER_HORIZON, KLControllerConfig
+from rl.objectives.kl import KLConfig
+from rl.objectives.losses import PolicyLossConfig
 
 
 @dataclass
@@ -59,14 +59,14 @@ class AlgoConfig:
     epochs: int = 1  # passes over each step's rollouts
     mini_batches: int = 1  # optimizer steps per epoch; each mini-batch is split over DP
     micro_batch_size: int = 0  # rows per forward on one rank (gradient accumulation); 0: whole mini-batch
-    # >0: micro-batches by tokens instead (rl/micro_batches.py): rows sorted by length, grouped while
+    # >0: micro-batches by tokens instead (rl/update/micro_batches.py): rows sorted by length, grouped while
     # rows x (longest prompt + longest response) <= this, each trimmed to its longest row; with share_prompts
-    # prompt groups laid out [R, W] with R x W <= this (rl/shared_layout.py)
+    # prompt groups laid out [R, W] with R x W <= this (rl/update/shared_layout.py)
     micro_batch_tokens: int = 0
     pack_sequences: bool = False  # with micro_batch_tokens: rows concatenated, <= that many tokens per sequence
-    # each distinct prompt once, its responses after it, in the ref/old passes and the update (rl/shared_layout.py),
-    # with row or token-budget micro-batches; None (default): on for GRPO (1.3x faster step at 58M) unless
-    # pack_sequences, off for PPO
+    # each distinct prompt once, its responses after it, in the ref/old passes and the update
+    # (rl/update/shared_layout.py), with row or token-budget micro-batches; None (default): on for GRPO
+    # (1.3x faster step at 58M) unless pack_sequences, off for PPO
     share_prompts: bool | None = None
     group_mini_batches: bool = False  # mini-batches of whole prompt groups (global prompt id mod mini_batches)
     adv_std_norm: bool = True  # GRPO: divide by the group's std
@@ -144,7 +144,7 @@ class ReferenceConfig:
 
 @dataclass
 class MonitorConfig:
-    """The `monitor` section: where metrics go beside metrics.jsonl (rank 0; core/monitor.py)."""
+    """The `monitor` section: where metrics go beside metrics.jsonl (rank 0; core/runtime/monitor.py)."""
 
     tensorboard: bool = False  # TensorBoard event files in {train.out_dir}/tensorboard (extra `tensorboard`)
     wandb: str | bool = "off"  # "off" | "offline": a Weights & Biases offline run in {train.out_dir}/wandb

@@ -5,7 +5,7 @@ it is absent), the frozen reference (default: the same checkpoint), the critic f
 `train.steps` RL steps, writing `metrics.jsonl` and checkpoints to `train.out_dir` and resuming from
 its latest checkpoint when `train.resume`. The tokenizer is `tokenizer`, else the start checkpoint's
 own (a converted HF checkpoint carries its files), else the shipped one. Prompts come from `data`
-(rl.prompts: read and tokenized once, in PromptSampler's order, whose state the checkpoints carry)
+(rl.experience.prompts: read and tokenized once, in PromptSampler's order, whose state the checkpoints carry)
 or from `reward.task`. A finished run writes `{out_dir}/model`: the policy's weights plus the
 tokenizer files, ready for `python -m tools.convert_hf export`.
 """
@@ -22,22 +22,30 @@ import torch.distributed as dist
 import yaml
 
 import core.ckpt as ckpt
-from core.budget import projected_peak_bytes
 from core.config import ConfigError, ModelConfig, check_train, from_dict, load_config, to_dict
-from core.lifecycle import PREEMPTED_EXIT, RankStalled, StopRequest, Watchdog, exit_process, is_comm_failure, shutdown
-from core.metrics import ProgressBar
 from core.model import Transformer
 from core.optim import build_optimizer
-from core.run import Run, start_run
+from core.runtime.budget import projected_peak_bytes
+from core.runtime.lifecycle import (
+    PREEMPTED_EXIT,
+    RankStalled,
+    StopRequest,
+    Watchdog,
+    exit_process,
+    is_comm_failure,
+    shutdown,
+)
+from core.runtime.metrics import ProgressBar
+from core.runtime.run import Run, start_run
 from core.tokenizer import TOKENIZER_FILES, load_tokenizer
 from parallel.dims import ParallelDims, launch_world_size, resolve_device
 from parallel.fsdp import FSDPOptions, freeze, parallelize
 from rl.config import RLConfig
-from rl.critic import Critic
-from rl.guards import CollapseGuard, Preempted
-from rl.prompts import PromptSampler, load_prompt_data
-from rl.rewards import build_reward
-from rl.rollout import DataPrompts, TaskPrompts
+from rl.experience.prompts import PromptSampler, load_prompt_data
+from rl.experience.rewards import build_reward
+from rl.experience.rollout import DataPrompts, TaskPrompts
+from rl.health.guards import CollapseGuard, Preempted
+from rl.models.critic import Critic
 from rl.trainer import RLTrainer
 from rl.warmstart import ensure_start_checkpoint
 
@@ -137,7 +145,7 @@ def assemble(cfg: RLConfig, state, model_cfg, tokenizer, policy, ref, critic=Non
 
 
 def memory_plan(cfg: RLConfig, model_cfg: ModelConfig, world_size: int, device: torch.device) -> dict:
-    """core.budget's projected peak bytes per rank of one step of this exact config, model and layout."""
+    """core.runtime.budget's projected peak bytes per rank of one step of this exact config, model and layout."""
     return projected_peak_bytes(replace(cfg, model=model_cfg), world_size, device.type)
 
 

@@ -6,9 +6,9 @@ import statistics
 import pytest
 import torch
 
-from rl.advantages import broadcast_to_tokens, gae, grpo_advantages, kl_shaped_rewards, whiten
-from rl.kl import KLConfig, kl_estimate
-from rl.losses import (
+from rl.objectives.advantages import broadcast_to_tokens, gae, grpo_advantages, kl_shaped_rewards, whiten
+from rl.objectives.kl import KLConfig, kl_estimate
+from rl.objectives.losses import (
     AGG_MODES,
     LossScale,
     PolicyLossConfig,
@@ -343,8 +343,8 @@ def test_dp_two_ranks_gradient_equals_full_batch(dist_pools, mode):
 
 @pytest.mark.parametrize("mode", AGG_MODES)
 def test_token_weights_and_token_loss_match_aggregate(mode):
-    from rl.kl import KLConfig
-    from rl.losses import token_policy_loss, token_weights
+    from rl.objectives.kl import KLConfig
+    from rl.objectives.losses import token_policy_loss, token_weights
 
     lp, old, adv, m = _loss_batch()
     ref = lp - 0.2

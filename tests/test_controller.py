@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from rl.controller import KLController, KLControllerConfig
+from rl.objectives.controller import KLController, KLControllerConfig
 
 
 def test_fixed_keeps_beta():

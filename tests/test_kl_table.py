@@ -6,8 +6,8 @@ grad KL(pi||ref) = p * (log(p/q) - KL), grad KL(ref||pi) = p - q (w.r.t. the log
 import pytest
 import torch
 
-from rl.kl import KLConfig, kl_estimate, kl_loss_term, loss_gradient
-from rl.losses import clipped_surrogate
+from rl.objectives.kl import KLConfig, kl_estimate, kl_loss_term, loss_gradient
+from rl.objectives.losses import clipped_surrogate
 
 K = 6
 D = torch.float64
@@ -123,10 +123,10 @@ def test_default_loss_estimator_follows_kl_pi_ref():
 
 
 def test_plain_k3_in_the_loss_is_logged_once(caplog):
-    from rl import kl as klmod
+    from rl.objectives import kl as klmod
 
     klmod._LOGGED.clear()
-    with caplog.at_level("WARNING", logger="rl.kl"):
+    with caplog.at_level("WARNING", logger="rl.objectives.kl"):
         KLConfig(estimator="k3", where="loss")
         KLConfig(estimator="k3", where="loss")
         KLConfig(estimator="k3", where="reward")

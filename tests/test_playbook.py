@@ -9,11 +9,11 @@ import torch
 
 from core.config import load_config
 from rl.config import RLConfig
-from rl.controller import PRESETS, EntropyController, KLController
-from rl.kl import KLConfig
-from rl.losses import PolicyLossConfig
-from rl.rewards import RewardConfig, RunningRewardNorm, build_reward
-from rl.signals import WindowCorr, loss_term_grad_norms, repetition_rate
+from rl.experience.rewards import RewardConfig, RunningRewardNorm, build_reward
+from rl.health.signals import WindowCorr, loss_term_grad_norms, repetition_rate
+from rl.objectives.controller import PRESETS, EntropyController, KLController
+from rl.objectives.kl import KLConfig
+from rl.objectives.losses import PolicyLossConfig
 
 
 def _ctl(*over):

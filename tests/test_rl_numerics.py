@@ -7,10 +7,17 @@ import math
 import pytest
 import torch
 
-from rl.advantages import gae
-from rl.controller import KLController, KLControllerConfig
-from rl.kl import ESTIMATORS, KLConfig, kl_estimate
-from rl.losses import LossScale, PolicyLossConfig, clipped_value_loss, policy_loss, token_policy_loss, token_weights
+from rl.objectives.advantages import gae
+from rl.objectives.controller import KLController, KLControllerConfig
+from rl.objectives.kl import ESTIMATORS, KLConfig, kl_estimate
+from rl.objectives.losses import (
+    LossScale,
+    PolicyLossConfig,
+    clipped_value_loss,
+    policy_loss,
+    token_policy_loss,
+    token_weights,
+)
 
 D = torch.float64
 GARBAGE = {"nan": math.nan, "-inf": -math.inf, "inf": math.inf, "lr-200": -200.0}

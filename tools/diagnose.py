@@ -28,7 +28,7 @@ import os
 import sys
 from dataclasses import asdict
 
-from rl.guards import HEALTHY_FRACTION, UNIFORM_FRACTION
+from rl.health.guards import HEALTHY_FRACTION, UNIFORM_FRACTION
 from tools.symptoms import CHECKS as PLAYBOOK_CHECKS
 from tools.symptoms import Finding
 

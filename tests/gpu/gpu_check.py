@@ -30,7 +30,7 @@ import time
 
 import torch
 
-from core.metrics import read_metrics
+from core.runtime.metrics import read_metrics
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PHASES = ("rollout", "ref", "old", "update")

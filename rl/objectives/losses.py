@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import torch
 
 from parallel import comm
-from rl.kl import KLConfig, kl_loss_term, sanitize
+from rl.objectives.kl import KLConfig, kl_loss_term, sanitize
 
 AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 

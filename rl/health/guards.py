@@ -22,7 +22,7 @@ from __future__ import annotations
 import math
 import sys
 
-from core.lifecycle import Preempted  # noqa: F401 - re-exported for rl.train
+from core.runtime.lifecycle import Preempted  # noqa: F401 - re-exported for rl.train
 
 UNIFORM_FRACTION = 0.98
 HEALTHY_FRACTION = 0.9
