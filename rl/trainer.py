@@ -260,8 +260,8 @@ class RLTrainer:
         for rid in row_ids.tolist():
             prompt, j = divmod(rid, G)
             if prompt not in perms:  # one permutation per prompt, not per row
-                # the key as the first session defined it (runs stay bit-compatible); it repeats once prompts
-                # reach 131 per step or epochs 61 (see the closing note of the second session)
+                # the key as first defined (runs stay bit-compatible with earlier ones); it repeats once prompts
+                # reach 131 per step or epochs 61
                 key = derive_seed(self.cfg.train.seed, step * 7919 + epoch * 131 + prompt)
                 perms[prompt] = torch.randperm(G, generator=torch.Generator().manual_seed(key), device="cpu").tolist()
             pos.append(prompt * G + perms[prompt][j])

@@ -1,4 +1,4 @@
-"""Issue 12's weak spots, in process and on 2 gloo ranks: bad converter configs and kl_eval --out
+"""Reliability weak spots, in process and on 2 gloo ranks: bad converter configs and kl_eval --out
 named before any work, reward plug-ins that raise / return a non-number / overflow named by prompt
 and sample on every rank, metrics truncated to the resumed step, diagnose keeping the last record of
 a step, collapse guards, the stop-request agreement under a real signal, the watchdog naming a

@@ -1,4 +1,4 @@
-"""Issue 9 on the RL side: padding (NaN, inf, huge log-ratios) reaches no value or gradient in the
+"""Numerics on the RL side: padding (NaN, inf, huge log-ratios) reaches no value or gradient in the
 KL term, the policy loss, the per-token fused loss, the value loss or GAE; the value_clamp of
 k1+/k3+ bounds their gradient; the adaptive controller's clock; the direction names."""
 
