@@ -209,3 +209,37 @@ def test_future_kl_masks_and_sums_after():
     m = torch.tensor([[1, 1, 0, 1], [1, 1, 1, 0]], dtype=torch.bool)
     want = torch.tensor([[6.0, 4.0, 0.0, 0.0], [8.25, 8.0, 0.0, 0.0]], dtype=D)
     torch.testing.assert_close(future_kl(kl, m), want, atol=0, rtol=0)
+
+
+def _rel(a, b):
+    return float((a - b).norm() / b.norm())
+
+
+def test_gap_sizes(capsys):
+    """The numbers docs/kl_playbook.md quotes (`pytest -s -k gap_sizes`): how far each gradient is from
+    the sequence-level KL's, relative (|g - grad K| / |grad K|), seeds 0-4, reference gap 0.05 / 0.6."""
+    rows = []
+    for gap in (0.05, 0.6):
+        for L in (1, 2, 3, 4):
+            errs = {"per-token (loss)": [], "k3 in the reward": [], "k3 norm ratio": [], "k2 in the reward": [],
+                    "exact in the reward, score part only": []}
+            for seed in range(5):
+                tree = Tree(L, seed, ref_gap=gap)
+                tg = _targets(tree)
+                k3 = _raw_reward_grad(tree, "k3")
+                errs["per-token (loss)"].append(_rel(tg[TOK_F], tg[SEQ]))
+                errs["k3 in the reward"].append(_rel(k3, tg[SEQ]))
+                errs["k3 norm ratio"].append(float(k3.norm() / tg[SEQ].norm()))
+                errs["k2 in the reward"].append(_rel(_raw_reward_grad(tree, "k2"), tg[SEQ]))
+                errs["exact in the reward, score part only"].append(_rel(tg[SEQ] - tg[TOK_F], tg[SEQ]))
+            rows.append((gap, L, {k: (min(v), max(v)) for k, v in errs.items()}))
+    with capsys.disabled():
+        for gap, L, e in rows:
+            print(f"\nref gap {gap} L={L}: " + "; ".join(f"{k} {a:.3g}-{b:.3g}" for k, (a, b) in e.items()))
+    for gap, L, e in rows:
+        if L == 1:  # one token: the per-token KL is the sequence KL
+            assert e["per-token (loss)"][1] < 1e-12
+        elif gap == 0.6:
+            assert e["per-token (loss)"][0] > 0.04
+        assert e["k3 in the reward"][0] > 0.5 and e["exact in the reward, score part only"][0] > 0.5
+        assert e["k3 norm ratio"][1] < (0.1 if gap == 0.05 else 0.7)
