@@ -7,14 +7,22 @@ r = pi_ref(x) / pi(x) = exp(-log_ratio). Directions are named by their arguments
 `ref_pi` is KL(ref||pi) = E_pi[r log r] (their forward KL). The old names `forward` / `reverse` are
 refused with an error naming the new one.
 
-| estimator | value (direction pi_ref)             | E_{x~pi}[value]      | gradient as a loss term (on-policy) |
-|-----------|--------------------------------------|----------------------|-------------------------------------|
-| `k1`      | log_ratio = -log r                   | KL(pi||ref), exactly | zero in expectation                 |
-| `k2`      | 0.5 * log_ratio**2                   | biased (>= 0)        | grad KL(pi||ref)                    |
-| `k3`      | (r - 1) - log r                      | KL(pi||ref), exactly | grad KL(ref||pi)  (the other KL)    |
-| `k1+`     | value of k1, gradient of k2          | KL(pi||ref)          | grad KL(pi||ref)                    |
-| `k3+`     | value of k3, gradient of k2 (default)| KL(pi||ref)          | grad KL(pi||ref)                    |
-| `low_var_kl` | k3 with clamps 20 (log-ratio) / 10 (value) unless given (verl's name) | | as k3 |
+| estimator    | value (direction pi_ref)         | E_pi[value] | as a loss term (on-policy) | as a reward   |
+|--------------|----------------------------------|-------------|----------------------------|---------------|
+| `k1`         | log_ratio = -log r               | KL(pi||ref) | zero in expectation        | seq. (default)|
+| `k2`         | 0.5 * log_ratio**2               | biased >= 0 | tok. KL(pi||ref)           | refused       |
+| `k3`         | (r - 1) - log r                  | KL(pi||ref) | tok. KL(ref||pi)           | refused       |
+| `k1+`        | value of k1, gradient of k2      | KL(pi||ref) | tok. KL(pi||ref)           | seq. (as k1)  |
+| `k3+`        | value of k3, gradient of k2      | KL(pi||ref) | tok. KL(pi||ref) (default) | refused       |
+| `low_var_kl` | k3, clamps 20 (log-ratio) / 10 (value) unless given (verl's name) | | as k3 | refused       |
+| exact        | the full-vocabulary KL per position | the KL    | tok. KL of its direction   | seq. (*)      |
+
+"tok." is the per-token gradient with the prefix held fixed, E[sum_t grad KL_t(prefix)]; "seq." the
+gradient of the response-level KL(pi||ref) = E[sum_t log(pi/ref)] (what `kl_mean` reports per token);
+(*) the exact KL's current-token (pathwise) part then goes into the loss (`KLConfig.in_loss`).
+tok. and seq. differ by the future KL's score-function term; `kl.gradient=sequence` adds it in the loss (k1+,
+k3+, exact; k1/k3 with is_weight=live), and rl/kl_place.py derives every row and says why the
+refused ones follow no KL. `kl.direction=ref_pi` goes in the loss only (tok. KL(ref||pi)).
 
 "Gradient as a loss term" means E_{x~pi}[grad_theta k(x)] with the sampling distribution held
 fixed, which is what minimising `mean(k)` over on-policy samples does. k1's gradient is
@@ -37,7 +45,8 @@ estimator's on-policy gradient exactly, off-policy too (E_old[w grad k] = E_pi[g
 `"live"` (gradient through w; DeepSeek-V3.2 / TRL's bias-corrected k3) turns k1 and k3 into
 differentiable unbiased estimates of KL(pi||ref), whose gradient is grad KL(pi||ref) on- and
 off-policy; `"none"` leaves the term unweighted (biased off-policy). tests/test_kl_table.py
-checks every estimator x place x weight by exact enumeration (the README's table).
+checks every estimator x place x weight by exact enumeration on one token (on- and off-policy),
+tests/test_kl_sequence.py every allowed row over whole responses (tok. vs seq.).
 
 Masked positions (padding) never reach a value or a gradient: with `mask`, the inputs there are
 replaced by a constant before any arithmetic, so NaN or inf in the padding cannot leak.
