@@ -66,7 +66,10 @@ def test_sequence_gradient_hands_each_token_its_future_kl(monkeypatch):
 
 
 @pytest.mark.parametrize("ov", [["algo.name=ppo", "kl.exact=true"], ["kl.gradient=sequence", "algo.mini_batches=2"],
-                                ["kl.gradient=sequence", "kl.exact=true"]], ids=str)
+                                ["kl.gradient=sequence", "kl.exact=true"],
+                                ["kl.where=reward", "kl.exact=true"],  # GRPO: shared prompts, packed groups
+                                ["algo.name=ppo", "kl.exact=true", "algo.micro_batch_tokens=64",
+                                 "algo.pack_sequences=true"]], ids=str)
 def test_fused_and_unfused_take_the_same_steps(ov):
     def run(extra):
         tr = _trainer(ov + ["kl_ctl.beta=0.5"] + extra)
