@@ -15,7 +15,8 @@ D_s in F_t. So:
 
 - **KL in the loss** (`kl.where=loss`): the loss term's gradient is E[sum_t grad D_t] only -- the
   per-token gradient with the prefix held fixed (k2, k1+, k3+, exact; k3 and `ref_pi` the same for
-  KL(ref||pi)). On 2-token responses it is 4-27% away from grad K, and the gap grows with length.
+  KL(ref||pi)). It misses grad K by 0.4-4% near the reference and by 4-60% on 2-4 token responses of
+  a reference further off (docs/kl_playbook.md; tests/test_kl_sequence.py::test_gap_sizes).
   `kl.gradient=sequence` adds the second term: -beta * F_t joins token t's advantage (F_t summed
   from the rollout's per-token values, detached), which needs a value unbiased for KL(pi||ref)
   and a loss term whose gradient is that of KL(pi||ref) (`sequence_gradient_error`).
