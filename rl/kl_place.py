@@ -44,8 +44,9 @@ REWARD_ESTIMATORS = ("k1", "k1+")  # sampled values whose per-token reward follo
 UNBIASED_VALUES = ("k1", "k3", "k1+", "k3+")  # E_pi[value | prefix] = KL(pi||ref) at the position
 _REWARD_BIAS = {
     "k3": "grad KL(pi||ref) - grad KL(ref||pi) at the current token (the two nearly cancel near the reference)",
-    "k3+": "as k3's: in the reward only the value counts, and k3's is (r - 1) - log r",
-    "low_var_kl": "as k3's, clamped",
+    "k3+": "k3's (a reward uses only the value, and k3+'s is k3's): grad KL(pi||ref) - grad KL(ref||pi) at the "
+           "current token, which nearly cancel near the reference",
+    "low_var_kl": "k3's, clamped: grad KL(pi||ref) - grad KL(ref||pi) at the current token",
     "k2": "E[g_t * 0.5 log^2(pi/ref)] at the current token, no KL's gradient",
 }
 
@@ -70,9 +71,9 @@ def reward_error(estimator: str, direction: str, exact: bool, gradient: str) -> 
                 "earlier tokens, so its gradient is the sequence-level one; for the per-token gradient with "
                 "the prefix fixed use kl.where='loss'")
     if not exact and estimator not in REWARD_ESTIMATORS:
-        return (f"kl.estimator={estimator!r} with kl.where='reward': as a per-token reward its gradient is "
-                f"{_REWARD_BIAS[estimator]}, not the KL's; use kl.estimator='k1' (the reward's default; k1+ is "
-                f"the same there) or kl.exact=true, or kl.where='loss' for {estimator}")
+        return (f"kl.estimator={estimator!r} with kl.where='reward' follows no KL's gradient: as a per-token "
+                f"reward its gradient is {_REWARD_BIAS[estimator]}; use kl.estimator='k1' (the reward's default; "
+                f"k1+ is the same there) or kl.exact=true, or kl.where='loss' for {estimator}")
     return None
 
 
@@ -87,7 +88,8 @@ def sequence_gradient_error(estimator: str, direction: str, exact: bool, loss_gr
         return None
     if estimator not in UNBIASED_VALUES:
         return (f"kl.gradient='sequence' with kl.estimator={estimator!r}: its value is not an unbiased "
-                f"KL(pi||ref), so the future-KL return is biased; use kl.estimator in {UNBIASED_VALUES}")
+                f"KL(pi||ref), so the future-KL return is biased; use kl.estimator='k3+' or 'k1+', or "
+                f"kl.gradient='token'")
     if loss_grad != "grad KL(pi||ref)":
         return (f"kl.gradient='sequence' with kl.estimator={estimator!r} in the loss: its loss term's gradient "
                 f"is {loss_grad}, not the per-token grad KL(pi||ref); use kl.estimator='k3+' or 'k1+' "
