@@ -221,10 +221,14 @@ class RLConfig:
 
     def _resolve_algo_defaults(self):
         """kl.where='auto' (the default): PPO puts the KL in the reward per token (Ziegler et al., InstructGPT,
-        TRL's PPOTrainer), GRPO in the loss (DeepSeekMath) with the default estimator k3+."""
+        TRL's PPOTrainer) with the estimator k1, GRPO in the loss (DeepSeekMath) with k3+
+        (rl/objectives/kl_place.py)."""
         if getattr(self.kl, "where_auto", False):
-            self.kl.where = "reward" if self.algo.name == "ppo" else "loss"
+            self.kl.place("reward" if self.algo.name == "ppo" else "loss")
         if self.kl_ctl.mode == "grad_ratio" and (self.kl.where != "loss" or self.kl.exact):
             raise ValueError(f"kl_ctl.mode='grad_ratio' balances the KL term of the loss against the policy "
                              f"gradient: it needs kl.where='loss' and a sampled estimator (kl.exact=false), got "
                              f"kl.where={self.kl.where!r}, kl.exact={self.kl.exact}")
+        if self.kl_ctl.mode == "grad_ratio" and self.kl.gradient == "sequence":
+            raise ValueError("kl_ctl.mode='grad_ratio' weighs the KL loss term's gradient alone: it does not see "
+                             "kl.gradient='sequence''s future-KL part of the advantages; use kl.gradient='token'")

@@ -32,6 +32,7 @@ from rl.models.reference import ReferenceSync
 from rl.objectives.advantages import broadcast_to_tokens, gae, grpo_advantages, kl_shaped_rewards, whiten
 from rl.objectives.controller import EntropyController, KLController
 from rl.objectives.kl import HEAD_DIRECTION, kl_by_position, kl_from_config, kl_quantiles, masked_mean, sanitize
+from rl.objectives.kl_place import future_kl
 from rl.objectives.losses import TokenPolicyLoss, aggregate, clipped_value_loss, loss_scale, token_weights
 from rl.update.logprobs import (
     TokenStats,
@@ -184,7 +185,8 @@ class RLTrainer:
         (`algo.old_from_update`), or None where the old-log-prob pass must compute every row: something
         reads old log-probs before the update (the KL in the reward, grad_ratio's beta), or the option is off."""
         c = self.cfg
-        if not c.algo.old_from_update or c.kl.where != "loss" or c.kl_ctl.mode == "grad_ratio":
+        if not c.algo.old_from_update or c.kl.where != "loss" or c.kl_ctl.mode == "grad_ratio" or \
+                c.kl.gradient == "sequence":  # its future-KL returns read every row's KL before the update
             return None
         return self._mini_batches(ro.row_ids.cpu(), step, 0)[0]
 
@@ -334,7 +336,7 @@ class RLTrainer:
         cfg = self.cfg
         set_gradient_sync(self.policy, last)
         mask, tok = mb.mask(data.mask), mb.tokens
-        exact = cfg.kl.exact and cfg.kl.where == "loss"
+        exact = cfg.kl.exact and cfg.kl.in_loss
         fill = on_policy and data.deferred is not None  # this micro-batch's old values come from here
         kw = dict(kl=HEAD_DIRECTION[cfg.kl.direction] if exact else None,
                   ref_hidden=tok(data.ref_hidden) if exact else None, ref_weight=data.ref_weight if exact else None,
@@ -342,7 +344,7 @@ class RLTrainer:
         weights = tok(token_weights(data.mask, cfg.loss.agg, scale, cfg.loss.norm_len))  # per row: split-invariant
         fn = TokenPolicyLoss(cfg.loss, weights, mask, tok(data.old_logp), tok(data.advantages), kl_cfg=cfg.kl,
                              beta=self.controller.beta, ref_logp=tok(data.ref_logp), on_policy=on_policy,
-                             entropy_coef=self.ent_ctl.coef)
+                             entropy_coef=self.ent_ctl.coef, kl_future=self._kl_future(data, tok))
         loss, cur = self._policy_loss(data.ro, mb, mask, fn, kw)
         loss.backward()
         stats = fn.stats()
@@ -352,6 +354,14 @@ class RLTrainer:
         if self.critic is not None:
             self._critic_backward(data, mb, scale, last)
         return stats
+
+    def _kl_future(self, data: StepData, tok):
+        """kl.gradient=sequence in the loss: each token's future KL (rl/objectives/kl_place.py), this micro-batch's
+        tokens."""
+        k = self.cfg.kl
+        if k.where != "loss" or k.gradient != "sequence" or self.controller.beta == 0.0:
+            return None
+        return tok(future_kl(data.kl, data.mask))
 
     def _policy_loss(self, ro: Rollout, mb: MicroBatch, mask, fn, kw):
         """(loss, TokenStats) of `mb` through the fused loss head, or through the head's log-probs then `fn`."""

@@ -275,10 +275,11 @@ def test_policy_loss_combines_terms():
     kl_exact = torch.rand(2, 5, dtype=D, requires_grad=True)
     loss_e, _ = policy_loss(logp, old, adv, m, kl_cfg=KLConfig(exact=True), beta=0.5, kl=kl_exact)
     torch.testing.assert_close(loss_e, aggregate(pg, m) + 0.5 * aggregate(kl_exact, m))
-    # exact KL in the reward, none passed: nothing to add or report, no error
-    _, st_x = policy_loss(logp, old, adv, m, kl_cfg=KLConfig(exact=True, where="reward"), beta=0.5,
-                          ref_logp=ref)
-    assert "kl_loss" not in st_x
+    # exact KL in the reward: its current-token (pathwise) part enters the loss (kl_place.py); it needs the KL
+    loss_x, _ = policy_loss(logp, old, adv, m, kl_cfg=KLConfig(exact=True, where="reward"), beta=0.5, kl=kl_exact)
+    torch.testing.assert_close(loss_x, aggregate(pg, m) + 0.5 * aggregate(kl_exact, m))
+    with pytest.raises(ValueError, match="kl.where='reward' needs the per-token `kl`.*exact"):
+        policy_loss(logp, old, adv, m, kl_cfg=KLConfig(exact=True, where="reward"), beta=0.5, ref_logp=ref)
     with pytest.raises(ValueError, match="exact KL"):
         policy_loss(logp, old, adv, m, kl_cfg=KLConfig(exact=True), beta=0.5, ref_logp=ref)
     with pytest.raises(ValueError, match="ref_logp"):

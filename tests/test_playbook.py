@@ -87,10 +87,12 @@ def test_grad_ratio_norms_and_beta_against_float64():
 
 
 def test_defaults_per_algorithm():
-    assert load_config(RLConfig, None, ["algo.name=ppo"]).kl.where == "reward"
+    ppo = load_config(RLConfig, None, ["algo.name=ppo"])
+    assert (ppo.kl.where, ppo.kl.estimator) == ("reward", "k1")  # k3+ as a reward follows no KL's gradient
     grpo = load_config(RLConfig, None, [])
     assert (grpo.kl.where, grpo.kl.estimator) == ("loss", "k3+")
-    assert load_config(RLConfig, None, ["algo.name=ppo", "kl.where=loss"]).kl.where == "loss"
+    ppo_loss = load_config(RLConfig, None, ["algo.name=ppo", "kl.where=loss"])
+    assert (ppo_loss.kl.where, ppo_loss.kl.estimator) == ("loss", "k3+")
     assert load_config(RLConfig, None, []).reference.reset_optimizer is True
     assert load_config(RLConfig, None, ["reference.sync_mode=ema"]).reference.reset_optimizer is False
     assert load_config(RLConfig, None, ["reference.reset_optimizer=false"]).reference.reset_optimizer is False
