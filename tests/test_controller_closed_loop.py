@@ -103,3 +103,26 @@ def test_default_job_controller_holds_its_target():
     assert kls[-1] == pytest.approx(target, rel=0.05)
     assert ctl.beta == pytest.approx(beta_for_kl(target), rel=0.05)
     torch.testing.assert_close(pi, torch.tensor(optimum(ctl.beta), dtype=torch.float64), atol=1e-3, rtol=0)
+
+
+if __name__ == "__main__":  # the table in docs/kl_playbook.md: python tests/test_controller_closed_loop.py
+    import warnings
+
+    warnings.simplefilter("ignore")  # mode=normalized's warning
+    rules = {p: [f"kl_ctl.preset={p}"] for p in SETTLES}
+    rules["band, lower edge 0.5 (the guides')"] = ["kl_ctl.preset=band", "kl_ctl.band_low=0.5"]
+    rules["target / KL (mode=normalized, the withdrawn preset's keys)"] = [
+        "kl_ctl.mode=normalized", "kl_ctl.normalized_max=1", "kl_ctl.beta_min=1e-3"]
+    for scale, TARGET in ((1.0, 0.1), (2.0, 0.05)):
+        REWARD = tuple(scale * r for r in (0.0, 0.1, 0.25, 0.5))
+        print(f"\nrewards {REWARD}, target {TARGET} nats, closed-form beta* = {beta_for_kl(TARGET):.4f}; "
+              "1500 steps from beta 0.05")
+        print("| rule | KL / target, last 300 steps (min - max) | final beta | beta / beta* |")
+        print("|---|---|---|---|")
+        for name, over in rules.items():
+            cfg = load_config(RLConfig, None, over + [f"kl_ctl.target={TARGET}", "kl_ctl.beta=0.05"])
+            ctl = KLController(cfg.kl_ctl)
+            kls, _ = closed_loop(ctl, 1500, n_samples=cfg.rollout.prompts_per_step * cfg.rollout.group_size)
+            tail = kls[-300:]
+            print(f"| {name} | {min(tail) / TARGET:.3f} - {max(tail) / TARGET:.3f} | {ctl.beta:.4g} | "
+                  f"{ctl.beta / beta_for_kl(TARGET):.3f} |")
