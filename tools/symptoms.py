@@ -91,7 +91,7 @@ def check_reward_flat_kl_normal(rows, window: int) -> Finding | None:
 
 def check_kl_high(rows, window: int) -> Finding | None:
     kl = _series(rows, "kl_mean")[-window:]
-    if len(kl) < 6:
+    if len(kl) < 6 and not (rows and rows[-1].get("kl_stop")):  # a run the KL guard stopped early is judged too
         return None
     level = statistics.median(kl)
     if level >= KL_HIGH:
