@@ -74,8 +74,8 @@ SETTLES = {"band": (1 / 1.5, 1.5), "band_tight": (0.8, 1.2), "ziegler": (0.95, 1
 def test_every_preset_holds_the_kl_near_its_target(preset):
     """From beta = 0.05 (KL far above target) each preset brings the KL into its band around the target and
     keeps it there, with beta where the closed form puts it; a preset that cannot is refused with the reason
-    (beta = target / KL settled at 46x the target here). grad_ratio balances gradient norms, not the KL: no KL
-    target to converge to."""
+    (target_over_kl: see the next test). grad_ratio balances gradient norms, not the KL: no KL target to
+    converge to."""
     over = [f"kl_ctl.preset={preset}", f"kl_ctl.target={TARGET}", "kl_ctl.beta=0.05"]
     if preset in WITHDRAWN:
         with pytest.raises(ConfigError, match=f"preset={preset} was withdrawn: .*positive feedback"):
@@ -91,6 +91,20 @@ def test_every_preset_holds_the_kl_near_its_target(preset):
     assert beta_for_kl(hi * TARGET) <= ctl.beta <= beta_for_kl(lo * TARGET)  # the closed form's beta for that band
     # the policy sits at its optimum for that beta
     torch.testing.assert_close(pi, torch.tensor(optimum(ctl.beta), dtype=torch.float64), atol=2e-3, rtol=0)
+
+
+def test_target_over_kl_runs_beta_to_a_bound():
+    """Why target_over_kl was withdrawn: its rule (kl_ctl.mode=normalized with the preset's keys) holds beta x KL,
+    not the KL, at the target; near the optimum KL ~ c / beta^2, so beta <- target beta^2 / c is unstable and
+    beta runs to its cap here (the KL ends far below the target; on docs/kl_playbook.md's second bandit to its
+    floor, the KL at 46x)."""
+    with pytest.warns(UserWarning, match="positive feedback"):
+        cfg = load_config(RLConfig, None, ["kl_ctl.mode=normalized", "kl_ctl.normalized_max=1", "kl_ctl.beta_min=1e-3",
+                                           f"kl_ctl.target={TARGET}", "kl_ctl.beta=0.05"])
+    ctl = KLController(cfg.kl_ctl)
+    kls, _ = closed_loop(ctl, 1500, n_samples=32)
+    assert ctl.beta == 1.0 and kls[-1] < 0.2 * TARGET
+    assert ctl.beta * kls[-1] < 0.2 * TARGET  # not even the penalty's value is at the target: beta hit its cap
 
 
 def test_default_job_controller_holds_its_target():
