@@ -266,13 +266,13 @@ def save_final_model(trainer: RLTrainer, run: Run, tokenizer, step: int) -> str:
 
 
 def _report(rec: dict, step: int, cfg: RLConfig, is_main: bool) -> str | None:
-    """Warn on stderr above guard.kl_warn; the stop message when guard.kl_stop was passed."""
+    """Warn on stderr above guard.kl_warn_per_token; the stop message when guard.kl_stop_per_token was passed."""
     if rec["kl_warning"] and is_main:
-        print(f"kltron: step {step}: mean KL {rec['kl_mean']:.3f} is above guard.kl_warn="
-              f"{cfg.guard.kl_warn}", file=sys.stderr)
+        print(f"kltron: step {step}: mean KL {rec['kl_mean']:.3f} nats per token is above guard.kl_warn_per_token="
+              f"{cfg.guard.kl_warn_per_token}", file=sys.stderr)
     if rec.get("kl_stop"):
-        return (f"kltron: step {step}: mean KL {rec['kl_mean']:.3f} passed guard.kl_stop={cfg.guard.kl_stop}; "
-                "stopping after this checkpoint (see python -m tools.diagnose)")
+        return (f"kltron: step {step}: mean KL {rec['kl_mean']:.3f} nats per token passed guard.kl_stop_per_token="
+                f"{cfg.guard.kl_stop_per_token}; stopping after this checkpoint (see python -m tools.diagnose)")
     return None
 
 

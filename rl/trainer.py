@@ -457,8 +457,9 @@ class RLTrainer:
         corr = self.reward_kl.add(r_mean, kl_mean)
         if corr is not None:
             rec["reward_kl_corr"] = corr
-        rec["kl_warning"] = kl_mean > cfg.guard.kl_warn
-        if kl_mean > cfg.guard.kl_stop:
+        g = cfg.guard  # limits on the mean KL per response token; None: off
+        rec["kl_warning"] = g.kl_warn_per_token is not None and kl_mean > g.kl_warn_per_token
+        if g.kl_stop_per_token is not None and kl_mean > g.kl_stop_per_token:
             rec["kl_stop"] = True
         if self.monitor is not None:
             self.monitor.log(rec, step)
