@@ -118,6 +118,9 @@ class RLTrainer:
                             dp_group=self.dp_group, device=st.device, world_group=self.world_group)
 
     def step(self, step: int) -> dict:
+        """Step `step`: the due eval, experience, the update, KL control and reference sync; returns its
+        metrics record (rl/step_record.py). The models, optimizers and controllers are shared with the
+        pieces built in `__init__` (replace none of them on the trainer after it is built)."""
         cfg = self.cfg
         reset_peak_memory(self.state.device)
         evals = self.evaluate(step)  # the policy before this step's update, outside the step's clock
