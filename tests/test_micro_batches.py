@@ -194,7 +194,7 @@ def _update(dp: int, overrides: list[str]):
             return real()
 
         opt.step = step
-    plan = tr._micro_batches
+    plan = tr.updater._micro_batches
 
     def recording(data, rows):
         out = plan(data, rows)
@@ -208,7 +208,7 @@ def _update(dp: int, overrides: list[str]):
         plans.append((local, len(out), sum(m.filler for m in out), max(shared, default=0)))
         return out
 
-    tr._micro_batches = recording
+    tr.updater._micro_batches = recording
     rec = tr.update(data, 0)
     return grads, {k: rec[k] for k in STATS if k in rec}, plans
 

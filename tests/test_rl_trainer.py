@@ -224,6 +224,7 @@ def test_mini_batch_split_matches_the_per_row_definition():
     """The split by global row id against its definition written out row by row: within each prompt's
     group a permutation keyed by (seed, step, epoch, prompt), global position p to mini-batch p mod n."""
     from parallel.dims import derive_seed
+    from rl.update.mini_batches import mini_batches
 
     trainer, _ = _trainer(1, 1, GRPO + ["algo.mini_batches=4", "rollout.group_size=4"])
     G, n = 4, 4
@@ -234,5 +235,5 @@ def test_mini_batch_split_matches_the_per_row_definition():
             prompt, j = divmod(rid, G)
             g = torch.Generator().manual_seed(derive_seed(trainer.cfg.train.seed, step * 7919 + epoch * 131 + prompt))
             want[(prompt * G + int(torch.randperm(G, generator=g)[j])) % n].append(i)
-        got = trainer._mini_batches(row_ids, step, epoch)
+        got = mini_batches(trainer.cfg, row_ids, step, epoch, "cpu")
         assert [g.tolist() for g in got] == want

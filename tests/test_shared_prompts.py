@@ -349,16 +349,16 @@ def _trainer_params(overrides: list[str], plans: list | None = None, old_rows: l
     policy, ref = (build_model(mc, state.tp_group, seed=11, dtype=torch.float64) for _ in range(2))
     tr = assemble(cfg, state, mc, load_tokenizer(None), policy, ref)
     if plans is not None:  # record each mini-batch's micro-batches
-        plan = tr._micro_batches
-        tr._micro_batches = lambda data, rows: plans.append(plan(data, rows)) or plans[-1]
+        plan = tr.updater._micro_batches
+        tr.updater._micro_batches = lambda data, rows: plans.append(plan(data, rows)) or plans[-1]
     if old_rows is not None:  # record how many rows each old-log-prob forward computes
-        stats = tr._token_stats
+        stats = tr.heads.token_stats
 
         def counted(model, ro, packed=None, **kw):
             if not torch.is_grad_enabled():  # the old-log-prob pass (make_experience), not an unfused update
                 old_rows.append(ro.sequences.shape[0] if packed is None else len(set(packed.src_rows.tolist())))
             return stats(model, ro, packed=packed, **kw)
-        tr._token_stats = counted
+        tr.heads.token_stats = counted
     rec = [tr.step(s) for s in range(steps)][-1]
     return {n: p.detach().clone() for n, p in tr.policy.named_parameters()}, rec
 

@@ -16,6 +16,7 @@ take it as `packed=` and return the padded [B, N] shapes (0 where no head token)
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
@@ -170,3 +171,30 @@ def _loss_head(token_loss, tp_group, vocab_size, temperature, chunk_size, entrop
                                                   ref_hidden=rh, ref_weight_local=ref_weight,
                                                   temperature=temperature, chunk_size=chunk_size, entropy=entropy,
                                                   kl=kl, mask=m)
+
+
+@dataclass
+class PolicyHeads:
+    """The fused heads' settings fixed for a run, applied to a rollout's rows (`ro`: rl.experience.rollout.Rollout,
+    [B, P + N]): the vocabulary the log-probs, entropy and exact KL are taken over (the tokenizer's ids,
+    the ones the sampler draws from), the sampling temperature, the chunk, and the TP group the head's
+    weight is sharded over."""
+
+    tp_group: object
+    vocab_size: int
+    temperature: float
+    chunk_size: int | str | None
+
+    def settings(self) -> dict:
+        return dict(tp_group=self.tp_group, vocab_size=self.vocab_size, temperature=self.temperature,
+                    chunk_size=self.chunk_size)
+
+    def token_stats(self, model, ro, **kw) -> TokenStats:
+        """`policy_token_stats` of `ro`'s response tokens under `model`: TokenStats [B, N]."""
+        return policy_token_stats(model, ro.sequences, ro.attention_mask, ro.prompt_len, **self.settings(),
+                                  mask=ro.response_mask, **kw)
+
+    def fused_loss(self, model, ro, token_loss, **kw) -> tuple[torch.Tensor, TokenStats]:
+        """`policy_fused_loss` of `ro`'s response tokens under `model`: (loss, TokenStats [B, N])."""
+        return policy_fused_loss(model, ro.sequences, ro.attention_mask, ro.prompt_len, token_loss,
+                                 **self.settings(), mask=ro.response_mask, **kw)
