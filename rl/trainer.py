@@ -260,9 +260,7 @@ class RLTrainer:
         for rid in row_ids.tolist():
             prompt, j = divmod(rid, G)
             if prompt not in perms:  # one permutation per prompt, not per row
-                # the key as the first session defined it (runs stay bit-compatible); it repeats once prompts
-                # reach 131 per step or epochs 61 (see the closing note of the second session)
-                key = derive_seed(self.cfg.train.seed, step * 7919 + epoch * 131 + prompt)
+                key = derive_seed(self.cfg.train.seed, step, epoch, prompt)
                 perms[prompt] = torch.randperm(G, generator=torch.Generator().manual_seed(key), device="cpu").tolist()
             pos.append(prompt * G + perms[prompt][j])
         mb = torch.tensor(pos, device="cpu") % n
