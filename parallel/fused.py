@@ -248,7 +248,7 @@ def add_weight_grad(acc: torch.Tensor, dz: torch.Tensor, dz_w: torch.Tensor, h: 
     if acc.dtype == dz_w.dtype:
         acc.addmm_(dz_w.T, h)
     elif acc.device.type in _MM_OUT_DTYPE:
-        torch.addmm(acc, dz_w.T, h, out_dtype=acc.dtype, out=acc)
+        torch.addmm(acc, dz_w.T, h.to(dz_w.dtype), out_dtype=acc.dtype, out=acc)
     else:
         acc.addmm_(dz.to(acc.dtype).T, h.to(acc.dtype))
 
