@@ -12,7 +12,7 @@ reset afterwards.
 
 EMA with a bf16 (or fp16) reference (`reference.dtype=bf16`): mixed in the reference's own dtype,
 alpha x (policy - ref) is mostly under half a bf16 ulp of ref and rounds away (a 2-layer model whose
-policy moved by 1e-3 relative: 0 of 106,816 weights moved in 50 syncs at alpha 0.1). So `ReferenceSync`
+policy moved by 1e-3 relative: 0 of its 30,880 weights moved in 50 syncs at alpha 0.1). So `ReferenceSync`
 keeps an fp32 master copy of the reference's local shards (TP shard, then FSDP shard: sharded exactly
 like the reference, on the same device, CPU when the reference is offloaded), made from the reference
 at the first EMA sync; each sync mixes into it in fp32 and rounds it once into the reference. Its
