@@ -32,7 +32,9 @@ require grad (normally the reference is frozen). When ref_hidden is None the ref
 Precision: with fp32=True and bf16/fp16 weights, each chunk's logits come out of the matmul in
 float32 (`torch.mm(..., out_dtype=torch.float32)` on CUDA; elsewhere a float32 matmul of upcast
 operands, the weight shard upcast once per call), so they are never rounded to bf16 before the
-float32 reductions. The backward's gradient matmuls run in the weights' dtype.
+float32 reductions. The gradient matmuls take d/dlogits in the weights' dtype, except where the
+weight gradient is summed: a bf16/fp16 weight's gradient is accumulated over the chunks in fp32 and
+cast once at the end (GradAccumulator; its memory price is there).
 
 Masks: `mask` [...] (like hidden's leading dims) marks the tokens that exist. A masked token's
 hidden rows (policy and reference) are read as 0, its target as "none", its outputs are 0 and its
@@ -172,25 +174,83 @@ class _FusedHead(torch.autograd.Function):
 
 class GradAccumulator:
     """grad_hidden [T, H] (rows written per chunk), grad_weight [Vp/tp, H] (summed over chunks), and
-    the same for the reference side, from each chunk's d/dlogits, in the parameters' dtypes."""
+    the same for the reference side, from each chunk's d/dlogits. grad_hidden is in hidden's dtype; a
+    bf16/fp16 weight's gradient is summed over the chunks in an fp32 accumulator [Vp/tp, H] and cast
+    to the weight's dtype once, by `grads` (summed in bf16, every chunk's addition rounded: the error
+    grew with the number of chunks). The price for low-precision weights: the accumulator holds 2x the
+    gradient's bytes, and the gradient handed out keeps them (it is cast into the accumulator's own
+    storage, `cast_in_place`, so that no third copy exists at the cast) until autograd or FSDP frees it."""
 
     def __init__(self, hidden, weight, ref_hidden, ref_weight, need, nv: int):
         self.h, self.w, self.rh, self.rw, self.nv = hidden, weight, ref_hidden, ref_weight, nv
-        self.g = [torch.zeros_like(x) if n else None for x, n in zip((hidden, weight, ref_hidden, ref_weight), need)]
+        params = (hidden, weight, ref_hidden, ref_weight)
+        self.g = [None if not n else torch.zeros_like(x, dtype=_acc_dtype(x) if i % 2 else x.dtype)
+                  for i, (x, n) in enumerate(zip(params, need))]
 
     def add(self, s: int, e: int, keep, gp: torch.Tensor, gq: torch.Tensor | None) -> None:
         for i, (dz, h, w) in enumerate(((gp, self.h, self.w), (gq, self.rh, self.rw))):
             if dz is None:
                 continue
-            dz = dz.to(w.dtype)
             gh, gw = self.g[2 * i], self.g[2 * i + 1]
+            dz_w = dz.to(w.dtype)
             if gh is not None:
-                torch.matmul(dz, w[: self.nv], out=gh[s:e])
+                torch.matmul(dz_w, w[: self.nv], out=gh[s:e])
             if gw is not None:  # masked rows of dz are 0 and of h read as 0: they add exactly nothing
-                gw[: self.nv].addmm_(dz.T, rows(h[s:e], keep))
+                add_weight_grad(gw[: self.nv], dz, dz_w, rows(h[s:e], keep))
 
     def grads(self):
-        return tuple(self.g)
+        """(grad_hidden, grad_weight, grad_ref_hidden, grad_ref_weight), each in its input's dtype;
+        the accumulators are released."""
+        params = (self.h, self.w, self.rh, self.rw)
+        out = tuple(None if g is None else cast_in_place(g, x.dtype) for g, x in zip(self.g, params))
+        self.g = [None] * 4
+        return out
+
+
+_CAST_FIRST_BLOCK = 1 << 16  # elements cast through a transient copy; the rest need none
+
+
+def cast_in_place(acc: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """acc (contiguous, fp32) as `dtype` (2-byte), written into the first half of acc's own storage and
+    returned as a tensor of acc's shape viewing it (acc is consumed): no second [Vp/tp, H] tensor
+    exists at the cast. Element i of the result occupies bytes [2i, 2i + 2), element j of acc
+    [4j, 4j + 4): casting the elements [a, b) writes over acc's [a/2, b/2), all already read once
+    b <= 2a. So the first block goes through a small transient copy and the next blocks double,
+    [a, 2a), each a plain copy between disjoint bytes."""
+    if acc.dtype == dtype:
+        return acc
+    if not (acc.is_contiguous() and acc.element_size() == 2 * torch.empty((), dtype=dtype).element_size()):
+        return acc.to(dtype)
+    src = acc.view(-1)
+    dst = src.view(dtype)[: src.numel()]  # the first half of the same bytes
+    n = src.numel()
+    b = min(n, _CAST_FIRST_BLOCK)
+    dst[:b].copy_(src[:b].to(dtype))  # overlaps its source: via a transient of b elements
+    a = b
+    while a < n:
+        b = min(2 * a, n)
+        dst[a:b].copy_(src[a:b])  # bytes [2a, 2b) from [4a, 4b): disjoint since b <= 2a
+        a = b
+    return dst.view(acc.shape)
+
+
+def _acc_dtype(weight: torch.Tensor) -> torch.dtype:
+    """The dtype a weight's gradient is summed over chunks in: fp32 for bf16/fp16, else its own."""
+    return torch.float32 if weight.dtype in (torch.bfloat16, torch.float16) else weight.dtype
+
+
+def add_weight_grad(acc: torch.Tensor, dz: torch.Tensor, dz_w: torch.Tensor, h: torch.Tensor) -> None:
+    """acc [nv, H] += dz^T [nv, c] @ h [c, H]. Same dtype: in place as is. A fp32 accumulator of a
+    low-precision weight: on CUDA the matmul takes the weight-dtype operands (dz_w, h) and writes fp32
+    (`out_dtype`, the tensor cores' fast path; dz rounded once to the weight's dtype, as the gradient
+    matmuls always were); elsewhere an fp32 matmul of dz (fp32 from the reductions) and h upcast
+    ([c, H], transient)."""
+    if acc.dtype == dz_w.dtype:
+        acc.addmm_(dz_w.T, h)
+    elif acc.device.type in _MM_OUT_DTYPE:
+        torch.addmm(acc, dz_w.T, h.to(dz_w.dtype), out_dtype=acc.dtype, out=acc)
+    else:
+        acc.addmm_(dz.to(acc.dtype).T, h.to(acc.dtype))
 
 
 class PreparedHead(NamedTuple):

@@ -22,6 +22,9 @@ temporary and one bool mask, so the exact KL holds one [c, Vp/tp] tensor more th
 log-prob-only loss (the reference's logits), not more.
 The autograd backward only scales the saved grad_hidden / grad_weight by the incoming scalar, in
 place, and hands them over (no second weight-gradient-sized tensor: 1 GiB at Llama-3-8B's head in bf16).
+A bf16/fp16 weight's gradient is summed over the chunks in fp32 and cast once after the last chunk
+(parallel/fused.py's GradAccumulator), into the accumulator's own storage: the gradient kept from
+forward to backward then holds the accumulator's bytes, 2x a bf16 gradient (2 GiB at Llama-3-8B's head).
 
 Compared with parallel/fused.py (policy and reference logits computed twice: forward and the
 recomputing backward, 6 head-sized matmuls), this does 4: two logit matmuls and two gradient matmuls.

@@ -188,35 +188,46 @@ def vocab_parallel_kl(logits_p_local, logits_q_local, tp_group=None, *, vocab_si
 
 
 class _LogSoftmax(torch.autograd.Function):
+    """x [T, Vp/tp] -> log softmax [T, Vp/tp]; a masked row (`keep` false) reads as 0 and returns 0
+    everywhere, its upstream gradient is dropped before any arithmetic (and before the all-reduce)."""
+
     @staticmethod
-    def forward(ctx, x, sh: VocabShard):
+    def forward(ctx, x, keep, sh: VocabShard):
         spec = StatsSpec(False, False, False, None, ("lse",))
         maxes, sums = spec.buffers(x.shape[0], x, sh.dtype)
-        z = sh.scaled(x)
+        z = sh.scaled(x, keep)
         local_stats(z, None, None, spec, maxes, sums)
         st = reduce_stats(maxes, sums, spec, sh.group)
         out = x.new_full((x.shape[0], sh.width), float("-inf"), dtype=sh.dtype)
         out[:, : sh.nv] = (z - st["m"][:, None]) - st["logS"][:, None]  # no large lse subtracted
+        if keep is not None:  # a masked row is 0, padded columns included (its siblings' value 0)
+            out = torch.where(keep[:, None], out, out.new_zeros(()))
         ctx.sh = sh
-        ctx.save_for_backward(out)
+        ctx.save_for_backward(out, keep)
         return out
 
     @staticmethod
     def backward(ctx, grad):
-        (out,) = ctx.saved_tensors
+        out, keep = ctx.saved_tensors
         sh = ctx.sh
         g = grad[:, : sh.nv].to(sh.dtype)
+        if keep is not None:  # selected, never multiplied: NaN or inf upstream at a masked row vanishes
+            g = torch.where(keep[:, None], g, g.new_zeros(()))
         s = g.sum(1)
         # the upstream gradient is sharded over the vocabulary: sum_v grad_v over all ranks, T floats
         all_reduce(s, "sum", sh.group)
         gx = grad.new_zeros(out.shape)
-        gx[:, : sh.nv] = (g - torch.exp(out[:, : sh.nv]) * s[:, None]) / sh.temperature
-        return gx, None
+        gx[:, : sh.nv] = (g - torch.exp(out[:, : sh.nv]) * s[:, None]) / sh.temperature  # 0 at masked rows
+        return gx, None, None
 
 
-def vocab_parallel_log_softmax(logits_local, tp_group=None, *, vocab_size=None, temperature=1.0, fp32=True):
+def vocab_parallel_log_softmax(logits_local, tp_group=None, *, vocab_size=None, temperature=1.0, fp32=True,
+                               mask=None):
     """log softmax(logits/temperature) over the full vocabulary: [..., Vp/tp] sharded -> [..., Vp/tp]
-    sharded the same way; padded columns hold -inf (probability 0). Backward: one all-reduce of T floats."""
+    sharded the same way; padded columns hold -inf (probability 0). `mask` [...] (optional, the leading
+    dims): at a masked token the output row is 0 and its gradient exactly 0, whatever the logits or the
+    upstream gradient hold there (NaN, inf). Backward: one all-reduce of T floats."""
     lead, width = logits_local.shape[:-1], logits_local.shape[-1]
     sh = vocab_shard(width, tp_group, vocab_size, temperature, logits_local.dtype, fp32)
-    return _LogSoftmax.apply(logits_local.reshape(-1, width), sh).reshape(*lead, width)
+    keep = check_mask(mask, lead)
+    return _LogSoftmax.apply(logits_local.reshape(-1, width), keep, sh).reshape(*lead, width)

@@ -54,7 +54,8 @@ def test_sequence_gradient_hands_each_token_its_future_kl(monkeypatch):
     tr = _trainer(["kl.gradient=sequence", "kl_ctl.beta=0.5"])
     assert tr.cfg.kl.where == "loss" and tr.cfg.kl.estimator == "k3+"
     data = tr.make_experience(0)
-    assert tr.experience._deferred_rows(data.ro, 0) is None and data.deferred is None  # the KL of every row, before the update
+    # the KL of every row is needed before the update
+    assert tr.experience._deferred_rows(data.ro, 0) is None and data.deferred is None
     tr.update(data, 0)
     fut = future_kl(data.kl, data.mask)
     got = sum(float(f.double().sum()) for _, f, _ in spy.made)

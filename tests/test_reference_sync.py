@@ -69,3 +69,92 @@ def _sharded_sync():
 
 def test_sync_of_fsdp_sharded_copies(dist_pools):
     assert dist_pools.run(2, _sharded_sync) == [0, 1]
+
+
+# EMA of a bf16 reference: against the recurrence r <- r + alpha (policy - r) in float64, rounded to bf16
+# once at the end; the policy drifts by 1e-2 relative over the syncs (alpha x drift per sync is under half
+# a bf16 ulp: mixed in bf16 the reference hardly moves).
+ALPHA, SYNCS = 0.1, 50
+
+
+def _drifting_policy(pol, k: int, base: dict, drift: dict) -> None:
+    """The policy's parameters set to base (1 + drift (k + 1) / SYNCS), full tensors by name (each
+    rank's shard of them when the policy is FSDP-sharded)."""
+    from torch.distributed.tensor import distribute_tensor
+
+    from parallel.fsdp import local_tensor
+
+    with torch.no_grad():
+        for n, p in pol.named_parameters():
+            value = base[n] * (1 + drift[n] * (k + 1) / SYNCS)
+            if hasattr(p, "placements"):
+                value = local_tensor(distribute_tensor(value, p.device_mesh, p.placements))
+            local_tensor(p).copy_(value)
+
+
+def _bf16_ema_pair():
+    ref = build_model(CFG, seed=2).cast_weights(torch.bfloat16)
+    pol = build_model(CFG, seed=2)
+    g = torch.Generator().manual_seed(5)
+    base = {n: p.detach().clone() for n, p in pol.named_parameters()}
+    drift = {n: 1e-2 * torch.randn(p.shape, generator=g) for n, p in pol.named_parameters()}
+    want = {n: p.detach().double() for n, p in ref.named_parameters()}  # the float64 recurrence
+    for k in range(SYNCS):
+        _drifting_policy(pol, k, base, drift)
+        for n, p in pol.named_parameters():
+            want[n] += ALPHA * (p.detach().double() - want[n])
+    return ref, pol, base, drift, want
+
+
+def _within_one_bf16_ulp(got: torch.Tensor, want64: torch.Tensor) -> bool:
+    ulp = torch.ldexp(torch.ones_like(want64), torch.frexp(want64.abs())[1] - 8)
+    return bool(((got.double() - want64).abs() <= ulp).all())
+
+
+def test_ema_of_a_bf16_reference_follows_the_float64_recurrence():
+    ref, pol, base, drift, want = _bf16_ema_pair()
+    before = {n: p.detach().clone() for n, p in ref.named_parameters()}
+    sync = ReferenceSync(ReferenceConfig(sync_every=1, sync_mode="ema", ema_alpha=ALPHA, dtype="bf16"), 0.1)
+    for k in range(SYNCS):
+        _drifting_policy(pol, k, base, drift)
+        assert sync.maybe_sync(k, 1.0, pol, ref)
+    moved = sum(int((p.detach() != before[n]).sum()) for n, p in ref.named_parameters())
+    should = sum(int((want[n].to(torch.bfloat16) != before[n]).sum()) for n in want)
+    assert moved >= 0.9 * should > 0, (moved, should)
+    for n, p in ref.named_parameters():
+        assert p.dtype == torch.bfloat16 and sync.master[n].dtype == torch.float32, n
+        assert _within_one_bf16_ulp(p.detach(), want[n]), n
+        # the fp32 copy tracks the float64 recurrence to fp32 rounding
+        torch.testing.assert_close(sync.master[n].double(), want[n], rtol=1e-6, atol=1e-9)
+    # a hard sync resets the fp32 copy too
+    sync_reference(pol, ref, "hard", master=sync.master)
+    for n, p in pol.named_parameters():
+        assert torch.equal(sync.master[n], p.detach()), n
+
+
+def _sharded_bf16_ema():
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from parallel.fsdp import FSDPOptions, freeze, full_tensor, local_tensor, parallelize
+
+    mesh = init_device_mesh("cpu", (2,))
+    ref, pol, base, drift, want = _bf16_ema_pair()
+    pol = parallelize(pol, mesh, FSDPOptions())
+    ref = parallelize(freeze(ref), mesh, FSDPOptions())
+    sync = ReferenceSync(ReferenceConfig(sync_every=1, sync_mode="ema", ema_alpha=ALPHA, dtype="bf16"), 0.1)
+    for k in range(SYNCS):
+        _drifting_policy(pol, k, base, drift)
+        sync.maybe_sync(k, 1.0, pol, ref)
+    local, full = 0, 0
+    for n, p in ref.named_parameters():
+        assert sync.master[n].shape == local_tensor(p).shape, n  # sharded exactly like the reference
+        local += sync.master[n].numel()
+        full += want[n].numel()
+        assert _within_one_bf16_ulp(full_tensor(p.detach()), want[n]), n
+    assert local <= full // 2 + 64 * CFG.hidden_size  # about half the weights on each rank
+    return dist.get_rank()
+
+
+def test_ema_of_a_bf16_reference_sharded_over_two_ranks(dist_pools):
+    assert dist_pools.run(2, _sharded_bf16_ema) == [0, 1]

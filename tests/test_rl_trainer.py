@@ -233,7 +233,7 @@ def test_mini_batch_split_matches_the_per_row_definition():
         want = [[] for _ in range(n)]
         for i, rid in enumerate(row_ids.tolist()):
             prompt, j = divmod(rid, G)
-            g = torch.Generator().manual_seed(derive_seed(trainer.cfg.train.seed, step * 7919 + epoch * 131 + prompt))
+            g = torch.Generator().manual_seed(derive_seed(trainer.cfg.train.seed, step, epoch, prompt))
             want[(prompt * G + int(torch.randperm(G, generator=g)[j])) % n].append(i)
         got = mini_batches(trainer.cfg, row_ids, step, epoch, "cpu")
         assert [g.tolist() for g in got] == want

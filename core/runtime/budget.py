@@ -10,13 +10,17 @@
 | activations      | saved per layer per token: A = 6H + 2 q + 4 kv + 4 I/tp elements (see `layer_act`); |
 |                  | L x A x rows x S, or with checkpointing L x H x rows x S + one layer's A x rows x S |
 | KL head          | by method: gather ~7 [T, Vp] fp32; vp_materialized ~6 [T, Vp/tp]; fused ~6 chunk    |
-|                  | x Vp/tp fp32 + grad hidden [T, H] (the tools.kl_memory projections, checked there)  |
+|                  | x Vp/tp fp32 + grad hidden [T, H] (the tools.kl_memory projections, checked there); |
+|                  | fused with bf16 compute: + the fp32 accumulator of the head's weight gradient       |
+|                  | [Vp/tp, H] (parallel/fused.py's GradAccumulator; the gradient keeps its storage)    |
 | rollout KV cache | 2 x L x rows x S x kv_local x hd in the compute dtype (alive in the rollout phase)  |
 | rollout work     | the larger of one prefill block's forward transients (rollout.prefill_tokens, whole  |
 |                  | rows) and a decode position's [rows, Vp/tp] logits + one fp32 sampler temporary plus |
 |                  | one layer's K (or V) copy when finished rows are compacted                           |
 | reference        | by placement: replicated P, tp P_tp, tp_fsdp P_tp / dp + 2 gathered layers,          |
-|                  | cpu_offload 2 layers on the device (+ a host->device copy of P_tp per forward)      |
+|                  | cpu_offload 2 layers on the device (+ a host->device copy of P_tp per forward);     |
+|                  | EMA-synced bf16/fp16 reference: + its fp32 master copy, 4 bytes per weight of the   |
+|                  | rank's shard (rl/models/reference.py), on the host with cpu_offload                         |
 
 Three phases peak separately: rollout (weights, optimizer state, reference, KV cache, rollout work), experience
 (weights, optimizer state, the reference's no-grad forward: its weights plus one layer's
@@ -89,7 +93,10 @@ def kl_head_bytes(method: str, tokens: int, cfg: ModelConfig, tp: int, chunk: in
     if method == "vp_materialized":
         return 6 * tokens * vp // tp * 4 + grad_hidden
     if method == "fused":
-        return 6 * head_chunk(chunk, tokens, vp // tp, cfg.hidden_size, act_bytes) * vp // tp * 4 + grad_hidden
+        # a bf16/fp16 head's weight gradient is summed over the chunks in fp32 (parallel/fused.py)
+        accumulator = vp // tp * cfg.hidden_size * 4 if act_bytes < 4 else 0
+        return (6 * head_chunk(chunk, tokens, vp // tp, cfg.hidden_size, act_bytes) * vp // tp * 4 + grad_hidden
+                + accumulator)
     raise ValueError(f"kl method {method!r}: choose from {KL_METHODS}")
 
 
@@ -99,25 +106,29 @@ def head_chunk(chunk: int | None, tokens: int, width: int, hidden: int, itemsize
     return min(resolve_chunk_size(chunk, tokens, width, hidden, itemsize), max(tokens, 1))
 
 
-def reference_bytes(placement: str, cfg: ModelConfig, lay: Layout, ref_bytes: int) -> tuple[int, float]:
-    """(device bytes of the frozen reference, seconds of host->device copy per reference forward)."""
+def reference_bytes(placement: str, cfg: ModelConfig, lay: Layout, ref_bytes: int,
+                    ema_master: bool = False) -> tuple[int, float]:
+    """(device bytes of the frozen reference, seconds of host->device copy per reference forward).
+    `ema_master`: the reference is EMA-synced and stored in 2-byte weights, so rl/models/reference.py keeps an
+    fp32 copy of its shard (4 bytes per weight of the rank's shard; on the host with cpu_offload)."""
     pc = param_counts(cfg, lay.tp)
     gathered = 2 * pc["layer"] * ref_bytes  # FSDP / offload: the layer in use and the prefetched one
+    master = 4 if ema_master and ref_bytes < 4 else 0  # bytes per weight of the shard
     if placement == "replicated":
-        return param_counts(cfg, 1)["total"] * ref_bytes, 0.0
+        return param_counts(cfg, 1)["total"] * (ref_bytes + master), 0.0
     if placement == "tp":
-        return pc["total"] * ref_bytes, 0.0
+        return pc["total"] * (ref_bytes + master), 0.0
     if placement == "tp_fsdp":
-        return -(-pc["total"] // lay.dp) * ref_bytes + gathered, 0.0
+        return -(-pc["total"] // lay.dp) * (ref_bytes + master) + gathered, 0.0
     if placement == "cpu_offload":
         return gathered + pc["vocab"] * ref_bytes, pc["total"] * ref_bytes / PCIE_BYTES_PER_S
     raise ValueError(f"reference placement {placement!r}: choose from {PLACEMENTS}")
 
 
 def step_budget(cfg: ModelConfig, lay: Layout, batch: Batch, placement: str = "tp", kl_method: str = "fused",
-                ref_dtype: str | None = None) -> dict:
+                ref_dtype: str | None = None, ref_ema: bool = False) -> dict:
     """{'parts': {name: bytes}, 'rollout_peak', 'experience_peak', 'reference_forward_peak', 'update_peak',
-    'peak', 'offload_s_per_forward'} per rank."""
+    'peak', 'offload_s_per_forward'} per rank. `ref_ema`: the reference is EMA-synced (reference_bytes)."""
     pc = param_counts(cfg, lay.tp)
     act_b = DTYPE_BYTES[lay.compute_dtype]
     shard = lay.dp if (lay.fsdp and lay.dp > 1) else 1
@@ -131,7 +142,7 @@ def step_budget(cfg: ModelConfig, lay: Layout, batch: Batch, placement: str = "t
         acts = cfg.n_layers * A * tok
     kv = max(cfg.n_kv_heads // lay.tp, 1) * cfg.head_dim
     kv_cache = 2 * cfg.n_layers * batch.rollout_rows * batch.seq_len * kv * act_b
-    ref, offload_s = reference_bytes(placement, cfg, lay, DTYPE_BYTES[ref_dtype or lay.compute_dtype])
+    ref, offload_s = reference_bytes(placement, cfg, lay, DTYPE_BYTES[ref_dtype or lay.compute_dtype], ref_ema)
     head = kl_head_bytes(kl_method, batch.update_rows * batch.response_len, cfg, lay.tp, batch.kl_chunk, act_b)
     parts = {"policy weights": master + gathered, "gradients": master, "AdamW state": 2 * master,
              "activations": acts, "KL head": head, "rollout KV cache": kv_cache,
@@ -204,5 +215,7 @@ def projected_peak_bytes(cfg, world_size: int, device: str = "cuda") -> dict:
     seq = cfg.model.max_seq_len
     batch = Batch(rows, update_rows, seq, ro.max_new_tokens, algo.kl_chunk_size, **rollout_fields(ro))
     placement = "cpu_offload" if cfg.reference.cpu_offload else ("tp_fsdp" if (par.fsdp and dp > 1) else "tp")
-    out = step_budget(cfg.model, lay, batch, placement, "fused")
+    rc = cfg.reference
+    ema = rc.sync_mode == "ema" and (rc.sync_every > 0 or rc.sync_below is not None)
+    out = step_budget(cfg.model, lay, batch, placement, "fused", "bf16" if rc.dtype == "bf16" else None, ema)
     return {**out, "layout": lay, "batch": batch, "placement": placement, "device": device}

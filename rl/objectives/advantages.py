@@ -31,6 +31,11 @@ def grpo_advantages(rewards: torch.Tensor, group_size: int, scale_by_std: bool =
     every group when G == 1, where there is nothing to compare against -- gets exactly 0: it
     carries no learning signal, and a singleton's std is undefined. Returns [N * G], fp32
     (fp64 for fp64 rewards). A non-finite reward raises ValueError naming prompt and sample.
+
+    The group mean and std are taken in float64 whatever the rewards' dtype: rewards that share a
+    large offset (1e7 + {0, 1}) would lose the baseline in an fp32 sum (8 x 1e7 is past 2^24, so
+    the mean rounds and the advantages come out 0 or 1.32 instead of -+0.94). fp32 rewards are exact
+    in float64; only the returned advantages are rounded, once.
     """
     if rewards.dim() != 1:
         raise ValueError(f"grpo_advantages: rewards must be 1-D [N*G], got shape {tuple(rewards.shape)}")
@@ -38,14 +43,14 @@ def grpo_advantages(rewards: torch.Tensor, group_size: int, scale_by_std: bool =
         raise ValueError(f"grpo_advantages: {rewards.numel()} rewards do not split into groups of "
                          f"{group_size}")
     _check_finite_rewards(rewards, group_size, "grpo_advantages")
-    r = rewards if rewards.dtype == torch.float64 else rewards.float()
-    g = r.view(-1, group_size)  # [N, G]
+    out_dtype = torch.float64 if rewards.dtype == torch.float64 else torch.float32
+    g = rewards.to(torch.float64).view(-1, group_size)  # [N, G]; [N*G] floats, float64 costs nothing
     adv = g - g.mean(dim=1, keepdim=True)
     if scale_by_std and group_size > 1:
         adv = adv / (g.std(dim=1, keepdim=True, unbiased=unbiased_std) + eps)
     constant = g.amax(dim=1, keepdim=True) == g.amin(dim=1, keepdim=True)  # [N, 1]
     adv = torch.where(constant, torch.zeros_like(adv), adv)
-    return adv.reshape(-1)
+    return adv.reshape(-1).to(out_dtype)
 
 
 def broadcast_to_tokens(seq_values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -34,9 +34,7 @@ def mini_batches(cfg: RLConfig, row_ids: torch.Tensor, step: int, epoch: int, de
     for rid in row_ids.tolist():
         prompt, j = divmod(rid, G)
         if prompt not in perms:  # one permutation per prompt, not per row
-            # the key as first defined (runs stay bit-compatible with earlier ones); it repeats once prompts
-            # reach 131 per step or epochs 61
-            key = derive_seed(cfg.train.seed, step * 7919 + epoch * 131 + prompt)
+            key = derive_seed(cfg.train.seed, step, epoch, prompt)
             perms[prompt] = torch.randperm(G, generator=torch.Generator().manual_seed(key), device="cpu").tolist()
         pos.append(prompt * G + perms[prompt][j])
     mb = torch.tensor(pos, device="cpu") % n
