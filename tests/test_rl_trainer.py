@@ -40,11 +40,12 @@ def _trainer(tp, dp, overrides):
     mc = ModelConfig(**MODEL)
     state = init_parallel(ParallelDims(dp, tp), "cpu", mc.n_heads, mc.n_kv_heads)
     kv = kv_replica_group(state, mc.n_kv_heads)
-    policy = build_model(mc, state.tp_group, kv, seed=11)
-    ref = build_model(mc, state.tp_group, kv, seed=11)
+    # float64: a layout's rounding order stays ~1e-16, so 2 clipped AdamW steps cannot magnify it to the tolerance
+    policy = build_model(mc, state.tp_group, kv, seed=11, dtype=torch.float64)
+    ref = build_model(mc, state.tp_group, kv, seed=11, dtype=torch.float64)
     critic = None
     if cfg.algo.name == "ppo":
-        critic = Critic(mc, state.tp_group, kv)
+        critic = Critic(mc, state.tp_group, kv, dtype=torch.float64)
         critic.body.init_weights(11)
     return assemble(cfg, state, mc, load_tokenizer(None), policy, ref, critic), state
 
