@@ -45,7 +45,7 @@ from rl.reference import ReferenceSync
 from rl.rollout import Rollout, collect_rollout, evaluate
 from rl.shared_layout import LayoutCost, share_rollout, shared_by_row_count, shared_by_token_budget
 from rl.signals import WindowCorr, loss_term_grad_norms, repetition_rate
-from rl.update_stats import UpdateStats
+from rl.update_stats import UpdateStats, masked_range
 
 
 def _max_abs(x: torch.Tensor, mask: torch.Tensor) -> float:
@@ -410,6 +410,7 @@ class RLTrainer:
         new_beta = self.controller.update(kl_mean, n_samples=cfg.rollout.prompts_per_step * cfg.rollout.group_size)
         synced = self.ref_sync.maybe_sync(step, kl_mean, self.policy, self.ref, self.opt)
         q = kl_quantiles(data.kl, mask, dp_group=dpg)
+        ref_lo, ref_hi = masked_range(data.old_logp - data.ref_logp, mask, dpg)  # log(pi/ref) at the samples
         pos_mean, _ = kl_by_position(data.kl, mask, n_buckets=min(8, cfg.rollout.max_new_tokens),
                                      max_len=cfg.rollout.max_new_tokens, dp_group=dpg)
         scores = data.ro.scores.double()  # float64: sums of squares of large (bounded) rewards stay finite
@@ -440,6 +441,7 @@ class RLTrainer:
                # response tokens of every DP rank over this rank's generation time (the ranks decode in step)
                "rollout_tokens_per_s": tokens / max(self.rollout_stats.get("rollout_s", 0.0), 1e-9),
                "logp_drift": upd["logp_drift"], "ref_synced": synced, "step_time_s": elapsed,
+               "ref_log_ratio_min": ref_lo, "ref_log_ratio_max": ref_hi, "beta_min": cfg.kl_ctl.beta_min,
                **times, **peak_memory(self.state.device)}
         if "critic_grad_norm" in upd:
             rec["critic_grad_norm"] = upd["critic_grad_norm"]
