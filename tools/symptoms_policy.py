@@ -24,7 +24,7 @@ from __future__ import annotations
 import math
 import statistics
 
-from tools.symptoms import KL_HIGH, Finding, after_startup
+from tools.symptoms import KL_HIGH, Finding
 from tools.trend import Z, gain, number, series
 
 FLOOR_STEPS = 10  # steps beta must sit at its floor (the band preset holds beta for 10 steps between moves)
@@ -149,7 +149,7 @@ def check_entropy_max(rows, window: int) -> Finding | None:
 
 
 def check_repetition_kl_not_high(rows, window: int) -> Finding | None:
-    rep, kl = series(rows, "repetition_rate")[-window:], series(after_startup(rows), "kl_mean")[-window:]
+    rep, kl = series(rows, "repetition_rate")[-window:], series(rows, "kl_mean")[-window:]
     if len(rep) < 6 or len(kl) < 6:
         return None
     r, k = statistics.median(rep), statistics.median(kl)
