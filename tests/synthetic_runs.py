@@ -97,14 +97,15 @@ def _stats(v: np.ndarray, tokens: np.ndarray) -> dict:
     return out
 
 
-def sample(rng: np.random.Generator, truth: dict) -> list[dict]:
-    """The metrics records a trainer would log for these true trajectories (see the module docstring)."""
+def sample(rng: np.random.Generator, truth: dict, samples: int = SAMPLES) -> list[dict]:
+    """The metrics records a trainer would log for these true trajectories (see the module docstring),
+    `samples` responses a step."""
     n = len(truth["kl"])
     beta = truth["beta0"] if truth["beta_fixed"] is None else truth["beta_fixed"]
     length = np.maximum(truth["length"] + rng.normal(0, 0.05, n), 1.0)
-    tokens = (SAMPLES * length).astype(int)
+    tokens = (samples * length).astype(int)
     st = _stats(_kl_tokens(rng, np.asarray(truth["kl"], dtype=float), tokens, truth), tokens)
-    wins = rng.binomial(SAMPLES, np.clip(truth["reward"], 0, 1)) / SAMPLES
+    wins = rng.binomial(samples, np.clip(truth["reward"], 0, 1)) / samples
     noise = rng.standard_normal((n, 9))
     rows = []
     for i in range(n):
@@ -113,7 +114,7 @@ def sample(rng: np.random.Generator, truth: dict) -> list[dict]:
         rl = float(truth["ratio_log"][i]) * (1 + 0.2 * abs(e[0]))
         ref_spread = 2.0 + 9.0 * max(float(truth["kl"][i]), 0.0)
         rows.append({
-            "step": i, "reward_mean": r, "reward_std": math.sqrt(r * (1 - r)), "samples": SAMPLES,
+            "step": i, "reward_mean": r, "reward_std": math.sqrt(r * (1 - r)), "samples": samples,
             "kl_mean": kl_mean, "kl_p50": float(st[0.5][i]), "kl_p90": float(st[0.9][i]), "kl_p99": float(st[0.99][i]),
             "kl_max": float(st["max"][i]), "kl_top1_share": float(st["share"][i]),
             "kl_by_position": [float(x) for x in rng.dirichlet(np.ones(6)) * 6 * kl_mean],

@@ -28,7 +28,7 @@ import math
 import statistics
 from dataclasses import dataclass
 
-from tools.trend import Z, fit, number, series
+from tools.trend import Z, fit, noise_sd, number, series
 
 
 @dataclass
@@ -51,7 +51,8 @@ CLIMB_LEVEL = 0.6  # ... once it has passed this (nats/token; the healthy job's 
 KL_HIGH = 1.0  # nats per token: high for RL fine-tuning (the healthy job's stays <= 0.4), far below the guard
 KL_NEAR_ZERO = 0.01  # nats per token: "KL near 0" (the healthy job's lowest 20-step mean is 0.086)
 KL_ZERO = 1e-3  # nats per token: the policy has not left the reference at all
-MIN_FLAT_STEPS = 40  # a reward is called flat only with this many steps to judge it by
+MIN_FLAT_STEPS = 40  # a reward is called flat only with this many steps to judge it by ...
+FLAT_NOISE = 1.5  # ... and when its change over the run, at the slope's upper bound, is within this many steps' noise
 KL_SPIKE = 0.05  # a KL spike below this (nats/token) is noise around a near-zero KL
 ADV_LAG = 2  # steps after an advantage spike in which the KL may jump
 
@@ -149,13 +150,15 @@ def check_kl_high(rows, window: int) -> Finding | None:
 
 
 def reward_stalled(rows: list[dict]) -> tuple[bool, str]:
-    """(the reward has not risen, what was measured): >= MIN_FLAT_STEPS steps after step 0, and neither the
-    whole run's slope nor the last TREND_STEPS steps' is 2 standard errors above 0."""
+    """(the reward has not risen, what was measured): >= MIN_FLAT_STEPS steps after step 0, neither the
+    whole run's slope nor the last TREND_STEPS steps' is 2 standard errors above 0 (no evidence of a rise),
+    and the whole run's slope at its upper bound (+2 standard errors) changes the reward by at most FLAT_NOISE
+    steps' sampling noise over the run (evidence of flatness: a short or noisy run is not called flat)."""
     rw = series([r for r in rows if r.get("step") != 0], "reward_mean")
     if len(rw) < MIN_FLAT_STEPS:
         return False, ""
     whole, recent = fit(rw), fit(rw[-TREND_STEPS:])
-    if whole.lower(2.0) > 0 or recent.lower(2.0) > 0:
+    if whole.lower(2.0) > 0 or recent.lower(2.0) > 0 or whole.upper(2.0) * whole.n > FLAT_NOISE * noise_sd(rw):
         return False, ""
     return True, (f"reward {whole.start:.3g} -> {whole.end:.3g} (fitted over {whole.n} steps: {whole.slope:.2g} "
                   f"+- {whole.se:.1g} per step, no significant rise)")
