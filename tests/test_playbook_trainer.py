@@ -86,8 +86,8 @@ def test_real_run_huge_beta_keeps_the_reward_flat():
 @pytest.mark.slow
 def test_real_run_without_a_penalty_buys_reward_with_kl():
     """beta 0, lr 1e-2 on a dense reward: no penalty (beta_zero, named first), and reward and KL climb together
-    (reward_hacking, judged on the 15 steps or more after the start-up)."""
-    names = _names_after(["kl_ctl.beta=0", "kl_ctl.beta_min=0", "optim.lr=1e-2"], steps=26)
+    (reward_hacking, judged on the 20 steps or more after the start-up)."""
+    names = _names_after(["kl_ctl.beta=0", "kl_ctl.beta_min=0", "optim.lr=1e-2"], steps=31)
     assert names[0] == "beta_zero" and "reward_hacking" in names, names
 
 

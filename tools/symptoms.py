@@ -44,7 +44,7 @@ class Finding:
 STARTUP_STEPS = 10  # the healthy default GRPO job's KL rises from 0 to its plateau over its first ~10 steps
 TREND_STEPS = 60  # trends are fitted over at most the last this many steps after the start-up
 MIN_TREND = 15  # ... and at least this many
-TREND_WINDOWS = (MIN_TREND, 30, TREND_STEPS)  # the KL's climb is judged on each
+TREND_WINDOWS = (20, 30, TREND_STEPS)  # the KL's climb is judged on each
 CLIMB_DOUBLING = 25  # steps: a KL doubling faster than this climbs (the healthy job's: ~50 steps at its fastest)
 CLIMB_ABS = 0.003  # nats/token per step: a KL rising faster climbs (the healthy job's: <= 0.0023) ...
 CLIMB_LEVEL = 0.6  # ... once it has passed this (nats/token; the healthy job's plateau: 0.36)
@@ -67,11 +67,11 @@ def _median(xs: list[float]) -> float:
 
 
 def kl_climb(rows: list[dict]) -> dict | None:
-    """The KL's trend after the start-up over the last 15, 30 and 60 steps (TREND_WINDOWS): {"climbing": bool,
+    """The KL's trend after the start-up over the last 20, 30 and 60 steps (TREND_WINDOWS): {"climbing": bool,
     "soaring": bool, "rel": log-KL trend, "abs": KL trend, "kl": the values} of the window that shows the
-    strongest climb (the longest where none does); None with fewer than MIN_TREND steps."""
+    strongest climb (the longest where none does); None with fewer than 20 steps after the start-up."""
     kl = series(after_startup(rows), "kl_mean")[-TREND_STEPS:]
-    if len(kl) < MIN_TREND or min(kl) <= 0:
+    if len(kl) < TREND_WINDOWS[0] or min(kl) <= 0:
         return None
     best = None
     for w in TREND_WINDOWS:  # a climb that started lately shows on a short window, a slow one on a long
@@ -137,7 +137,7 @@ def check_kl_climbing(rows, window: int) -> Finding | None:
 
 
 def check_kl_high(rows, window: int) -> Finding | None:
-    kl = series(after_startup(rows), "kl_mean")[-window:]
+    kl = series(rows, "kl_mean")[-window:]  # the start-up's low KL only lowers the median: kept
     if len(kl) < 6 or _median(kl) < KL_HIGH:
         return None
     beta = series(rows, "beta")[-window:]
