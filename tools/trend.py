@@ -83,6 +83,8 @@ def fit(ys: list[float]) -> Trend | None:
     if n < 4:
         return None
     mx, my = (n - 1) / 2, sum(ys) / n
+    if max(abs(y - my) for y in ys) <= 1e-12 * max(abs(my), 1e-300):  # constant up to rounding: no trend at all
+        return Trend(0.0, 0.0, n, my, my)
     sxx = sum((i - mx) ** 2 for i in range(n))
     b = sum((i - mx) * (y - my) for i, y in enumerate(ys)) / sxx
     res = [y - (my + b * (i - mx)) for i, y in enumerate(ys)]
