@@ -1,6 +1,9 @@
-"""Each playbook symptom (tools/symptoms.py) is named on a synthetic run built to show it, and
-nothing is named on a healthy one; a real tiny run provoked into a high KL is named too (slow);
-TensorBoard event files carry the metrics under their metrics.jsonl names."""
+"""Each playbook symptom is named on a run built to show it, and nothing is named on a healthy one:
+first on small noiseless runs, then on runs with real runs' statistics (tests/synthetic_runs.py: sampling
+noise of 256 rewards a step, lognormal per-token KL, the README job's trajectories), one faulty run per
+detector, each named first, and 30 (200, slow) random healthy runs cut at random lengths with no finding;
+real tiny runs provoked into a symptom are named too (slow); TensorBoard event files carry the metrics
+under their metrics.jsonl names."""
 
 import json
 import math
