@@ -92,3 +92,20 @@ def test_masked_range_over_two_dp_ranks(dist_pools):
     lr, m = _ratios()
     res = dist_pools.run(2, _range_on_rank)
     assert res[0] == res[1] == (float(lr[m].min()), float(lr[m].max()))
+
+
+@pytest.mark.slow
+def test_trainer_logs_the_extremes_of_log_pi_over_ref():
+    """A real step's `ref_log_ratio_min`/`_max` are the extremes of log(pi/ref) at the sampled tokens: k3's value
+    (r - 1) - log r, r = ref/pi, is convex in log(pi/ref) with its minimum at 0, so the step's largest per-token
+    KL (`kl_max`, from kl_quantiles) is k3 at one of the two extremes."""
+    from tests.test_playbook_trainer import _trainer
+
+    tr = _trainer(["kl_ctl.beta=0.05"])  # k3+ (the default): the value of k3
+    for s in range(2):
+        rec = tr.step(s)
+        lo, hi = rec["ref_log_ratio_min"], rec["ref_log_ratio_max"]
+        assert lo < 0 < hi  # policy and reference differ (different seeds)
+        k3 = max(math.expm1(-x) + x for x in (lo, hi))
+        assert rec["kl_max"] == pytest.approx(k3, rel=1e-4)
+        assert rec["beta_min"] == tr.cfg.kl_ctl.beta_min

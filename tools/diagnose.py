@@ -206,7 +206,7 @@ def load_rows(run: str) -> list[dict]:
                     raise ValueError(f"{path}:{n}: not a JSON object ({e})") from None
     if not rows:
         raise ValueError(f"{path}: no metrics")
-    return last_per_step(rows)
+    return last_per_step(numeric_rows(rows))
 
 
 def last_per_step(rows: list[dict]) -> list[dict]:
