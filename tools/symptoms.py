@@ -47,7 +47,7 @@ MIN_TREND = 15  # ... and at least this many
 TREND_WINDOWS = (20, 30, TREND_STEPS)  # the KL's climb is judged on each
 CLIMB_DOUBLING = 25  # steps: a KL doubling faster than this climbs (the healthy job's: ~50 steps at its fastest)
 CLIMB_ABS = 0.003  # nats/token per step: a KL rising faster climbs (the healthy job's: <= 0.0023) ...
-CLIMB_LEVEL = 0.6  # ... once it has passed this (nats/token; the healthy job's plateau: 0.36)
+CLIMB_LEVEL = 0.5  # ... once it has passed this (nats/token; the healthy job's plateau: 0.36)
 KL_HIGH = 1.0  # nats per token: high for RL fine-tuning (the healthy job's stays <= 0.4), far below the guard
 KL_NEAR_ZERO = 0.01  # nats per token: "KL near 0" (the healthy job's lowest 20-step mean is 0.086)
 KL_ZERO = 1e-3  # nats per token: the policy has not left the reference at all
