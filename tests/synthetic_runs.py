@@ -49,7 +49,7 @@ def healthy_truth(rng: np.random.Generator, n: int = 200) -> dict:
     p0, p1, tau = rng.uniform(0.25, 0.35), rng.uniform(0.6, 0.75), rng.uniform(100, 250)
     reward = p0 + (p1 - p0) * (1 - np.exp(-t * pace / tau)) / (1 - math.exp(-200 / tau))
     e1 = rng.uniform(0.35, 0.5)
-    entropy = e1 + (1.02 - e1) * np.exp(-t * pace / 110) * (1 + 0.0 * t)
+    entropy = e1 + (1.02 - e1) * np.exp(-t * pace / 110)
     length = rng.uniform(3.5, 5.5) + rng.uniform(-0.3, 0.3) * t / 200
     return {"reward": np.clip(reward, 0, 1), "kl": kl, "entropy": entropy, "length": length,
             "repetition": np.full(n, rng.uniform(0.0, 0.05)), "adv": np.full(n, rng.uniform(0.6, 0.85)),
