@@ -19,6 +19,7 @@ from rl.health.signals import WindowCorr, loss_term_grad_norms, repetition_rate
 from rl.objectives.controller import KLController
 from rl.objectives.kl import kl_by_position, kl_quantiles, masked_mean
 from rl.update.step_data import StepData
+from rl.update.update_stats import masked_range
 
 
 def balance_beta(cfg: RLConfig, controller: KLController, data: StepData, dp_group) -> dict:
@@ -48,6 +49,7 @@ class StepRecorder:
         next, `ent_coef`, `grads` from `balance_beta`, `synced` the reference), `evals` merged in."""
         cfg, mask, dpg = self.cfg, data.mask, self.dp_group
         q = kl_quantiles(data.kl, mask, dp_group=dpg)
+        ref_lo, ref_hi = masked_range(data.old_logp - data.ref_logp, mask, dpg)  # log(pi/ref) at the samples
         pos_mean, _ = kl_by_position(data.kl, mask, n_buckets=min(8, cfg.rollout.max_new_tokens),
                                      max_len=cfg.rollout.max_new_tokens, dp_group=dpg)
         scores = data.ro.scores.double()  # float64: sums of squares of large (bounded) rewards stay finite
@@ -77,6 +79,7 @@ class StepRecorder:
                # response tokens of every DP rank over this rank's generation time (the ranks decode in step)
                "rollout_tokens_per_s": tokens / max(self.rollout_stats.get("rollout_s", 0.0), 1e-9),
                "logp_drift": upd["logp_drift"], "ref_synced": synced, "step_time_s": elapsed,
+               "ref_log_ratio_min": ref_lo, "ref_log_ratio_max": ref_hi, "beta_min": cfg.kl_ctl.beta_min,
                **times, **peak_memory(self.device)}
         if "critic_grad_norm" in upd:
             rec["critic_grad_norm"] = upd["critic_grad_norm"]

@@ -32,19 +32,22 @@ def test_healthy_run_has_no_finding():
 
 
 def test_kl_climbing():
-    assert _names(_run(kl=lambda i: 0.01 * 1.15 ** i)) == ["kl_climbing"]
+    assert _names(_run(kl=lambda i: 0.01 * 1.15 ** i, reward=lambda i: 0.3)) == ["kl_climbing"]
+    # the same KL with the reward rising along: the policy buys reward with it
+    assert _names(_run(kl=lambda i: 0.01 * 1.15 ** i)) == ["reward_hacking"]
 
 
 def test_kl_leaving_the_reference_at_the_start_is_not_a_climb():
     """The first 12 steps of the README's default GRPO job: the KL rises from exactly 0 (policy = reference)
     to its plateau; a run that keeps climbing after its start-up is still named."""
     start = [0.0, 0.0255, 0.0709, 0.0736, 0.0672, 0.1298, 0.0753, 0.0615, 0.0854, 0.1306, 0.0674, 0.152]
-    assert "kl_climbing" not in _names(_run(n=12, kl=lambda i: start[i]))
-    assert "kl_climbing" in _names(_run(n=24, kl=lambda i: start[i] if i < 12 else 0.15 * 1.15 ** (i - 11)))
+    assert "kl_climbing" not in _names(_run(n=12, kl=lambda i: start[i], reward=lambda i: 0.3))
+    assert "kl_climbing" in _names(_run(n=30, kl=lambda i: start[i] if i < 12 else 0.15 * 1.15 ** (i - 11),
+                                        reward=lambda i: 0.3))
 
 
 def test_kl_flat_with_flat_reward():
-    names = _names(_run(kl=lambda i: 1e-5, reward=lambda i: 0.3, adv_abs_mean=lambda i: 0.0))
+    names = _names(_run(n=50, kl=lambda i: 1e-5, reward=lambda i: 0.3, adv_abs_mean=lambda i: 0.0))
     assert names == ["kl_flat_reward"]
 
 
@@ -117,7 +120,7 @@ def test_cli_and_plots(tmp_path, capsys):
     run = tmp_path / "run"
     run.mkdir()
     with open(run / "metrics.jsonl", "w") as f:
-        for r in _run(kl=lambda i: 0.01 * 1.15 ** i):
+        for r in _run(kl=lambda i: 0.01 * 1.15 ** i, reward=lambda i: 0.3):
             f.write(json.dumps(r) + "\n")
     assert diagnose_main([str(run)]) == 0
     assert "[kl_climbing]" in capsys.readouterr().out

@@ -76,14 +76,19 @@ def _names_after(overrides, steps=14, window=10, same_ref=False):
 
 @pytest.mark.slow
 def test_real_run_huge_beta_keeps_the_reward_flat():
-    """beta 5 against a reference the policy does not start at: the reward stays flat at a normal KL."""
-    assert "reward_flat_kl_normal" in _names_after(["kl_ctl.beta=5", "kl_ctl.beta_max=10", "optim.lr=1e-3"])
+    """beta 5 against a reference the policy does not start at: the penalty pulls the KL to near 0 and the
+    reward stays flat (kl_flat_reward, design document 003's "KL near 0 and reward stalled"; a flat reward is
+    judged on 40 steps or more: fewer cannot tell a flat reward from sampling noise)."""
+    names = _names_after(["kl_ctl.beta=5", "kl_ctl.beta_max=10", "optim.lr=1e-3"], steps=45)
+    assert "kl_flat_reward" in names or "reward_flat_kl_normal" in names, names
 
 
 @pytest.mark.slow
 def test_real_run_without_a_penalty_buys_reward_with_kl():
-    """beta 0, lr 1e-2 on a dense reward: reward and KL climb together (reward_hacking)."""
-    assert "reward_hacking" in _names_after(["kl_ctl.beta=0", "kl_ctl.beta_min=0", "optim.lr=1e-2"])
+    """beta 0, lr 1e-2 on a dense reward: no penalty (beta_zero, named first), and reward and KL climb together
+    (reward_hacking, judged on the 20 steps or more after the start-up)."""
+    names = _names_after(["kl_ctl.beta=0", "kl_ctl.beta_min=0", "optim.lr=1e-2"], steps=31)
+    assert names[0] == "beta_zero" and "reward_hacking" in names, names
 
 
 @pytest.mark.slow
@@ -101,4 +106,4 @@ def test_real_run_repetitive_reference_repeats_at_a_low_kl():
             w[40], w[41] = 3 * u, -3 * u
     rows = [tr.step(s) for s in range(10)]
     names = [f.name for f in diagnose(rows, 10)]
-    assert "repetition_low_kl" in names and "kl_adv_spike" not in names
+    assert "repetition_kl_not_high" in names and "kl_adv_spike" not in names

@@ -1,19 +1,20 @@
 """`python -m tools.diagnose RUN [--json]`: read a run's metrics.jsonl and name the likely problem.
 
-Each check looks for one classic symptom of RL fine-tuning with a KL penalty and, when it fires,
-says what it saw (with the numbers), the likely causes, and the first thing to try:
+Each check looks for one symptom of the KL playbook's troubleshooting table (docs/kl_playbook.md lists
+every one with its detector) and, when it fires, says what it saw (with the numbers), the likely
+causes, and the first thing to try. Findings come in the order of ORDER (the most specific first); a
+finding that explains another drops it (SUBSUMES: reward hacking explains a climbing or high KL).
+This file holds the run-wide checks:
 
 | finding            | symptom                                                         |
 |--------------------|-----------------------------------------------------------------|
-| non_finite         | NaN/inf in KL, reward, loss or grad norm, or skipped steps      |
-| kl_climbing        | mean KL rising steadily over the recent window                  |
-| kl_flat_reward     | mean KL near zero while the reward does not move                |
-| kl_concentrated    | low mean KL, 80% of it or more on the largest 1% of tokens      |
-| reward_swings      | step-to-step reward changes large against its trend             |
+| non_finite         | NaN/inf in KL, reward, loss or grad norm (also the strings "nan", "inf"), or skipped steps |
 | collapse           | entropy at its maximum ln V (uniform policy) or grad norm 0     |
+| kl_concentrated    | low mean KL, 80% of it or more on the largest 1% of tokens      |
+| reward_swings      | step-to-step reward changes large against its trend and its sampling noise |
 
-and the KL playbook's detectors of tools/symptoms.py (reward flat at a normal KL, a high KL level,
-reward hacking, entropy collapse / maximum, KL spiking with the advantages, repetition at a low KL).
+and the detectors of tools/symptoms.py (KL and reward) and tools/symptoms_policy.py (beta, ratios,
+entropy, text). Trends are judged with their standard errors (tools/trend.py), not step to step.
 
 A metrics file with a step logged twice (an old run resumed before metrics were truncated on
 resume) is read keeping the last record of each step.
@@ -29,43 +30,21 @@ import sys
 from dataclasses import asdict
 
 from rl.health.guards import HEALTHY_FRACTION, UNIFORM_FRACTION
-from tools.symptoms import CHECKS as PLAYBOOK_CHECKS
+from tools import symptoms, symptoms_policy
 from tools.symptoms import Finding
+from tools.trend import number, series
 
 KL_LOW_MEAN = 0.5  # nats/token: below this a mean KL looks harmless
-
-
-def _series(rows: list[dict], key: str) -> list[float]:
-    out = []
-    for r in rows:
-        v = r.get(key)
-        if isinstance(v, (int, float)) and not isinstance(v, bool):
-            out.append(float(v))
-    return out
-
-
-def _slope(ys: list[float]) -> float:
-    """Least-squares slope per step."""
-    n = len(ys)
-    if n < 2:
-        return 0.0
-    mx, my = (n - 1) / 2, sum(ys) / n
-    sxx = sum((i - mx) ** 2 for i in range(n))
-    return sum((i - mx) * (y - my) for i, y in enumerate(ys)) / sxx
-
-
-def _fraction_increasing(ys: list[float]) -> float:
-    if len(ys) < 2:
-        return 0.0
-    return sum(b > a for a, b in zip(ys, ys[1:])) / (len(ys) - 1)
+NON_FINITE_KEYS = ("kl_mean", "reward_mean", "reward_std", "grad_norm", "pg_loss", "kl_loss", "loss", "entropy",
+                   "adv_abs_mean")
 
 
 def check_non_finite(rows) -> Finding | None:
     bad = []
     for r in rows:
-        for k in ("kl_mean", "reward_mean", "grad_norm", "pg_loss", "entropy"):
-            v = r.get(k)
-            if isinstance(v, float) and not math.isfinite(v):
+        for k in NON_FINITE_KEYS:
+            v = number(r.get(k))
+            if v is not None and not math.isfinite(v):
                 bad.append(f"{k}={v} at step {r.get('step')}")
     skipped = sum(int(r.get("skipped", 0) or 0) for r in rows)
     if not bad and skipped == 0:
@@ -78,48 +57,6 @@ def check_non_finite(rows) -> Finding | None:
                    "path; an unclamped log-ratio exploding in exp()",
                    "lower optim.lr (e.g. halve it) and keep kl.fp32=true; set kl.log_ratio_clamp=20; check the "
                    "reward function on the logged responses")
-
-
-STARTUP_STEPS = 10  # every run's KL rises from 0 while the policy leaves its reference: not a climb
-
-
-def check_kl_climbing(rows, window: int) -> Finding | None:
-    """Steady growth of the mean KL over the window, judged from step STARTUP_STEPS on (the healthy
-    default GRPO job's KL rises from 0 to its plateau over its first ~10 steps)."""
-    rows = [r for r in rows if not isinstance(r.get("step"), int) or r["step"] >= STARTUP_STEPS]
-    kl = _series(rows, "kl_mean")[-window:]
-    if len(kl) < 6:
-        return None
-    s, rise = _slope(kl), kl[-1] - kl[0]
-    if s > 0 and rise > 0.5 * max(abs(kl[0]), 1e-3) and _fraction_increasing(kl) >= 0.6:
-        beta = _series(rows, "beta")[-window:]
-        bt = f"; beta {beta[0]:.4g} -> {beta[-1]:.4g}" if beta else ""
-        return Finding("kl_climbing", f"mean KL rose from {kl[0]:.4g} to {kl[-1]:.4g} over the last {len(kl)} "
-                                      f"steps (slope {s:.3g}/step){bt}",
-                       "beta too small for this learning rate; learning rate too high; a tokenizer or "
-                       "response-mask mismatch between policy and reference (KL high from the first step)",
-                       "raise kl_ctl.beta or use kl_ctl.mode=adaptive with a target; lower optim.lr; confirm both "
-                       "checkpoints carry the same tokenizer fingerprint")
-    return None
-
-
-def check_kl_flat_reward(rows, window: int) -> Finding | None:
-    kl = _series(rows, "kl_mean")[-window:]
-    rw = _series(rows, "reward_mean")[-window:]
-    if len(kl) < 6 or len(rw) < 6:
-        return None
-    spread = max(rw) - min(rw)
-    if max(abs(x) for x in kl) < 1e-3 and spread < 0.05 * max(abs(sum(rw) / len(rw)), 0.1):
-        adv = _series(rows, "adv_abs_mean")[-window:]
-        ev = f"mean KL <= {max(abs(x) for x in kl):.2e} and reward within {spread:.3g} over {len(kl)} steps"
-        if adv:
-            ev += f"; mean |advantage| {sum(adv) / len(adv):.3g}"
-        return Finding("kl_flat_reward", ev,
-                       "beta too large (the penalty pins the policy to the reference); too little diversity in "
-                       "each group (all samples scored alike, so advantages are zero); learning rate too low",
-                       "lower kl_ctl.beta (or let it adapt: kl_ctl.preset=ziegler); raise rollout.temperature or "
-                       "rollout.group_size so groups disagree")
-    return None
 
 
 # the largest 1% of tokens carry at least this share of the KL: the healthy default GRPO job's share has
@@ -171,7 +108,7 @@ def check_kl_concentrated(rows, window: int) -> Finding | None:
 
 
 def check_reward_swings(rows, window: int) -> Finding | None:
-    rw = _series(rows, "reward_mean")[-window:]
+    rw = series(rows, "reward_mean")[-window:]
     if len(rw) < 8:
         return None
     diffs = [b - a for a, b in zip(rw, rw[1:])]
@@ -179,7 +116,7 @@ def check_reward_swings(rows, window: int) -> Finding | None:
     trend = abs(rw[-1] - rw[0])
     scale = max(max(rw) - min(rw), 1e-9)
     flips = sum((a > 0) != (b > 0) for a, b in zip(diffs, diffs[1:])) / max(len(diffs) - 1, 1)
-    sd, n = _series(rows, "reward_std")[-window:], _series(rows, "samples")[-window:]
+    sd, n = series(rows, "reward_std")[-window:], series(rows, "samples")[-window:]
     if sd and n and len(sd) == len(n):
         # swings beyond sampling noise: |difference of two step means| ~ 1.13 * sqrt(2) * SE
         se = sum(s / max(k, 1.0) ** 0.5 for s, k in zip(sd, n)) / len(sd)
@@ -218,12 +155,43 @@ def check_collapse(rows) -> Finding | None:
     return None
 
 
+def _run_wide(check):
+    return lambda rows, window: check(rows)
+
+
+CHECKS = {f.__name__.removeprefix("check_"): f for f in
+          (*symptoms.CHECKS, *symptoms_policy.CHECKS, check_kl_concentrated, check_reward_swings)}
+CHECKS.update(non_finite=_run_wide(check_non_finite), collapse=_run_wide(check_collapse))
+# the most specific (or most urgent) finding first
+ORDER = ("non_finite", "collapse", "entropy_max", "ratio_extreme", "beta_zero", "beta_floor", "reward_hacking",
+         "kl_adv_spike", "kl_climbing", "kl_high", "ref_ratio_extreme", "kl_negative", "ref_follows_policy",
+         "kl_flat_reward", "reward_swings", "reward_flat_kl_normal", "entropy_collapse", "repetition_kl_not_high",
+         "kl_concentrated", "response_length_growing", "response_length_shrinking")
+# a finding that explains another drops it
+SUBSUMES = {"reward_hacking": ("kl_climbing", "kl_high"), "collapse": ("entropy_max",),
+            "kl_negative": ("ref_follows_policy", "kl_flat_reward", "reward_flat_kl_normal"),
+            "reward_swings": ("reward_flat_kl_normal",)}
+
+
+def numeric_rows(rows: list[dict]) -> list[dict]:
+    """The records with numbers written as strings ("nan", "NaN", "inf", "1e-3") read as floats."""
+    out = []
+    for r in rows:
+        if isinstance(r, dict) and any(isinstance(v, str) for v in r.values()):
+            r = {k: (number(v) if isinstance(v, str) and number(v) is not None else v) for k, v in r.items()}
+        out.append(r)
+    return out
+
+
 def diagnose(rows: list[dict], window: int = 20) -> list[Finding]:
-    checks = [check_non_finite(rows), check_collapse(rows),
-              check_kl_climbing(rows, window), check_kl_flat_reward(rows, window),
-              check_kl_concentrated(rows, window), check_reward_swings(rows, window)]
-    checks += [check(rows, window) for check in PLAYBOOK_CHECKS]  # the playbook's detectors (tools/symptoms.py)
-    return [f for f in checks if f is not None]
+    """Every finding of CHECKS on `rows` (metrics records in step order), in ORDER, less the subsumed."""
+    rows = [r for r in numeric_rows(rows) if isinstance(r, dict)]
+    found = {name: CHECKS[name](rows, window) for name in ORDER}
+    for name, drops in SUBSUMES.items():
+        if found[name] is not None:
+            for d in drops:
+                found[d] = None
+    return [f for f in found.values() if f is not None]
 
 
 def load_rows(run: str) -> list[dict]:
@@ -238,7 +206,7 @@ def load_rows(run: str) -> list[dict]:
                     raise ValueError(f"{path}:{n}: not a JSON object ({e})") from None
     if not rows:
         raise ValueError(f"{path}: no metrics")
-    return last_per_step(rows)
+    return last_per_step(numeric_rows(rows))
 
 
 def last_per_step(rows: list[dict]) -> list[dict]:

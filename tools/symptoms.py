@@ -1,23 +1,34 @@
-"""The KL playbook's symptom detectors, registered in `tools.diagnose.diagnose` (see docs/kl_playbook.md).
+"""The KL and reward symptoms of the KL playbook (docs/kl_playbook.md), registered in
+`tools.diagnose.diagnose`; tools/symptoms_policy.py holds those of beta, ratios, entropy and text.
 
 Each `check_*(rows, window)` reads the metrics.jsonl records and returns a `Finding` (what it saw,
-the likely cause, the first fix) or None:
+the likely cause, the first fix) or None. Trends are least-squares slopes with their standard errors
+(tools/trend.py), judged after the start-up (every run's KL rises from exactly 0 while the policy
+leaves its reference) over the last TREND_STEPS steps:
 
-| finding              | symptom                                                                    |
-|----------------------|----------------------------------------------------------------------------|
-| reward_flat_kl_normal| reward has not moved since the start while the KL sits at a normal level   |
-| kl_high              | the mean KL level stays high (>= KL_HIGH nats/token), well below the guard |
-| reward_hacking       | reward rising while the KL climbs with it (beta shrinking or too small)    |
-| entropy_collapse     | entropy near zero, or falling fast                                         |
-| entropy_max          | entropy near its maximum log(vocab): a blown-up policy                     |
-| kl_adv_spike         | KL jumps at, or just after, a spike of the mean absolute advantage         |
-| repetition_low_kl    | responses repeat their n-grams while the KL stays low                      |
+| finding               | fires when                                                                       |
+|-----------------------|----------------------------------------------------------------------------------|
+| kl_climbing           | the KL rises faster than doubling every CLIMB_DOUBLING steps, or (over >= 30      |
+|                       | steps) faster than CLIMB_ABS nats/token per step past CLIMB_LEVEL, judged by the |
+|                       | slope's lower confidence bound (Z standard errors)                               |
+| reward_hacking        | the KL soars (doubling faster than every CLIMB_DOUBLING steps, by the lower bound), |
+|                       | or sits >= KL_HIGH and still rises, while the reward rises significantly         |
+| kl_high               | median KL of the window >= KL_HIGH nats/token                                    |
+| kl_flat_reward        | reward stalled (no significant rise over the run, nor lately; >= MIN_FLAT_STEPS   |
+|                       | steps) while the median KL < KL_NEAR_ZERO                                        |
+| reward_flat_kl_normal | reward stalled while KL_NEAR_ZERO <= median KL < KL_HIGH                          |
+| ref_follows_policy    | the reward rises significantly while the median KL stays below KL_ZERO          |
+| kl_negative           | the mean KL is negative, significantly (a sampled k1 whose samples are not pi's)  |
+| kl_adv_spike          | the KL jumps at, or just after, an outlier mean |advantage|                       |
 """
 
 from __future__ import annotations
 
+import math
 import statistics
 from dataclasses import dataclass
+
+from tools.trend import Z, fit, noise_sd, number, series
 
 
 @dataclass
@@ -30,26 +41,197 @@ class Finding:
     first_try: str
 
 
-def _series(rows: list[dict], key: str) -> list[float]:
-    return [float(r[key]) for r in rows if isinstance(r.get(key), (int, float)) and not isinstance(r.get(key), bool)]
-
-
-def _slope(ys: list[float]) -> float:
-    """Least-squares slope per step."""
-    n = len(ys)
-    if n < 2:
-        return 0.0
-    mx, my = (n - 1) / 2, sum(ys) / n
-    return sum((i - mx) * (y - my) for i, y in enumerate(ys)) / sum((i - mx) ** 2 for i in range(n))
-
-KL_NORMAL = 1e-3  # a mean per-token KL above this is "not near zero"
-BETA_STRONG = 0.5  # a per-token KL coefficient this large dominates a reward in [0, 1]
-KL_HIGH = 1.0  # nats per token: high for RL fine-tuning (a healthy run's is 0.01-0.4)
-KL_HACK = 0.5  # the KL level a reward-hacking climb reaches
-ENTROPY_ZERO = 0.05  # nats per token
+STARTUP_STEPS = 10  # the healthy default GRPO job's KL rises from 0 to its plateau over its first ~10 steps
+TREND_STEPS = 60  # trends are fitted over at most the last this many steps after the start-up
+MIN_TREND = 15  # ... and at least this many
+TREND_WINDOWS = (20, 30, TREND_STEPS)  # the KL's climb is judged on each
+CLIMB_DOUBLING = 25  # steps: a KL doubling faster than this climbs (the healthy job's: ~50 steps at its fastest)
+CLIMB_ABS = 0.003  # nats/token per step: a KL rising faster climbs (the healthy job's: <= 0.0023) ...
+CLIMB_LEVEL = 0.5  # ... once it has passed this (nats/token; the healthy job's plateau: 0.36)
+KL_HIGH = 1.0  # nats per token: high for RL fine-tuning (the healthy job's stays <= 0.4), far below the guard
+KL_NEAR_ZERO = 0.01  # nats per token: "KL near 0" (the healthy job's lowest 20-step mean is 0.086)
+KL_ZERO = 1e-3  # nats per token: the policy has not left the reference at all
+MIN_FLAT_STEPS = 40  # a reward is called flat only with this many steps to judge it by ...
+FLAT_NOISE = 1.5  # ... and when its change over the run, at the slope's upper bound, is within this many steps' noise
 KL_SPIKE = 0.05  # a KL spike below this (nats/token) is noise around a near-zero KL
 ADV_LAG = 2  # steps after an advantage spike in which the KL may jump
-REPEAT = 0.3  # share of repeated 3-grams per response
+
+
+def after_startup(rows: list[dict]) -> list[dict]:
+    """The records from step STARTUP_STEPS on (records without an integer step are kept)."""
+    return [r for r in rows if not isinstance(r.get("step"), int) or r["step"] >= STARTUP_STEPS]
+
+
+def _median(xs: list[float]) -> float:
+    return statistics.median(xs) if xs else math.nan
+
+
+def kl_climb(rows: list[dict]) -> dict | None:
+    """The KL's trend after the start-up over the last 20, 30 and 60 steps (TREND_WINDOWS): {"climbing": bool,
+    "soaring": bool, "rel": log-KL trend, "abs": KL trend, "kl": the values} of the window that shows the
+    strongest climb (the longest where none does); None with fewer than 20 steps after the start-up."""
+    kl = series(after_startup(rows), "kl_mean")[-TREND_STEPS:]
+    if len(kl) < TREND_WINDOWS[0] or min(kl) <= 0:
+        return None
+    best = None
+    for w in TREND_WINDOWS:  # a climb that started lately shows on a short window, a slow one on a long
+        if w > len(kl) and best is not None:
+            break
+        part = kl[-w:]
+        rel, ab = fit([math.log(x) for x in part]), fit(part)
+        fast = rel.lower() >= math.log(2) / CLIMB_DOUBLING
+        steady = w >= 30 and ab.lower() >= CLIMB_ABS and ab.end >= CLIMB_LEVEL
+        c = {"climbing": fast or steady, "soaring": fast, "rel": rel, "abs": ab, "kl": part}
+        if best is None or (c["climbing"], c["soaring"]) > (best["climbing"], best["soaring"]):
+            best = c
+    return best
+
+
+def _climb_text(c: dict) -> str:
+    rel, ab = c["rel"], c["abs"]
+    doubling = math.log(2) / rel.slope if rel.slope > 0 else math.inf
+    return (f"mean KL {ab.start:.3g} -> {ab.end:.3g} (fitted) over the last {ab.n} steps: {ab.slope:.3g} +- "
+            f"{ab.se:.2g} nats/token per step, doubling every {doubling:.0f} steps")
+
+
+def reward_rising(rows: list[dict], n: int) -> tuple[bool, object]:
+    rw = series(rows, "reward_mean")[-n:]
+    tr = fit(rw)
+    return (tr is not None and tr.lower() > 0), tr
+
+
+def check_reward_hacking(rows, window: int) -> Finding | None:
+    """The KL soars (doubles faster than every CLIMB_DOUBLING steps), or sits >= KL_HIGH and still rises
+    significantly, while the reward rises significantly over the same steps: the policy buys reward by
+    leaving the reference. A steady climb at a rate a healthy run's KL never has, without the soaring, is
+    `kl_climbing` whatever the reward does."""
+    c = kl_climb(rows)
+    if c is None:
+        return None
+    soaring = c["soaring"]
+    high = _median(c["kl"][-window:]) >= KL_HIGH and c["abs"].lower() > 0
+    up, tr = reward_rising(after_startup(rows), c["abs"].n)
+    if not (soaring or high) or not up:
+        return None
+    beta = series(rows, "beta")[-c["abs"].n:]
+    bt = f"; beta {beta[0]:.4g} -> {beta[-1]:.4g}" if beta else ""
+    return Finding("reward_hacking", f"reward {tr.start:.3g} -> {tr.end:.3g} (fitted, t = {tr.t:.1f}) while the "
+                                     f"{_climb_text(c)}{bt}",
+                   "the policy is buying reward by moving far from the reference: reward hacking or an overfit "
+                   "reward model; a shrinking or too small beta lets it",
+                   "read the high-reward samples; hold the KL (kl_ctl.preset=ziegler or band with a target); "
+                   "reward.normalize=fixed and reward.clip; a larger rollout.group_size")
+
+
+def check_kl_climbing(rows, window: int) -> Finding | None:
+    c = kl_climb(rows)
+    if c is None or not c["climbing"]:
+        return None
+    beta = series(rows, "beta")[-c["abs"].n:]
+    bt = f"; beta {beta[0]:.4g} -> {beta[-1]:.4g}" if beta else ""
+    return Finding("kl_climbing", _climb_text(c) + bt,
+                   "beta too small for this learning rate; learning rate too high; a tokenizer or response-mask "
+                   "mismatch between policy and reference (KL high from the first step)",
+                   "raise kl_ctl.beta or use kl_ctl.preset=ziegler with a target; lower optim.lr; confirm both "
+                   "checkpoints carry the same tokenizer fingerprint")
+
+
+def check_kl_high(rows, window: int) -> Finding | None:
+    kl = series(rows, "kl_mean")[-window:]  # the start-up's low KL only lowers the median: kept
+    stopped = bool(rows and rows[-1].get("kl_stop"))  # a run the KL guard stopped early is judged too
+    if (len(kl) < 6 and not stopped) or _median(kl) < KL_HIGH:
+        return None
+    beta = series(rows, "beta")[-window:]
+    bt = f" with beta {_median(beta):.4g}" if beta else ""
+    return Finding("kl_high", f"the mean KL sits at {_median(kl):.3g} nats/token (median of the last {len(kl)} "
+                              f"steps){bt}: high" + (" (the KL guard stopped the run)" if stopped else ""),
+                   "beta too small for the learning rate (or 0); a reference that is not the policy's start",
+                   "raise kl_ctl.beta or let it adapt (kl_ctl.preset=ziegler or band, kl_ctl.target ~0.1); "
+                   "lower optim.lr")
+
+
+def reward_stalled(rows: list[dict]) -> tuple[bool, str]:
+    """(the reward has not risen, what was measured): >= MIN_FLAT_STEPS steps after step 0, neither the
+    whole run's slope nor the last TREND_STEPS steps' is 2 standard errors above 0 (no evidence of a rise),
+    and the whole run's slope at its upper bound (+2 standard errors) changes the reward by at most FLAT_NOISE
+    steps' sampling noise over the run (evidence of flatness: a short or noisy run is not called flat)."""
+    rw = series([r for r in rows if r.get("step") != 0], "reward_mean")
+    if len(rw) < MIN_FLAT_STEPS:
+        return False, ""
+    whole, recent = fit(rw), fit(rw[-TREND_STEPS:])
+    if whole.lower(2.0) > 0 or recent.lower(2.0) > 0 or whole.upper(2.0) * whole.n > FLAT_NOISE * noise_sd(rw):
+        return False, ""
+    return True, (f"reward {whole.start:.3g} -> {whole.end:.3g} (fitted over {whole.n} steps: {whole.slope:.2g} "
+                  f"+- {whole.se:.1g} per step, no significant rise)")
+
+
+def check_kl_flat_reward(rows, window: int) -> Finding | None:
+    stalled, ev = reward_stalled(rows)
+    kl = series(after_startup(rows), "kl_mean")[-window:]
+    if not stalled or len(kl) < 6 or _median(kl) >= KL_NEAR_ZERO:
+        return None
+    adv = series(rows, "adv_abs_mean")[-window:]
+    ev += f" while the mean KL is {_median(kl):.2g} nats/token (median of {len(kl)} steps)"
+    if adv:
+        ev += f"; mean |advantage| {_median(adv):.3g}"
+    return Finding("kl_flat_reward", ev,
+                   "beta too large (the penalty pins the policy to the reference); too little diversity in each "
+                   "group (all samples scored alike, so advantages are zero); learning rate too low",
+                   "lower kl_ctl.beta (e.g. by 10x, or kl_ctl.preset=target_over_kl); raise rollout.temperature or "
+                   "rollout.group_size so groups disagree")
+
+
+def check_reward_flat_kl_normal(rows, window: int) -> Finding | None:
+    stalled, ev = reward_stalled(rows)
+    kl = series(after_startup(rows), "kl_mean")[-window:]
+    if not stalled or len(kl) < 6 or not KL_NEAR_ZERO <= _median(kl) < KL_HIGH:
+        return None
+    beta = series(rows, "beta")[-window:]
+    bt = f", beta {_median(beta):.4g}" if beta else ""
+    return Finding("reward_flat_kl_normal", f"{ev} while the mean KL sits at a normal {_median(kl):.3g} "
+                                            f"nats/token{bt}",
+                   "the reference is too strong or the penalty too tight: the policy spends its updates staying "
+                   "close to the reference; or the learning rate is too low",
+                   "allow a larger KL: lower kl_ctl.beta or raise kl_ctl.target; check that reference.checkpoint is "
+                   "the policy's start; raise optim.lr")
+
+
+def check_ref_follows_policy(rows, window: int) -> Finding | None:
+    kl = series(after_startup(rows), "kl_mean")[-window:]
+    rest = after_startup(rows)
+    up, tr = reward_rising(rest, TREND_STEPS)
+    if len(kl) < 6 or _median(kl) >= KL_ZERO or not up or len(series(rest, "reward_mean")) < MIN_TREND:
+        return None
+    syncs = sum(1 for r in rows if r.get("ref_synced") is True)
+    return Finding("ref_follows_policy", f"reward {tr.start:.3g} -> {tr.end:.3g} (fitted, t = {tr.t:.1f}) while "
+                                         f"the mean KL stays at {_median(kl):.2g} nats/token"
+                                         + (f"; the reference was synced {syncs} times" if syncs else ""),
+                   "the policy learns but never leaves the reference: the reference is not frozen (it trains with "
+                   "the policy, or shares its weights), or it is synced to the policy too often",
+                   "load a separate frozen reference (reference.checkpoint); sync it rarely (reference.sync_every "
+                   "about a tenth of train.steps, or reference.sync_below)")
+
+
+def check_kl_negative(rows, window: int) -> Finding | None:
+    kl = series(after_startup(rows), "kl_mean")[-window:]
+    if len(kl) < 6:
+        return None
+    m, sd = sum(kl) / len(kl), statistics.stdev(kl)
+    if not (m < 0 and m < -Z * max(sd, 1e-12) / math.sqrt(len(kl))):
+        return None
+    return Finding("kl_negative", f"the mean KL is negative: {m:.3g} nats/token on average over {len(kl)} steps "
+                                  f"(step-to-step sd {sd:.2g})",
+                   "a sampled k1 (log pi/ref) is negative on single tokens, but its mean over the policy's own "
+                   "samples estimates KL(pi||ref) >= 0: samples that are not the policy's (stale old log-probs, "
+                   "a mask or shift misaligning log-probs), or policy and reference swapped",
+                   "keep the sign (do not clip the per-token KL at 0); check the response mask and the log-prob "
+                   "shift; use kl.estimator=k3+ (>= 0 per token) or kl.exact=true to cross-check")
+
+
+def _spikes(xs: list[float]) -> set[int]:
+    med = statistics.median(xs)
+    mad = statistics.median([abs(x - med) for x in xs]) or 1e-12
+    return {i for i, x in enumerate(xs) if x > med + 5 * mad and x > 1.5 * med}
 
 
 def pearson(xs, ys):
@@ -64,150 +246,35 @@ def pearson(xs, ys):
     return sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / (sxx * syy) ** 0.5
 
 
-def check_reward_flat_kl_normal(rows, window: int) -> Finding | None:
-    """Fires when the reward has not risen since the first steps, the KL is above KL_NORMAL, and the
-    penalty is what holds: beta >= BETA_STRONG, or the KL is being pulled back (falling by a third)."""
-    rw, kl = _series(rows, "reward_mean"), _series(rows, "kl_mean")
-    if len(rw) < 12 or len(kl) < 6:
-        return None
-    head, tail, k = rw[:5], rw[-window:], kl[-window:]
-    gain = sum(tail) / len(tail) - sum(head) / len(head)
-    level = statistics.median(k)
-    beta = _series(rows, "beta")[-window:]
-    strong = bool(beta) and statistics.median(beta) >= BETA_STRONG
-    pulled = _slope(k) < 0 and k[-1] < 0.67 * k[0]
-    if gain < 0.05 * max(abs(sum(head) / len(head)), 0.1) and level > KL_NORMAL and (strong or pulled):
-        bt = f"; beta {statistics.median(beta):.4g}" if beta else ""
-        return Finding("reward_flat_kl_normal", f"reward {sum(head) / len(head):.3g} over the first 5 steps and "
-                                                f"{sum(tail) / len(tail):.3g} over the last {len(tail)} while the "
-                                                f"mean KL sits at {level:.3g}{bt}"
-                                                + (" and is being pulled back" if pulled else ""),
-                       "the KL penalty (beta) or the reference is too strong: the policy spends its updates staying "
-                       "close to the reference; or the learning rate is too low",
-                       "lower kl_ctl.beta (or kl_ctl.preset=ziegler with a larger kl_ctl.target); check that "
-                       "reference.checkpoint is the policy's start; raise optim.lr")
-    return None
-
-
-def check_kl_high(rows, window: int) -> Finding | None:
-    kl = _series(rows, "kl_mean")[-window:]
-    if len(kl) < 6 and not (rows and rows[-1].get("kl_stop")):  # a run the KL guard stopped early is judged too
-        return None
-    level = statistics.median(kl)
-    if level >= KL_HIGH:
-        beta = _series(rows, "beta")[-window:]
-        bt = f" with beta {statistics.median(beta):.4g}" if beta else ""
-        return Finding("kl_high", f"the mean KL sits at {level:.3g} nats/token (median of the last {len(kl)} "
-                                  f"steps){bt}: high, though below guard.kl_warn_per_token",
-                       "beta too small for the learning rate (or 0); a reference that is not the policy's start",
-                       "raise kl_ctl.beta or let it adapt (kl_ctl.preset=ziegler or band, kl_ctl.target ~0.1); "
-                       "lower optim.lr")
-    return None
-
-
-def check_reward_hacking(rows, window: int) -> Finding | None:
-    rw, kl = _series(rows, "reward_mean")[-window:], _series(rows, "kl_mean")[-window:]
-    if len(rw) < 8 or len(kl) < 8:
-        return None
-    n = max(len(kl) // 4, 2)
-    kl0, kl1 = sum(kl[:n]) / n, sum(kl[-n:]) / n
-    r0, r1 = sum(rw[:n]) / n, sum(rw[-n:]) / n
-    corr = pearson(rw, kl)
-    if r1 > r0 and _slope(rw) > 0 and kl1 >= KL_HACK and kl1 >= 2 * max(kl0, 1e-6) and (corr or 0.0) >= 0.6:
-        beta = _series(rows, "beta")[-window:]
-        bt = f"; beta {beta[0]:.4g} -> {beta[-1]:.4g}" if beta else ""
-        return Finding("reward_hacking", f"reward {r0:.3g} -> {r1:.3g} while the mean KL climbs {kl0:.3g} -> "
-                                         f"{kl1:.3g} with it (correlation {corr:.2f} over {len(kl)} steps){bt}",
-                       "the policy is buying reward by moving far from the reference: reward hacking or an "
-                       "overfit reward model; a shrinking or too small beta lets it",
-                       "read the high-reward samples; hold the KL (kl_ctl.preset=ziegler or band with a target); "
-                       "reward.normalize=fixed and reward.clip; a larger rollout.group_size")
-    return None
-
-
-def check_entropy_collapse(rows, window: int) -> Finding | None:
-    ent = _series(rows, "entropy")[-window:]
-    if len(ent) < 6:
-        return None
-    last = sum(ent[-3:]) / 3
-    short = ent[-10:]
-    fast = len(short) >= 6 and short[0] > 0.2 and last < 0.4 * short[0]
-    if last < ENTROPY_ZERO or fast:
-        what = f"entropy {last:.3g} nats/token (from {short[0]:.3g} {len(short)} steps before)"
-        return Finding("entropy_collapse", what,
-                       "the policy turned deterministic: learning rate too high, no entropy bonus, rewards that "
-                       "favour one answer, or a low sampling temperature",
-                       "loss.entropy_target (e.g. half the start entropy) or loss.entropy_coef; lower optim.lr; "
-                       "rollout.temperature=1.0")
-    return None
-
-
-def check_entropy_max(rows, window: int) -> Finding | None:
-    recent = [r for r in rows[-window:] if isinstance(r.get("entropy"), (int, float))
-              and isinstance(r.get("entropy_max"), (int, float)) and r["entropy_max"] > 0]
-    if len(recent) < 3:
-        return None
-    hits = [r for r in recent if r["entropy"] >= 0.8 * r["entropy_max"]]
-    if len(hits) >= max(3, len(recent) // 2):
-        r = hits[-1]
-        return Finding("entropy_max", f"entropy {r['entropy']:.3g} of at most {r['entropy_max']:.3g} nats/token "
-                                      f"in {len(hits)}/{len(recent)} recent steps: near uniform",
-                       "the policy blew up: learning rate far too high, an entropy bonus too large (or an entropy "
-                       "target too high), a non-finite step that was not skipped",
-                       "lower optim.lr; lower loss.entropy_coef or loss.entropy_target; resume from an earlier "
-                       "checkpoint")
-    return None
-
-
-def _spikes(xs: list[float]) -> set[int]:
-    med = statistics.median(xs)
-    mad = statistics.median([abs(x - med) for x in xs]) or 1e-12
-    return {i for i, x in enumerate(xs) if x > med + 5 * mad and x > 1.5 * med}
-
-
 def check_kl_adv_spike(rows, window: int) -> Finding | None:
     """Fires when the mean KL jumps (a rise far above the window's step-to-step changes, >= KL_SPIKE and
     by half its level) at a step of an outlier mean |advantage| or up to ADV_LAG steps after it, and the
     KL's rises correlate with |adv| at that lag. The KL of step s is measured before step s's update, so
     an update driven by huge advantages shows at s + 1, or later where momentum carries it; the KL may
     come back (a spike) or stay up (a jump)."""
-    recent = [r for r in rows[-window:] if isinstance(r.get("kl_mean"), (int, float))
-              and isinstance(r.get("adv_abs_mean"), (int, float))]
+    recent = [r for r in rows[-window:] if number(r.get("kl_mean")) is not None
+              and number(r.get("adv_abs_mean")) is not None]
+    recent = [r for r in recent if math.isfinite(number(r["kl_mean"])) and math.isfinite(number(r["adv_abs_mean"]))]
     if len(recent) < 8:
         return None
-    kl, adv = [r["kl_mean"] for r in recent], [r["adv_abs_mean"] for r in recent]
+    kl, adv = [number(r["kl_mean"]) for r in recent], [number(r["adv_abs_mean"]) for r in recent]
     rise = [0.0] + [b - a for a, b in zip(kl, kl[1:])]
     advs = _spikes(adv)
     jumps = {i for i in _spikes(rise) if rise[i] >= KL_SPIKE and rise[i] >= 0.5 * max(kl[i - 1], 0.0)}
     both = {i for i in jumps if any(i - lag in advs for lag in range(ADV_LAG + 1))}
     corr = max(pearson(rise[lag:], adv[:len(adv) - lag]) or 0.0 for lag in range(ADV_LAG + 1))
-    if both and corr >= 0.5:
-        steps = [recent[i].get("step") for i in sorted(both)]
-        at = [recent[i].get("step") for i in sorted(advs)]
-        return Finding("kl_adv_spike", f"the KL jumps at steps {steps}, at or just after outlier mean |advantage| "
-                                       f"at steps {at} ({max(adv):.3g} against a median {statistics.median(adv):.3g}"
-                                       f"; correlation of KL rises and |adv| {corr:.2f} over {len(recent)} steps)",
-                       "a few outlier rewards (or a critic off scale) give huge advantages, and the update they "
-                       "drive moves the policy far in one step",
-                       "reward.clip and reward.normalize=fixed; algo.whiten_advantages / algo.adv_std_norm; "
-                       "optim.grad_clip; a smaller optim.lr")
-    return None
-
-
-def check_repetition_low_kl(rows, window: int) -> Finding | None:
-    rep, kl = _series(rows, "repetition_rate")[-window:], _series(rows, "kl_mean")[-window:]
-    if len(rep) < 6 or len(kl) < 6:
+    if not (both and corr >= 0.5):
         return None
-    r, k = statistics.median(rep), statistics.median(kl)
-    if r >= REPEAT and k < 0.05:
-        return Finding("repetition_low_kl", f"{r:.0%} of the responses' 3-grams repeat (median of {len(rep)} "
-                                            f"steps) while the mean KL is only {k:.3g}",
-                       "the reference itself repeats (the KL pins the policy to a degenerate start), or sampling "
-                       "is too greedy (low temperature)",
-                       "check the start checkpoint's samples; rollout.temperature=1.0; a repetition penalty in "
-                       "the reward (reward.fns); lower kl_ctl.beta so the policy can leave the reference")
-    return None
+    steps = [recent[i].get("step") for i in sorted(both)]
+    at = [recent[i].get("step") for i in sorted(advs)]
+    return Finding("kl_adv_spike", f"the KL jumps at steps {steps}, at or just after outlier mean |advantage| "
+                                   f"at steps {at} ({max(adv):.3g} against a median {statistics.median(adv):.3g}"
+                                   f"; correlation of KL rises and |adv| {corr:.2f} over {len(recent)} steps)",
+                   "a few outlier rewards (or a critic off scale) give huge advantages, and the update they "
+                   "drive moves the policy far in one step",
+                   "reward.clip and reward.normalize=fixed; algo.whiten_advantages / algo.adv_std_norm; "
+                   "optim.grad_clip; a smaller optim.lr")
 
 
-CHECKS = (check_reward_flat_kl_normal, check_kl_high, check_reward_hacking, check_entropy_collapse,
-          check_entropy_max, check_kl_adv_spike, check_repetition_low_kl)
+CHECKS = (check_reward_hacking, check_kl_adv_spike, check_kl_climbing, check_kl_high, check_kl_negative,
+          check_ref_follows_policy, check_kl_flat_reward, check_reward_flat_kl_normal)

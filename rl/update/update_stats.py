@@ -67,3 +67,18 @@ class UpdateStats:
         if self.critic_norms:
             out["critic_grad_norm"] = self.critic_norms[-1]
         return out
+
+
+def masked_range(values: torch.Tensor, mask: torch.Tensor, dp_group) -> tuple[float, float]:
+    """(min, max) of `values` [B, S] over the valid tokens (`mask` [B, S], bool) of every DP rank; (0.0, 0.0)
+    where no rank has one. A metric: e.g. log(pi_old/ref) at the sampled tokens, whose extremes are those of
+    the importance weight pi/ref."""
+    v = values.detach().double()
+    inf = torch.tensor(float("inf"), dtype=v.dtype, device=v.device)
+    mm = torch.stack([-torch.where(mask, v, inf).min(), torch.where(mask, v, -inf).max()]) if v.numel() else \
+        torch.full((2,), -float("inf"), dtype=v.dtype, device=v.device)
+    mm = mm.to(comm.collective_device(dp_group))
+    comm.all_reduce(mm, "max", dp_group)  # the extremes over DP (min as max of the negation)
+    if not torch.isfinite(mm).all():
+        return 0.0, 0.0
+    return -float(mm[0]), float(mm[1])
