@@ -2,7 +2,7 @@
 micro-batches (padded to the batch's longest row), token-budget micro-batches (rows sorted by
 length, each micro-batch trimmed to its longest row), packed sequences (rows concatenated,
 block-diagonal causal attention) and the shared-prompt layout under a token budget (each prompt
-group once, its responses after it, [R, W] with R x W <= the budget; rl/shared_layout.py), side by
+group once, its responses after it, [R, W] with R x W <= the budget; rl/update/shared_layout.py), side by
 side in one run. One process (tp = dp = 1), fp32.
 
     python -m bench.bench_update_padding [--rows 256] [--short 4] [--long 64] [--long-share 0.1]
@@ -42,12 +42,12 @@ from core.config import ModelConfig, load_config
 from core.model import build_model
 from core.tokenizer import load_tokenizer
 from parallel.dims import ParallelDims, init_parallel
-from rl.advantages import broadcast_to_tokens
 from rl.config import RLConfig
-from rl.logprobs import policy_token_stats
-from rl.rollout import Rollout
+from rl.experience.rollout import Rollout
+from rl.objectives.advantages import broadcast_to_tokens
 from rl.train import assemble
 from rl.trainer import StepData
+from rl.update.logprobs import policy_token_stats
 
 G = 8  # samples per prompt
 

@@ -1,14 +1,14 @@
 """The RL step: rollout, old/reference log-probs, advantages, clipped updates, KL control.
 
 One `RLTrainer.step()`:
-  1. rollout      -- this DP rank's prompts, G samples each (rl/rollout.py), scored
+  1. rollout      -- this DP rank's prompts, G samples each (rl/experience/rollout.py), scored
   2. old log-probs -- policy, no grad, through the fused head (+ entropy, + exact KL if asked)
   3. ref log-probs -- the frozen reference's hidden states and head weight, then its log-probs
   4. KL per token  -- exact full-vocabulary KL or a sampled estimator; into the reward (PPO
                       default) or the loss (GRPO default), scaled by the controller's beta
   5. advantages    -- GRPO group-normalised, or GAE over critic values (PPO)
   6. update        -- `algo.epochs` x `algo.mini_batches` optimizer steps; losses normalised by
-                      global counts (rl/losses.py), so the update does not depend on the DP split
+                      global counts (rl/objectives/losses.py), so the update does not depend on the DP split
   7. control       -- beta update, reference sync, KL guards, metrics
 """
 
@@ -20,16 +20,21 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from core.metrics import PhaseTimer, peak_memory, reset_peak_memory
-from core.monitor import Monitor
+from core.runtime.metrics import PhaseTimer, peak_memory, reset_peak_memory
+from core.runtime.monitor import Monitor
 from parallel import comm
 from parallel.dims import derive_seed
 from parallel.fsdp import set_gradient_sync, sync_replicated_grads
-from rl.advantages import broadcast_to_tokens, gae, grpo_advantages, kl_shaped_rewards, whiten
 from rl.config import RLConfig
-from rl.controller import EntropyController, KLController
-from rl.kl import HEAD_DIRECTION, kl_by_position, kl_from_config, kl_quantiles, masked_mean, sanitize
-from rl.logprobs import (
+from rl.experience.rollout import Rollout, collect_rollout, evaluate
+from rl.health.signals import WindowCorr, loss_term_grad_norms, repetition_rate
+from rl.models.reference import ReferenceSync
+from rl.objectives.advantages import broadcast_to_tokens, gae, grpo_advantages, kl_shaped_rewards, whiten
+from rl.objectives.controller import EntropyController, KLController
+from rl.objectives.kl import HEAD_DIRECTION, kl_by_position, kl_from_config, kl_quantiles, masked_mean, sanitize
+from rl.objectives.kl_place import future_kl
+from rl.objectives.losses import TokenPolicyLoss, aggregate, clipped_value_loss, loss_scale, token_weights
+from rl.update.logprobs import (
     TokenStats,
     critic_values,
     logprobs_from_hidden,
@@ -39,13 +44,9 @@ from rl.logprobs import (
     policy_token_stats,
     reference_hidden,
 )
-from rl.losses import TokenPolicyLoss, aggregate, clipped_value_loss, loss_scale, token_weights
-from rl.micro_batches import MicroBatch, by_row_count, by_token_budget
-from rl.reference import ReferenceSync
-from rl.rollout import Rollout, collect_rollout, evaluate
-from rl.shared_layout import LayoutCost, share_rollout, shared_by_row_count, shared_by_token_budget
-from rl.signals import WindowCorr, loss_term_grad_norms, repetition_rate
-from rl.update_stats import UpdateStats
+from rl.update.micro_batches import MicroBatch, by_row_count, by_token_budget
+from rl.update.shared_layout import LayoutCost, share_rollout, shared_by_row_count, shared_by_token_budget
+from rl.update.update_stats import UpdateStats
 
 
 def _max_abs(x: torch.Tensor, mask: torch.Tensor) -> float:
@@ -84,7 +85,7 @@ class RLTrainer:
 
     def __init__(self, cfg: RLConfig, state, policy, reference, optimizer, tokenizer, task, reward_fn,
                  reward_norm, critic=None, critic_optimizer=None, eval_prompts=None):
-        """`task`: a prompt source (rl.rollout.TaskPrompts / DataPrompts) or a built-in task; `eval_prompts`:
+        """`task`: a prompt source (rl.experience.rollout.TaskPrompts / DataPrompts) or a built-in task; `eval_prompts`:
         the held-out [(ids, meta)] scored every `rollout.eval_every` steps (None: no eval)."""
         self.cfg, self.state = cfg, state
         self.policy, self.ref, self.opt = policy, reference, optimizer
@@ -106,7 +107,7 @@ class RLTrainer:
         self.eval_prompts = eval_prompts or None
         self.tp_group, self.dp_group = state.tp_group, state.dp_group
         self.world_group = None if state.mesh is None else torch.distributed.group.WORLD
-        self.layout_cost = LayoutCost.of(policy.cfg)  # the shared-prompt layout's plan (rl/shared_layout.py)
+        self.layout_cost = LayoutCost.of(policy.cfg)  # the shared-prompt layout's plan (rl/update/shared_layout.py)
         self.timer = PhaseTimer(state.device, memory={"rollout": "rollout", "ref_logprobs": "ref",
                                                       "old_logprobs": "old", "update": "update"})
         self.rollout_stats: dict = {}  # this rank's last generation: rollout_tokens, rollout_s
@@ -141,7 +142,7 @@ class RLTrainer:
                                  stats=self.rollout_stats)
         mask = ro.response_mask
         exact = cfg.kl.exact
-        # each prompt once (rl/shared_layout.py), in the plan the layout cost model prices lowest
+        # each prompt once (rl/update/shared_layout.py), in the plan the layout cost model prices lowest
         shared = share_rollout(ro, cost=self.layout_cost) if cfg.algo.share_prompts else None
         with self.timer("ref_logprobs"):
             ref_h, ref_w = reference_hidden(self.ref, ro.sequences, ro.attention_mask, ro.prompt_len, packed=shared)
@@ -184,7 +185,8 @@ class RLTrainer:
         (`algo.old_from_update`), or None where the old-log-prob pass must compute every row: something
         reads old log-probs before the update (the KL in the reward, grad_ratio's beta), or the option is off."""
         c = self.cfg
-        if not c.algo.old_from_update or c.kl.where != "loss" or c.kl_ctl.mode == "grad_ratio":
+        if not c.algo.old_from_update or c.kl.where != "loss" or c.kl_ctl.mode == "grad_ratio" or \
+                c.kl.gradient == "sequence":  # its future-KL returns read every row's KL before the update
             return None
         return self._mini_batches(ro.row_ids.cpu(), step, 0)[0]
 
@@ -260,8 +262,8 @@ class RLTrainer:
         for rid in row_ids.tolist():
             prompt, j = divmod(rid, G)
             if prompt not in perms:  # one permutation per prompt, not per row
-                # the key as the first session defined it (runs stay bit-compatible); it repeats once prompts
-                # reach 131 per step or epochs 61 (see the closing note of the second session)
+                # the key as first defined (runs stay bit-compatible with earlier ones); it repeats once prompts
+                # reach 131 per step or epochs 61
                 key = derive_seed(self.cfg.train.seed, step * 7919 + epoch * 131 + prompt)
                 perms[prompt] = torch.randperm(G, generator=torch.Generator().manual_seed(key), device="cpu").tolist()
             pos.append(prompt * G + perms[prompt][j])
@@ -270,8 +272,8 @@ class RLTrainer:
 
     def _micro_batches(self, data: StepData, rows: torch.Tensor) -> list[MicroBatch]:
         """Mini-batch `rows` as micro-batches: `algo.micro_batch_size` rows each, or by the token budget
-        `algo.micro_batch_tokens` (trimmed or packed; the same count on every DP rank): rl/micro_batches.py;
-        with `algo.share_prompts` either in the shared-prompt layout: rl/shared_layout.py."""
+        `algo.micro_batch_tokens` (trimmed or packed; the same count on every DP rank): rl/update/micro_batches.py;
+        with `algo.share_prompts` either in the shared-prompt layout: rl/update/shared_layout.py."""
         a = self.cfg.algo
         if a.share_prompts and a.micro_batch_tokens:
             return shared_by_token_budget(data.ro, rows, a.micro_batch_tokens, self.dp_group, self.layout_cost)
@@ -334,7 +336,7 @@ class RLTrainer:
         cfg = self.cfg
         set_gradient_sync(self.policy, last)
         mask, tok = mb.mask(data.mask), mb.tokens
-        exact = cfg.kl.exact and cfg.kl.where == "loss"
+        exact = cfg.kl.exact and cfg.kl.in_loss
         fill = on_policy and data.deferred is not None  # this micro-batch's old values come from here
         kw = dict(kl=HEAD_DIRECTION[cfg.kl.direction] if exact else None,
                   ref_hidden=tok(data.ref_hidden) if exact else None, ref_weight=data.ref_weight if exact else None,
@@ -342,7 +344,7 @@ class RLTrainer:
         weights = tok(token_weights(data.mask, cfg.loss.agg, scale, cfg.loss.norm_len))  # per row: split-invariant
         fn = TokenPolicyLoss(cfg.loss, weights, mask, tok(data.old_logp), tok(data.advantages), kl_cfg=cfg.kl,
                              beta=self.controller.beta, ref_logp=tok(data.ref_logp), on_policy=on_policy,
-                             entropy_coef=self.ent_ctl.coef)
+                             entropy_coef=self.ent_ctl.coef, kl_future=self._kl_future(data, tok))
         loss, cur = self._policy_loss(data.ro, mb, mask, fn, kw)
         loss.backward()
         stats = fn.stats()
@@ -352,6 +354,14 @@ class RLTrainer:
         if self.critic is not None:
             self._critic_backward(data, mb, scale, last)
         return stats
+
+    def _kl_future(self, data: StepData, tok):
+        """kl.gradient=sequence in the loss: each token's future KL (rl/objectives/kl_place.py), this micro-batch's
+        tokens."""
+        k = self.cfg.kl
+        if k.where != "loss" or k.gradient != "sequence" or self.controller.beta == 0.0:
+            return None
+        return tok(future_kl(data.kl, data.mask))
 
     def _policy_loss(self, ro: Rollout, mb: MicroBatch, mask, fn, kw):
         """(loss, TokenStats) of `mb` through the fused loss head, or through the head's log-probs then `fn`."""
@@ -382,7 +392,7 @@ class RLTrainer:
     # 7: one whole step
 
     def evaluate(self, step: int) -> dict:
-        """The held-out eval (rl.rollout.evaluate) when it is due before `step` ({} otherwise): every
+        """The held-out eval (rl.experience.rollout.evaluate) when it is due before `step` ({} otherwise): every
         `rollout.eval_every` steps and before the run's last step."""
         ro, st = self.cfg.rollout, self.state
         due = ro.eval_every and (step % ro.eval_every == 0 or step == self.cfg.train.steps - 1)
@@ -447,8 +457,9 @@ class RLTrainer:
         corr = self.reward_kl.add(r_mean, kl_mean)
         if corr is not None:
             rec["reward_kl_corr"] = corr
-        rec["kl_warning"] = kl_mean > cfg.guard.kl_warn
-        if kl_mean > cfg.guard.kl_stop:
+        g = cfg.guard  # limits on the mean KL per response token; None: off
+        rec["kl_warning"] = g.kl_warn_per_token is not None and kl_mean > g.kl_warn_per_token
+        if g.kl_stop_per_token is not None and kl_mean > g.kl_stop_per_token:
             rec["kl_stop"] = True
         if self.monitor is not None:
             self.monitor.log(rec, step)
@@ -456,7 +467,7 @@ class RLTrainer:
 
     def _balance_beta(self, data: StepData) -> dict:
         """kl_ctl.mode=grad_ratio: beta for this step's update from the two loss terms' gradient norms
-        (global over DP, rl/signals.py); returns them as metrics ({} in other modes)."""
+        (global over DP, rl/health/signals.py); returns them as metrics ({} in other modes)."""
         if self.cfg.kl_ctl.mode != "grad_ratio":
             return {}
         g_pg, g_kl = loss_term_grad_norms(self.cfg.loss, self.cfg.kl, data.old_logp, data.ref_logp, data.advantages,

@@ -13,12 +13,12 @@ import re
 import pytest
 import torch
 
-from core.budget import param_counts
 from core.config import ConfigError, load_config
 from core.model_shapes import PRESETS, shape_from_hf_config
+from core.runtime.budget import param_counts
 from rl import train as rl_train
 from rl.config import RLConfig
-from rl.prompts import PromptDataError, load_prompt_data
+from rl.experience.prompts import PromptDataError, load_prompt_data
 from tests.dist import REPO
 
 transformers = pytest.importorskip("transformers")

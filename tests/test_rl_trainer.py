@@ -11,7 +11,7 @@ from core.model import build_model
 from core.tokenizer import load_tokenizer
 from parallel.dims import ParallelDims, init_parallel, kv_replica_group
 from rl.config import RLConfig
-from rl.critic import Critic
+from rl.models.critic import Critic
 
 MODEL = dict(vocab_size=256, hidden_size=32, n_layers=2, n_heads=4, n_kv_heads=2, intermediate_size=64,
              max_seq_len=64)
@@ -151,7 +151,7 @@ def test_early_stop_of_update_epochs():
 
 def test_fused_loss_equals_recomputing_head(singles):
     """The default update (policy loss inside the fused head, gradient formed in forward) takes the
-    same steps as autograd through the recomputing fused head and rl.losses.policy_loss."""
+    same steps as autograd through the recomputing fused head and rl.objectives.losses.policy_loss."""
     for name, ov in (("grpo", GRPO), ("ppo", PPO), ("exact", EXACT)):
         _compare(singles[name], _steps_and_logits(1, 1, ov + ["algo.fused_loss=false"]))
 
@@ -161,7 +161,7 @@ def _with_padding(data, garbage: bool):
     garbage (NaN old log-prob, log(pi/ref) = -200, -inf advantage), or removed altogether."""
     import dataclasses
 
-    from rl.rollout import Rollout
+    from rl.experience.rollout import Rollout
 
     ro = data.ro
     if garbage:

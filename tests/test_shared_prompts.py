@@ -1,5 +1,5 @@
-"""Shared-prompt forward for GRPO groups (rl/shared_layout.py, core/model.py's prefix_ids,
-core/generate.py's share_prefill).
+"""Shared-prompt forward for GRPO groups (rl/update/shared_layout.py, core/model.py's prefix_ids,
+core/generation/generate.py's share_prefill).
 
 References: the layout against a hand-written example; per-token log-probs, entropy, exact KL,
 losses and every parameter gradient against the padded row-by-row forward in float64 (prompts of
@@ -15,13 +15,19 @@ import pytest
 import torch
 
 from core.config import ModelConfig, load_config
-from core.generate import generate
+from core.generation.generate import generate
 from core.model import build_model, document_mask_4d
 from rl.config import AlgoConfig
-from rl.logprobs import packed_fused_loss, packed_token_stats, policy_fused_loss, policy_token_stats, reference_hidden
-from rl.micro_batches import gather_tokens, row_lengths, scatter_tokens
-from rl.rollout import Rollout
-from rl.shared_layout import (
+from rl.experience.rollout import Rollout
+from rl.update.logprobs import (
+    packed_fused_loss,
+    packed_token_stats,
+    policy_fused_loss,
+    policy_token_stats,
+    reference_hidden,
+)
+from rl.update.micro_batches import gather_tokens, row_lengths, scatter_tokens
+from rl.update.shared_layout import (
     LayoutCost,
     _halve,
     budget_pieces,
@@ -103,7 +109,7 @@ def _stats_and_grads(shared: bool, fused: bool, cost=None, **rollout_kw):
             return lp * wt[0][t] + ent * wt[1][t] + kl * wt[2][t]
 
         if shared:
-            from rl.logprobs import packed_fused_loss
+            from rl.update.logprobs import packed_fused_loss
             kw["ref_hidden"], kw["mask"] = gather_tokens(sh, ref_h), gather_tokens(sh, ro.response_mask)
             loss, _ = packed_fused_loss(policy, sh, token_loss, **kw)
         else:

@@ -10,7 +10,7 @@ files (converted checkpoints carry them), else the shipped one; its fingerprint 
 checkpoint's. `--chat` renders each prompt as a user turn (after `--system`, when given) with the
 checkpoint's chat template and the generation prompt, as `apply_chat_template(...,
 add_generation_prompt=True)`; without it the text is encoded as is (bos first when the tokenizer adds
-one). Sampling is core.generate's, under tensor parallelism without gathering logits: temperature 0
+one). Sampling is core.generation.generate's, under tensor parallelism without gathering logits: temperature 0
 (the default) is greedy; a row stops on any of the tokenizer's EOS ids or after --max-new-tokens; ids
 past the tokenizer's vocabulary (a padded embedding) are never drawn. The same --seed gives the same
 tokens for every --tp. Rank 0 prints each response (without its stop token), or with --json one line
@@ -37,9 +37,9 @@ from core.ckpt import (
     world_group,
 )
 from core.config import ModelConfig, from_dict
-from core.generate import generate
-from core.lifecycle import exit_process, shutdown
+from core.generation.generate import generate
 from core.model import Transformer
+from core.runtime.lifecycle import exit_process, shutdown
 from core.tokenizer import TokenizerError, load_tokenizer
 from parallel.dims import LayoutError, ParallelDims, init_parallel, kv_replica_group, launch_world_size, resolve_device
 

@@ -1,4 +1,4 @@
-"""Verifiable math rewards (reward plug-ins, `fn(meta, response) -> float`, see rl.rewards).
+"""Verifiable math rewards (reward plug-ins, `fn(meta, response) -> float`, see rl.experience.rewards).
 
 `math_reward` compares the final answer of the response with meta["answer"] (1.0 equal, 0.0 not);
 `format_reward` scores whether the response states a final answer in the expected form.
@@ -170,7 +170,7 @@ class FormatReward:
         return float(ok)
 
 
-# Plug-in names for rl.rewards ("rl.math_reward:math_reward", ...).
+# Plug-in names for rl.experience.rewards ("rl.experience.math_reward:math_reward", ...).
 math_reward = MathReward()
 math_reward_strict = MathReward(fallback_last_number=False)
 format_reward = FormatReward("any")
