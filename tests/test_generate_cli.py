@@ -102,7 +102,9 @@ def test_errors_are_named(converted, capsys, tmp_path):
 
 @pytest.mark.slow  # torchrun, two processes
 def test_tp2_gives_tp1_tokens(converted, capsys):
-    _, _, ck = converted
+    style, _, ck = converted
+    if style != "qwen2":
+        pytest.skip("one checkpoint style is enough here: the sharded sampler does not depend on it")
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
     for extra in ([], ["--temperature", "1.0", "--seed", "5"]):
         args = ["--prompt", QUESTIONS[0], "--prompt", "1 2 3", "--chat", "--max-new-tokens", "10", *extra]
