@@ -7,9 +7,12 @@ separators / sort_keys); the globals `raise_exception(msg)` (raises), `strftime_
 and `namespace` (refusing underscore-prefixed names); and the `{% generation %}...{% endgeneration %}`
 block (used by templates that mark assistant tokens), which here renders its body unchanged.
 
-Variables: `messages` (None-valued keys dropped, as transformers does), `add_generation_prompt`,
-`tools=None`, `documents=None`, the tokenizer's named special tokens as strings (`bos_token`,
-`eos_token`, `unk_token`, `pad_token`, ... where set), then any caller `**kwargs` (which win).
+Variables: `messages` (None-valued keys dropped; a message's reasoning, given as `reasoning_content`,
+`thinking` or `reasoning`, is visible under both `reasoning_content` and `thinking`, as transformers 5
+does), `add_generation_prompt`, `tools` (a list of JSON-schema dicts, or None), `documents` (a list of
+dicts, or None), the tokenizer's named special tokens as strings (`bos_token`, `eos_token`,
+`unk_token`, `pad_token`, ... where set), then any caller `**kwargs` (which win over the special
+tokens), e.g. `enable_thinking=False` or `date_string=...` for templates that read them.
 """
 
 from __future__ import annotations
@@ -107,24 +110,52 @@ def _plain(value):
     raise TypeError(f"chat messages may hold only JSON-like data, found a {type(value).__name__}")
 
 
+# Names a message's reasoning comes under; templates read the first (DeepSeek-R1, Qwen3) or "thinking".
+REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
+
+
+def _with_reasoning_aliases(message: dict) -> dict:
+    """`message` with its reasoning (the first of REASONING_FIELDS set) under reasoning_content and thinking."""
+    reasoning = next((message[k] for k in REASONING_FIELDS if message.get(k) is not None), None)
+    if reasoning is None:
+        return message
+    return {"thinking": reasoning, **message, "reasoning_content": reasoning}
+
+
+def _dict_list(value, name: str, where: str) -> list | None:
+    """`tools` / `documents`: None or a list of dicts (JSON schemas, {"title", "text"} records)."""
+    if value is None:
+        return None
+    if not isinstance(value, (list, tuple)):
+        raise ChatTemplateError(f"{where}: {name} must be a list of dicts, got a {type(value).__name__}")
+    for i, v in enumerate(value):
+        if not isinstance(v, dict):
+            raise ChatTemplateError(f"{where}: {name}[{i}] is a {type(v).__name__}, expected a dict"
+                                    + (" (a JSON schema; callables are not converted)" if name == "tools" else ""))
+    return _plain(list(value))
+
+
 def render_chat_template(source: str, messages: list[dict], *, add_generation_prompt: bool = True,
+                         tools: list[dict] | None = None, documents: list[dict] | None = None,
                          special_tokens: dict | None = None, where: str = "chat_template", **kwargs) -> str:
-    """Render `source` for one conversation. `where` (e.g. the tokenizer_config.json path) names the
-    template in errors; a `raise_exception` call in the template becomes a ChatTemplateError."""
+    """Render `source` for one conversation, with optional `tools` (JSON schemas) and `documents`
+    ({"title", "text"} dicts). `where` (e.g. the tokenizer_config.json path) names the template in
+    errors; a `raise_exception` call in the template becomes a ChatTemplateError."""
     if not isinstance(messages, (list, tuple)) or not messages:
         raise ChatTemplateError(f"{where}: a chat is a non-empty list of message dicts, got {messages!r:.80}")
     chat = []
     for i, m in enumerate(messages):
         if not isinstance(m, dict):
             raise ChatTemplateError(f"{where}: message {i} is a {type(m).__name__}, expected a dict")
-        chat.append({k: _plain(v) for k, v in m.items() if v is not None})
+        chat.append(_with_reasoning_aliases({k: _plain(v) for k, v in m.items() if v is not None}))
     try:
         template = compile_chat_template(source)
     except jinja2.exceptions.TemplateSyntaxError as e:
         raise ChatTemplateError(f"{where}: chat_template does not compile (line {e.lineno}: {e.message})") from e
+    tools, documents = _dict_list(tools, "tools", where), _dict_list(documents, "documents", where)
     variables = {**(special_tokens or {}), **_plain(kwargs)}
     try:
-        return template.render(messages=chat, tools=None, documents=None,
+        return template.render(messages=chat, tools=tools, documents=documents,
                                add_generation_prompt=add_generation_prompt, **variables)
     except jinja2.exceptions.TemplateError as e:
         raise ChatTemplateError(f"{where}: chat_template failed: {e}") from e

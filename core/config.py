@@ -75,7 +75,7 @@ class ParallelConfig:
     tp: int = 1
     dp: int = -1  # -1: world_size // tp
     fsdp: bool = True  # shard parameters over dp with FSDP2 when dp > 1
-    mixed_precision: str = "fp32"  # "fp32" or "bf16" (bf16 params/compute, fp32 reduce)
+    mixed_precision: str = "fp32"  # "fp32", "bf16" (bf16 params/compute, fp32 reduce), "auto": bf16 on CUDA only
     activation_checkpointing: bool = False
     cpu_offload: bool = False
     timeout_s: float = 600.0  # collective timeout: a rank frozen this long ends the run with an error
@@ -85,6 +85,13 @@ class ParallelConfig:
         """parallel.dp (-1: world_size // tp), after checking parallel.tp, .dp and .timeout_s by name."""
         check_parallel(self, world_size)
         return world_size // self.tp if self.dp == -1 else self.dp
+
+    def precision(self, device_type: str) -> str:
+        """The mixed precision a run on `device_type` uses: "auto" is bf16 on CUDA and fp32 elsewhere (bf16
+        autocast on CPU is slower than fp32); "fp32" and "bf16" are taken as written."""
+        if self.mixed_precision == "auto":
+            return "bf16" if device_type == "cuda" else "fp32"
+        return self.mixed_precision
 
 
 def _positive_int(key: str, v, allow: tuple = ()) -> None:
@@ -103,6 +110,8 @@ def check_parallel(p: ParallelConfig, world_size: int) -> None:
         raise ConfigError(f"parallel.tp={p.tp} does not divide the world size {world_size}")
     if p.tp > world_size:
         raise ConfigError(f"parallel.tp={p.tp} is larger than the world size {world_size}")
+    if p.mixed_precision not in ("fp32", "bf16", "auto"):
+        raise ConfigError(f"parallel.mixed_precision must be fp32, bf16 or auto, got {p.mixed_precision!r}")
     if not (math.isfinite(p.timeout_s) and p.timeout_s > 0):
         raise ConfigError(f"parallel.timeout_s must be a positive number of seconds, got {p.timeout_s!r}")
     if not (math.isfinite(p.watchdog_s) and p.watchdog_s >= 0):

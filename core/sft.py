@@ -55,7 +55,7 @@ def check_sft_config(cfg: SFTConfig, world_size: int) -> ParallelDims:
     dims = ParallelDims(p.resolve_dp(world_size), p.tp).validate(world_size, m.n_heads, m.n_kv_heads)
     if m.intermediate_size % p.tp:
         raise LayoutError(f"parallel.tp={p.tp} must divide model.intermediate_size={m.intermediate_size}")
-    FSDPOptions(mixed_precision=p.mixed_precision)  # validates the name
+    FSDPOptions(mixed_precision=p.precision("cpu"))  # validates the name
     for key, v in (("data.seq_len", d.seq_len), ("data.micro_batch_size", d.micro_batch_size),
                    ("data.grad_accum", d.grad_accum)):
         if v < 1:
@@ -118,11 +118,12 @@ def build(cfg: SFTConfig) -> SFTJob:
     if cfg.init_checkpoint:
         load_model_weights(model, cfg.init_checkpoint, state, tokenizer_fingerprint=tokenizer.fingerprint,
                            verify=cfg.train.verify_checkpoints)
-    opts = FSDPOptions(fsdp=p.fsdp, mixed_precision=p.mixed_precision,
+    mp = p.precision(run.device.type)
+    opts = FSDPOptions(fsdp=p.fsdp, mixed_precision=mp,
                        activation_checkpointing=p.activation_checkpointing, cpu_offload=p.cpu_offload)
     model = parallelize(model, state.dp_mesh, opts)
     model.train()
-    model.set_mixed_precision(p.mixed_precision)  # bf16: autocast over the fp32 master weights
+    model.set_mixed_precision(mp)  # bf16: autocast over the fp32 master weights
     if cfg.train.compile:
         model.compile_blocks()
     opt = build_optimizer(model, cfg.optim, m, cfg.train.steps, state.tp_group, state.dp_group)

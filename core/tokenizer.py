@@ -192,19 +192,24 @@ class Tokenizer:
     def piece_to_id(self, piece: str) -> int | None:
         return self._b.piece_to_id(piece)
 
-    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> str:
-        """The chat_template rendered for `messages` ([{"role": ..., "content": ...}, ...]), as
-        transformers' `apply_chat_template(messages, tokenize=False, ...)`."""
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True, *, tools: list[dict] | None = None,
+                    documents: list[dict] | None = None, **kwargs) -> str:
+        """The chat_template rendered for `messages` ([{"role": ..., "content": ...}, ...]; an assistant
+        turn's reasoning under "reasoning_content" or "thinking"), with `tools` (JSON-schema dicts) and
+        `documents` ({"title", "text"} dicts) when the template reads them and any extra template
+        variable as a keyword (e.g. enable_thinking=False), as transformers'
+        `apply_chat_template(messages, tokenize=False, ...)`."""
         if self.chat_template is None:
             raise TokenizerError(f"{self._config_path}: no chat_template (tokenizer {self.path})")
         try:
             return render_chat_template(self.chat_template, messages, add_generation_prompt=add_generation_prompt,
-                                        special_tokens=self.special_tokens, where=self._config_path, **kwargs)
+                                        tools=tools, documents=documents, special_tokens=self.special_tokens,
+                                        where=self._config_path, **kwargs)
         except ChatTemplateError as e:
             raise TokenizerError(str(e)) from e
 
     def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> list[int]:
-        """Ids of `render_chat(...)` (= apply_chat_template(..., tokenize=True))."""
+        """Ids of `render_chat(...)` (= apply_chat_template(..., tokenize=True)); takes its keywords."""
         return self.encode(self.render_chat(messages, add_generation_prompt, **kwargs))
 
     def serialized_model_proto(self) -> bytes:

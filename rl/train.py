@@ -24,8 +24,9 @@ import yaml
 import core.ckpt as ckpt
 from core.config import ConfigError, ModelConfig, check_train, from_dict, load_config, to_dict
 from core.model import Transformer
+from core.model_shapes import PRESETS, preset, shape_from_hf_config
 from core.optim import build_optimizer
-from core.runtime.budget import projected_peak_bytes
+from core.runtime.budget import param_counts, projected_peak_bytes
 from core.runtime.lifecycle import (
     PREEMPTED_EXIT,
     RankStalled,
@@ -120,22 +121,23 @@ def assemble(cfg: RLConfig, state, model_cfg, tokenizer, policy, ref, critic=Non
     optimizers, the reward, the prompt sources and the trainer. Used by `build` and by tests with
     seeded models."""
     p = cfg.parallel
-    opts = FSDPOptions(fsdp=p.fsdp, mixed_precision=p.mixed_precision,
-                       activation_checkpointing=p.activation_checkpointing, cpu_offload=False)
+    mp = p.precision(state.device.type)
+    opts = FSDPOptions(fsdp=p.fsdp, mixed_precision=mp, activation_checkpointing=p.activation_checkpointing,
+                       cpu_offload=False)
     total = cfg.train.steps * cfg.algo.epochs * cfg.algo.mini_batches
-    policy = parallelize(policy, state.dp_mesh, opts).set_mixed_precision(p.mixed_precision)
+    policy = parallelize(policy, state.dp_mesh, opts).set_mixed_precision(mp)
     if cfg.train.compile:
         policy.compile_blocks()
     if cfg.reference.dtype == "bf16":  # bf16 weights, half the memory; its KL path stays fp32 (fused heads)
         ref = ref.cast_weights(torch.bfloat16)
-    ref = parallelize(freeze(ref), state.dp_mesh, FSDPOptions(fsdp=p.fsdp, mixed_precision=p.mixed_precision,
+    ref = parallelize(freeze(ref), state.dp_mesh, FSDPOptions(fsdp=p.fsdp, mixed_precision=mp,
                                                                cpu_offload=cfg.reference.cpu_offload))
-    ref.set_mixed_precision(p.mixed_precision)
+    ref.set_mixed_precision(mp)
     opt = build_optimizer(policy, cfg.optim, model_cfg, total, state.tp_group, state.dp_group)
     critic_opt = None
     if critic is not None:
         critic = parallelize(critic, state.dp_mesh, opts)
-        critic.body.set_mixed_precision(p.mixed_precision)
+        critic.body.set_mixed_precision(mp)
         copt = replace(cfg.optim, lr=cfg.critic.lr, min_lr=cfg.critic.lr * 0.1, warmup_steps=cfg.critic.warmup_steps)
         critic_opt = build_optimizer(critic, copt, model_cfg, total, state.tp_group, state.dp_group)
     task, reward_fn, reward_norm = build_reward(cfg.reward)
@@ -164,23 +166,54 @@ def check_memory(cfg: RLConfig, model_cfg: ModelConfig, world_size: int, device:
                           "set train.memory_check=false to try anyway")
 
 
-def dry_run(cfg: RLConfig, world_size: int | None = None) -> dict:
+def planned_model(cfg: RLConfig, hf_config: str | None = None, preset_name: str | None = None) -> tuple:
+    """(ModelConfig, where its shape came from) for a plan made before any weights are loaded: `hf_config`
+    (a Hugging Face config.json or its folder), else the preset `preset_name` (core.model_shapes), else
+    the start checkpoint's manifest, else init.checkpoint's config.json (an HF folder not converted yet),
+    else the model section when the warm start builds the checkpoint. A named init.checkpoint holding
+    neither file is refused (ConfigError): a guessed shape would give a meaningless plan."""
+    if hf_config is not None and preset_name is not None:
+        raise ConfigError("--dry-run: give --hf-config or --model, not both")
+    if hf_config is not None:
+        return shape_from_hf_config(hf_config), f"the Hugging Face config {hf_config}"
+    if preset_name is not None:
+        return preset(preset_name), f"the preset {preset_name}"
+    start = cfg.init.start_checkpoint
+    if os.path.isfile(os.path.join(start, "manifest.json")):
+        return from_dict(ModelConfig, ckpt.read_manifest(start)["model_config"]), f"the manifest of {start}"
+    if os.path.isfile(os.path.join(start, "config.json")):
+        return shape_from_hf_config(start), f"the Hugging Face config.json in {start} (not converted yet)"
+    if cfg.init.checkpoint is not None:
+        raise ConfigError(f"--dry-run: init.checkpoint={start} holds no converted checkpoint (manifest.json) nor a "
+                          f"Hugging Face config.json, so the model's shape is unknown; give --hf-config "
+                          f"PATH/config.json or --model one of {', '.join(sorted(PRESETS))}")
+    return cfg.model, f"the model section (the warm start builds {start} from it)"
+
+
+def describe_model(m: ModelConfig) -> str:
+    """One line: the shape and the parameter count (core.runtime.budget's count at tp=1)."""
+    n = param_counts(m, 1)["total"]
+    return (f"{m.n_layers} layers, hidden {m.hidden_size}, heads {m.n_heads}/{m.n_kv_heads} kv, MLP "
+            f"{m.intermediate_size}, vocab {m.vocab_size}{', tied' if m.tie_embeddings else ''}"
+            f"{', qkv bias' if m.qkv_bias else ''}: {n / 1e9:.2f}e9 parameters")
+
+
+def dry_run(cfg: RLConfig, world_size: int | None = None, hf_config: str | None = None,
+            preset_name: str | None = None) -> dict:
     """`--dry-run`: the resolved config and the projected peak memory per rank for this exact config,
-    layout (`world_size` ranks: default the launch's) and device, printed; nothing is built, loaded or
-    launched, so it runs on a login node without the GPUs it plans for."""
+    layout (`world_size` ranks: default the launch's), device and model (`planned_model`), printed;
+    nothing is built, loaded or launched, so it runs on a login node without the GPUs it plans for."""
     world = world_size or launch_world_size()
     label = "cuda" if cfg.train.device == "cuda" else None
     if label and not torch.cuda.is_available():  # plan for the GPUs from a machine without them
         cfg = replace(cfg, train=replace(cfg.train, device="cpu"))
     dims = check_rl_config(cfg, world)
-    start = cfg.init.start_checkpoint
-    found = os.path.isfile(os.path.join(start, "manifest.json"))
-    model_cfg = from_dict(ModelConfig, ckpt.read_manifest(start)["model_config"]) if found else cfg.model
+    model_cfg, src = planned_model(cfg, hf_config, preset_name)
     device = torch.device(label) if label else resolve_device(cfg.train.device)
     plan = memory_plan(cfg, model_cfg, world, device)
     print(yaml.safe_dump(to_dict(cfg), sort_keys=False), end="")
-    src = f"the manifest of {start}" if found else f"the model section (no checkpoint at {start} yet: set model.*)"
-    print(f"# model: {src}")
+    print(f"# model: {src}: {describe_model(model_cfg)}")
+    print(f"# sequence: {plan['batch'].seq_len} tokens, precision {plan['layout'].compute_dtype}")
     print(f"# projected peak per rank ({world} ranks: tp={dims.tp} x dp={dims.dp}, {device.type}, reference "
           f"{plan['placement']}): {plan['peak'] / 2**30:.3f} GiB")
     for phase in ("rollout_peak", "experience_peak", "update_peak"):
@@ -337,6 +370,10 @@ def parse_args(argv=None):
                     help="print the resolved config and the projected peak memory per rank, then exit")
     ap.add_argument("--world-size", type=int, default=None,
                     help="with --dry-run: plan for this many ranks (default: the launch's)")
+    ap.add_argument("--hf-config", default=None,
+                    help="with --dry-run: take the model's shape from this Hugging Face config.json (or its folder)")
+    ap.add_argument("--model", default=None, choices=sorted(PRESETS),
+                    help="with --dry-run: take the model's shape from a preset")
     return ap.parse_args(argv)
 
 
@@ -348,7 +385,7 @@ def main(argv=None) -> int:
     try:
         cfg = load_config(RLConfig, args.config, args.overrides)
         if args.dry_run:
-            dry_run(cfg, args.world_size)
+            dry_run(cfg, args.world_size, args.hf_config, args.model)
             return 0
         run(cfg, stop_request)
         code = 0

@@ -202,17 +202,22 @@ def rollout_work(cfg: ModelConfig, tp: int, batch: Batch, act_bytes: int, kv_cac
 def projected_peak_bytes(cfg, world_size: int, device: str = "cuda") -> dict:
     """The projected peak per rank of one RL step for an RLConfig-shaped `cfg` (sections model,
     parallel, rollout, algo, reference; duck-typed, so core does not import rl) on `world_size`
-    ranks: step_budget's dict plus 'layout', 'batch' and 'device'. `device` only labels the result."""
+    ranks: step_budget's dict plus 'layout', 'batch' and 'device'. `device` ("cuda" or "cpu") labels the
+    result and resolves parallel.mixed_precision "auto" (bf16 on CUDA only)."""
     par, ro, algo = cfg.parallel, cfg.rollout, cfg.algo
     tp = par.tp
     dp = par.resolve_dp(world_size)
     if tp < 1 or dp < 1 or tp * dp != world_size:
         raise ValueError(f"parallel.tp={tp} x dp={dp} does not match world_size={world_size}")
-    lay = Layout(tp, dp, par.fsdp, "bf16" if par.mixed_precision == "bf16" else "fp32", par.activation_checkpointing)
+    mp = par.precision(device) if hasattr(par, "precision") else par.mixed_precision
+    lay = Layout(tp, dp, par.fsdp, "bf16" if mp == "bf16" else "fp32", par.activation_checkpointing)
     rows = -(-ro.prompts_per_step * ro.group_size // dp)  # this rank's share of the step's samples
     per_mb = -(-rows // algo.mini_batches)
     update_rows = min(per_mb, algo.micro_batch_size) if algo.micro_batch_size else per_mb
     seq = cfg.model.max_seq_len
+    data = getattr(cfg, "data", None)
+    if data is not None and getattr(data, "max_prompt_tokens", None):  # rows never pass prompt + response
+        seq = min(seq, data.max_prompt_tokens + ro.max_new_tokens)
     batch = Batch(rows, update_rows, seq, ro.max_new_tokens, algo.kl_chunk_size, **rollout_fields(ro))
     placement = "cpu_offload" if cfg.reference.cpu_offload else ("tp_fsdp" if (par.fsdp and dp > 1) else "tp")
     rc = cfg.reference

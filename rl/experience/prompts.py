@@ -23,6 +23,7 @@ Every bad input raises PromptDataError naming the file, the line (Parquet: the r
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -182,7 +183,11 @@ def load_prompt_set(path: str, cfg: PromptDataConfig, tokenizer, records=None) -
 
 
 def load_prompt_data(cfg: PromptDataConfig, tokenizer) -> tuple[PromptSet, PromptSet | None]:
-    """(train set, eval set or None) as `cfg` says."""
+    """(train set, eval set or None) as `cfg` says. A file that is not there is named with its key."""
+    for key, path in (("data.train_file", cfg.train_file), ("data.eval_file", cfg.eval_file)):
+        if path is not None and not os.path.isfile(path):
+            hint = "; set it to an existing file, or data.eval_file=null for no eval" if key == "data.eval_file" else ""
+            raise PromptDataError(f"{key}={path}: no such file{hint}")
     if cfg.eval_file is not None:
         return load_prompt_set(cfg.train_file, cfg, tokenizer), load_prompt_set(cfg.eval_file, cfg, tokenizer)
     records = read_records(cfg.train_file)

@@ -8,6 +8,7 @@ import os
 import sys
 
 from core.config import ModelConfig
+from core.model_shapes import PRESETS
 from tools.klcost.measure import run_all
 from tools.klcost.methods import DEFAULT, DTYPES, METHODS
 from tools.klcost.peers import PEERS, unavailable
@@ -15,8 +16,7 @@ from tools.klcost.project import PROJECTABLE, project_all, refuse_if_too_big
 from tools.klcost.report import atomic_write, write_report
 from tools.klcost.spawn import RankFailure, run_spawned
 
-MODELS = {"llama3-8b": (4096, 128256), "qwen2.5-7b": (3584, 152064), "llama3-70b": (8192, 128256),
-          "qwen2.5-0.5b": (896, 151936)}  # name -> (hidden, vocab) of the LM head
+MODELS = {name: (c.hidden_size, c.vocab_size) for name, c in PRESETS.items()}  # name -> (hidden, vocab) of the head
 SWEEP_KEYS = ("tokens", "hidden", "vocab", "tp")
 
 
