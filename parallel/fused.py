@@ -219,7 +219,7 @@ def cast_in_place(acc: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     [a, 2a), each a plain copy between disjoint bytes."""
     if acc.dtype == dtype:
         return acc
-    if not (acc.is_contiguous() and acc.element_size() == 2 * torch.empty((), dtype=dtype).element_size()):
+    if not (acc.is_contiguous() and acc.element_size() == 2 * dtype.itemsize):
         return acc.to(dtype)
     src = acc.view(-1)
     dst = src.view(dtype)[: src.numel()]  # the first half of the same bytes
