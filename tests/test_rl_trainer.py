@@ -33,19 +33,18 @@ def nan_reward(meta, response):
     return math.nan if meta["prompt"].startswith("1") else 0.0
 
 
-def _trainer(tp, dp, overrides):
+def _trainer(tp, dp, overrides, dtype=torch.float32):
     from rl.train import assemble
 
     cfg = load_config(RLConfig, None, BASE + list(overrides))
     mc = ModelConfig(**MODEL)
     state = init_parallel(ParallelDims(dp, tp), "cpu", mc.n_heads, mc.n_kv_heads)
     kv = kv_replica_group(state, mc.n_kv_heads)
-    # float64: a layout's rounding order stays ~1e-16, so 2 clipped AdamW steps cannot magnify it to the tolerance
-    policy = build_model(mc, state.tp_group, kv, seed=11, dtype=torch.float64)
-    ref = build_model(mc, state.tp_group, kv, seed=11, dtype=torch.float64)
+    policy = build_model(mc, state.tp_group, kv, seed=11, dtype=dtype)
+    ref = build_model(mc, state.tp_group, kv, seed=11, dtype=dtype)
     critic = None
     if cfg.algo.name == "ppo":
-        critic = Critic(mc, state.tp_group, kv, dtype=torch.float64)
+        critic = Critic(mc, state.tp_group, kv, dtype=dtype)
         critic.body.init_weights(11)
     return assemble(cfg, state, mc, load_tokenizer(None), policy, ref, critic), state
 
@@ -53,7 +52,8 @@ def _trainer(tp, dp, overrides):
 def _steps_and_logits(tp, dp, overrides):
     from parallel.comm import gather_from_tp
 
-    trainer, state = _trainer(tp, dp, overrides)
+    # float64: a layout's rounding order stays ~1e-16, so 2 clipped AdamW steps cannot magnify it to the tolerance
+    trainer, state = _trainer(tp, dp, overrides, dtype=torch.float64)
     recs = [trainer.step(s) for s in range(2)]
     ids = torch.arange(3, 3 + 2 * 12).view(2, 12) % 250 + 3
     with torch.no_grad():
