@@ -35,7 +35,7 @@ from parallel.fsdp import FSDPOptions, freeze, parallelize
 from rl.config import RLConfig
 from rl.critic import Critic
 from rl.guards import CollapseGuard, Preempted
-from rl.prompts import PromptSampler, load_prompt_data
+from rl.prompts import PromptSampler, data_hashes, load_prompt_data
 from rl.rewards import build_reward
 from rl.rollout import DataPrompts, TaskPrompts
 from rl.trainer import RLTrainer
@@ -90,7 +90,7 @@ def prompt_sources(cfg: RLConfig, tokenizer, task, data=None, max_seq_len: int |
     train_set, eval_set = data if data is not None else load_prompt_data(cfg.data, tokenizer)
     d = cfg.data
     sampler = PromptSampler(len(train_set.prompts), ro.prompts_per_step, seed=d.seed, shuffle=d.shuffle,
-                            epochs=d.epochs)
+                            epochs=d.epochs, files=data_hashes(d))
     if cfg.train.steps > sampler.num_steps:
         raise ConfigError(f"train.steps={cfg.train.steps} is past the data: {train_set.summary()} give "
                           f"{sampler.num_steps} steps of rollout.prompts_per_step={ro.prompts_per_step} in "
@@ -247,14 +247,19 @@ def _resume(trainer: RLTrainer, run: Run) -> int:
     return int(extra["step"]) + 1
 
 
+def tokenizer_files(tokenizer) -> list[str]:
+    """The tokenizer files found beside the tokenizer (core.tokenizer.TOKENIZER_FILES)."""
+    folder = os.path.dirname(os.path.abspath(tokenizer.path))
+    return [os.path.join(folder, n) for n in TOKENIZER_FILES if os.path.isfile(os.path.join(folder, n))]
+
+
 def save_final_model(trainer: RLTrainer, run: Run, tokenizer, step: int) -> str:
     """Write `{out_dir}/model`: the policy's full weights (gathered over TP and DP) and the tokenizer
-    files found beside the tokenizer (core.tokenizer.TOKENIZER_FILES), all hashed in the manifest, so
-    `tools.convert_hf export` gives a folder `transformers` loads. Collective."""
-    folder = os.path.dirname(os.path.abspath(tokenizer.path))
-    files = [os.path.join(folder, n) for n in TOKENIZER_FILES if os.path.isfile(os.path.join(folder, n))]
-    return ckpt.save_model_weights(trainer.policy, os.path.join(run.out_dir, "model"), run.state,
-                                   tokenizer_fingerprint=tokenizer.fingerprint, step=step, extra_files=files)
+    files, all hashed in the manifest, so `tools.convert_hf export` gives a folder `transformers`
+    loads. Collective."""
+    return ckpt.save_model_weights(trainer.policy, run.final_model_dir, run.state,
+                                   tokenizer_fingerprint=tokenizer.fingerprint, step=step,
+                                   extra_files=tokenizer_files(tokenizer))
 
 
 def _report(rec: dict, step: int, cfg: RLConfig, is_main: bool) -> str | None:
@@ -277,10 +282,18 @@ def run(cfg: RLConfig, stop_request: StopRequest | None = None) -> list[dict]:
     """Train as `cfg` says. A SIGTERM / SIGUSR1 caught by `stop_request` ends the run after the next
     step every rank agrees on, with its checkpoint written (raises Preempted)."""
     trainer, run, tokenizer = build(cfg)
-    first = _resume(trainer, run)
     t = cfg.train
-    if run.finished(t.steps - 1, "rl.train"):
-        return []
+    try:
+        first = _resume(trainer, run)
+        if run.resumed_step is not None and run.resumed_step >= t.steps - 1:
+            if not run.finished(t.steps - 1, "rl.train", final_step=t.steps):  # final model missing: write it
+                save_final_model(trainer, run, tokenizer, t.steps)
+            run.close()
+            getattr(trainer.reward_fn, "close", lambda: None)()
+            return []
+    except BaseException:
+        run.close()  # the out_dir lock
+        raise
     writer = run.open_outputs(cfg)
     bar = ProgressBar(t.steps, enabled=run.state.is_main and t.progress, every=t.log_every)
     dog = Watchdog.for_run(cfg.parallel.watchdog_s).start()
@@ -299,7 +312,8 @@ def run(cfg: RLConfig, stop_request: StopRequest | None = None) -> list[dict]:
             preempted = stop_request is not None and stop_request.agree(run.device)
             if _should_save(t, step, stop or preempted):
                 dog.beat("save", step)
-                run.save(step, _modules(trainer), _extra_state(trainer), tokenizer.fingerprint)
+                run.save(step, _modules(trainer), _extra_state(trainer), tokenizer.fingerprint,
+                         tokenizer_files(tokenizer))
             if stop or preempted or (t.stop_after is not None and step + 1 >= t.stop_after):
                 break
         if not stop and not preempted and records and records[-1]["step"] == t.steps - 1:
@@ -311,6 +325,7 @@ def run(cfg: RLConfig, stop_request: StopRequest | None = None) -> list[dict]:
     finally:
         dog.stop()
         run.close()
+        getattr(trainer.reward_fn, "close", lambda: None)()  # the reward plug-ins' worker process
         if trainer.monitor is not None:
             trainer.monitor.close()
     if stop:
