@@ -12,6 +12,7 @@ when resuming) on rank 0. `Run.save` writes the training checkpoints.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import os
@@ -24,6 +25,7 @@ import yaml
 
 from core.ckpt import (
     CheckpointError,
+    describe_error,
     raise_on_all_ranks,
     resume_train_checkpoint,
     save_train_checkpoint,
@@ -81,9 +83,10 @@ class Run:
              extra_files: list[str] | None = None) -> str:
         """Write the training checkpoint of `step` under `ckpt_root`, keeping `keep_last`; `extra_files`
         (the tokenizer's) are copied in and hashed, so that the checkpoint exports on its own."""
-        return save_train_checkpoint(self.ckpt_root, step, self.state, modules, extra=extra,
-                                     keep_last=self.keep_last, tokenizer_fingerprint=tokenizer_fingerprint,
-                                     extra_files=extra_files)
+        with saving(f"the checkpoint of step {step} under {self.ckpt_root}"):
+            return save_train_checkpoint(self.ckpt_root, step, self.state, modules, extra=extra,
+                                         keep_last=self.keep_last, tokenizer_fingerprint=tokenizer_fingerprint,
+                                         extra_files=extra_files)
 
     @property
     def final_model_dir(self) -> str:
@@ -131,6 +134,9 @@ class Run:
         when resuming, cut back to the records of steps <= the resumed step (no step is logged twice)
         and appended to. Called after loading, so a refused run leaves no metrics file."""
         metrics = os.path.join(self.out_dir, "metrics.jsonl")
+        if self.resumed_step is not None:  # before any file is touched, on every rank
+            raise_on_all_ranks(lambda: check_config_unchanged(self.out_dir, cfg) if self.state.is_main else None,
+                               world_group(self.state), src=0)
         if self.state.is_main:
             os.makedirs(self.out_dir, exist_ok=True)
             if self.resumed_step is not None:
@@ -147,6 +153,82 @@ class Run:
         if self.lock is not None:
             self.lock.close()  # closing the file releases the flock
             self.lock = None
+
+
+# keys a resumed run may change: its length, logging, retention, checks and layout (checkpoints load into any
+# tp x dp); any other difference from the run's config.yaml is refused unless train.allow_config_change
+RESUMABLE_KEYS = ("train.steps", "train.stop_after", "train.progress", "train.log_every", "train.save_every",
+                  "train.keep_last", "train.resume", "train.verify_checkpoints", "train.device", "train.memory_check",
+                  "train.allow_config_change", "train.compile", "parallel.")
+
+
+def config_changes(old: dict, new: dict) -> list[str]:
+    """"key: old -> new" for every flattened key (outside RESUMABLE_KEYS) whose value differs."""
+    a, b = _flatten(old), _flatten(new)
+    return [f"{k}: {a.get(k, '<absent>')!r} -> {b.get(k, '<absent>')!r}" for k in sorted(set(a) | set(b))
+            if a.get(k) != b.get(k) and not k.startswith(RESUMABLE_KEYS)]
+
+
+def check_config_unchanged(out_dir: str, cfg) -> None:
+    """ValueError naming each key whose value differs from `{out_dir}/config.yaml` (the run being resumed),
+    unless `cfg.train.allow_config_change`. A run without a config.yaml passes."""
+    path = os.path.join(out_dir, "config.yaml")
+    if getattr(cfg.train, "allow_config_change", False) or not os.path.isfile(path):
+        return
+    with open(path, encoding="utf-8") as f:
+        old = yaml.safe_load(f) or {}
+    changes = config_changes(old, yaml.safe_load(yaml.safe_dump(to_dict(cfg), sort_keys=False)))
+    if changes:
+        raise ValueError(f"resume: the config differs from the run in {out_dir} ({path}): " + "; ".join(changes)
+                         + ". Start a new run with a new train.out_dir=..., or pass train.allow_config_change=true "
+                         "to continue this one with the new values")
+
+
+STOPPED_FILE = "stopped.json"
+
+
+def record_stop(out_dir: str, step: int, kind: str, reason: str) -> None:
+    """Write `{out_dir}/stopped.json` (rank 0): the run was stopped by a guard after step `step`."""
+    tmp = os.path.join(out_dir, STOPPED_FILE + ".tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump({"step": step, "kind": kind, "reason": reason}, f)
+    os.replace(tmp, os.path.join(out_dir, STOPPED_FILE))
+
+
+def check_not_stopped(out_dir: str, resumed_step: int | None) -> None:
+    """ValueError when the checkpoint being resumed is the one a guard stopped the run at (resuming would
+    go on training, e.g., a collapsed policy); names the reason and how to resume anyway."""
+    path = os.path.join(out_dir, STOPPED_FILE)
+    if resumed_step is None or not os.path.isfile(path):
+        return
+    with open(path, encoding="utf-8") as f:
+        rec = json.load(f)
+    if rec.get("step") == resumed_step:
+        raise ValueError(f"resume: the run in {out_dir} was stopped at step {resumed_step} by the {rec.get('kind')} "
+                         f"guard ({rec.get('reason')}); resuming would train that checkpoint on. Start a new run with "
+                         f"a new train.out_dir=... (e.g. a lower optim.lr), or delete {path} to resume it anyway")
+
+
+def _flatten(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict) and v:
+            out.update(_flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+@contextlib.contextmanager
+def saving(what: str):
+    """Name `what` was being written in a failed save (a full disk says only `No space left on device`,
+    often without a file): CheckpointError "writing WHAT: ..." with the file when the error has one."""
+    try:
+        yield
+    except (OSError, CheckpointError) as e:
+        where = f" ({e.filename})" if isinstance(e, OSError) and e.filename else ""
+        raise CheckpointError(f"writing {what}{where}: {describe_error(e)}; free space there and run the same "
+                              "command to resume") from e
 
 
 LOCK_FILE = ".lock"

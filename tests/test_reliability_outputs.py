@@ -20,6 +20,9 @@ CONFIG = os.path.join(REPO, "configs", "grpo_tiny.yaml")
 SMALL = ["model.hidden_size=32", "model.intermediate_size=64", "init.sft_steps=5", "init.sft_examples=200",
          "rollout.prompts_per_step=4", "rollout.group_size=2", "rollout.max_new_tokens=4", "train.save_every=0",
          "train.progress=false", "algo.mini_batches=1", "algo.epochs=1"]
+# a learning signal from step 0 (as tests/test_reliability_procs.py's divergence test)
+PARTIAL = ("reward.task_args={max_operand: 9, ops: '+', partial_credit: 0.5}", "rollout.prompts_per_step=8",
+           "rollout.group_size=4", "algo.mini_batches=2", "algo.epochs=2")
 
 
 def _sha(path: str) -> str:
@@ -34,6 +37,17 @@ def sft(tmp_path_factory):
     sft = str(base / "sft")
     assert main(["--config", CONFIG, *SMALL, f"init.sft_dir={sft}", f"train.out_dir={base / 'first'}",
                  "train.steps=2"]) == 0
+    return base, sft
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A start checkpoint trained well below the uniform entropy (the 5-step one is near ln V)."""
+    from rl.train import main
+
+    base = tmp_path_factory.mktemp("trained")
+    sft = str(base / "sft")
+    assert main(_args(sft, base / "first", "init.sft_steps=120", "init.sft_lr=4e-3", "train.steps=1")) == 0
     return base, sft
 
 
@@ -185,3 +199,148 @@ def test_an_empty_prompt_is_refused_at_load_by_file_and_line(tmp_path, prompt):
     cfg = PromptDataConfig(train_file=str(path), apply_chat_template=False)
     with pytest.raises(PromptDataError, match=rf"{path}:2: field 'prompt' "):
         load_prompt_set(str(path), cfg, load_tokenizer(None))
+
+
+# ---------------------------------------------------------------------------------------------
+# resuming: changed config, a guard's stop, the reward/KL window
+
+
+def test_a_changed_config_is_refused_naming_the_keys(tmp_path):
+    import yaml
+
+    from core.config import load_config, to_dict
+    from core.run import check_config_unchanged
+    from rl.config import RLConfig
+
+    old = load_config(RLConfig, CONFIG, [])
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(to_dict(old), sort_keys=False))
+    check_config_unchanged(str(tmp_path), load_config(RLConfig, CONFIG, ["train.steps=999", "parallel.tp=2"]))
+    new = load_config(RLConfig, CONFIG, ["optim.lr=0.5", "kl.estimator=k1"])
+    with pytest.raises(ValueError, match=r"config differs .*kl.estimator: 'k3\+' -> 'k1'; optim.lr: .* -> 0.5\. "
+                                         r"Start a new run .*train.allow_config_change=true"):
+        check_config_unchanged(str(tmp_path), new)
+    check_config_unchanged(str(tmp_path), load_config(RLConfig, CONFIG, ["optim.lr=0.5",
+                                                                         "train.allow_config_change=true"]))
+
+
+def test_keep_last_zero_means_keep_all():
+    from core.config import ConfigError, TrainConfig, check_train
+
+    check_train(TrainConfig(keep_last=0))
+    with pytest.raises(ConfigError, match="train.keep_last must be a positive integer or 0 .0: keep all"):
+        check_train(TrainConfig(keep_last=-1))
+
+
+def test_a_full_disk_names_the_step_and_folder(tmp_path, monkeypatch):
+    import errno
+
+    import core.ckpt.train as ckpt_train
+    from core.ckpt import CheckpointError
+    from core.config import ModelConfig
+    from core.model import Transformer
+    from core.run import Run
+
+    def full(*a, **k):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(ckpt_train, "write_train_state", full)
+    cfg = ModelConfig(vocab_size=64, hidden_size=16, n_layers=1, n_heads=2, n_kv_heads=2, intermediate_size=32,
+                      max_seq_len=16)
+    run = Run(None, None, str(tmp_path))
+    with pytest.raises(CheckpointError, match=rf"writing the checkpoint of step 7 under {tmp_path}/checkpoints: "
+                                              r".*No space left on device; free space there"):
+        run.save(7, {"policy": (Transformer(cfg, None, device="cpu"), None)}, {}, None)
+    assert not os.path.exists(tmp_path / "checkpoints" / "step-00000007")  # nothing half-written
+
+
+def test_generation_config_is_hash_checked(tmp_path):
+    from core.ckpt import CheckpointError, load_model_weights, save_model_weights
+    from core.config import ModelConfig
+    from core.model import Transformer
+
+    cfg = ModelConfig(vocab_size=64, hidden_size=16, n_layers=1, n_heads=2, n_kv_heads=2, intermediate_size=32,
+                      max_seq_len=16)
+    gen = tmp_path / "generation_config.json"
+    gen.write_text(json.dumps({"eos_token_id": [1, 2]}))
+    ck = str(tmp_path / "ck")
+    save_model_weights(Transformer(cfg, None, device="cpu"), ck, None, extra_files=[str(gen)])
+    load_model_weights(Transformer(cfg, None, device="cpu"), ck, None)
+    with open(os.path.join(ck, "generation_config.json"), "w") as f:
+        f.write(json.dumps({"eos_token_id": [1, 3]}))  # same size, other eos id
+    with pytest.raises(CheckpointError, match="generation_config.json"):
+        load_model_weights(Transformer(cfg, None, device="cpu"), ck, None)
+
+
+def test_a_rank_that_cannot_see_the_warm_start_data_is_named(tmp_path, monkeypatch):
+    import rl.warmstart as ws
+    from core.ckpt import CheckpointError
+    from core.config import load_config
+    from core.tokenizer import load_tokenizer
+    from rl.config import RLConfig
+
+    monkeypatch.setattr(ws, "DATA_WAIT_S", 0.5)
+    monkeypatch.setenv("RANK", "1")
+    cfg = load_config(RLConfig, CONFIG, [*SMALL, f"init.sft_dir={tmp_path / 'sft'}"])
+    with pytest.raises(CheckpointError, match=rf"rank 1: {tmp_path / 'sft'}/task_data.txt, written by rank 0 .* "
+                                              r"must be on a file system every rank sees"):
+        ws.ensure_start_checkpoint(cfg, load_tokenizer(None), "cpu")
+
+
+@pytest.mark.slow
+def test_a_run_the_collapse_guard_stopped_is_not_resumed(trained, capsys):
+    from rl.train import main
+
+    base, sft_dir = trained
+    out = str(base / "collapsed")
+    with pytest.raises(SystemExit, match="learning rate too high"):
+        main(_args(sft_dir, out, "train.steps=6", "optim.lr=1e30", *PARTIAL))
+    stopped = json.load(open(os.path.join(out, "stopped.json")))
+    assert stopped["kind"] == "collapse"
+    capsys.readouterr()
+    assert main(_args(sft_dir, out, "train.steps=6", "optim.lr=1e30", *PARTIAL)) == 2
+    err = capsys.readouterr().err
+    assert f"was stopped at step {stopped['step']} by the collapse guard" in err and "stopped.json" in err, err
+
+
+@pytest.mark.slow
+def test_reward_kl_corr_resumes_bitwise(trained):
+    from rl.train import main
+
+    base, sft_dir = trained
+    rows = {}
+    for name, parts in (("straight", [[]]), ("resumed", [["train.stop_after=3"], []])):
+        out = str(base / f"corr_{name}")
+        for extra in parts:
+            assert main(_args(sft_dir, out, "train.steps=6", "optim.lr=3e-3", *PARTIAL, *extra)) == 0
+        rows[name] = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
+    corr = {k: [r.get("reward_kl_corr") for r in v] for k, v in rows.items()}
+    assert any(c is not None for c in corr["straight"][3:]), corr
+    assert corr["resumed"] == corr["straight"]
+
+
+@pytest.mark.slow
+def test_sigterm_during_the_warm_start_stops_it_promptly(tmp_path):
+    """A real SIGTERM to `python -m rl.train` while its supervised warm start runs: it stops at the next
+    SFT step with the SFT checkpoint written and exits 0 (it used to finish the whole SFT first)."""
+    import signal
+
+    sft = tmp_path / "sft"
+    env = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "rl.train", "--config", CONFIG, *SMALL, "init.sft_steps=100000",
+           f"init.sft_dir={sft}", f"train.out_dir={tmp_path / 'rl'}", "train.steps=2"]
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 240
+        while not (os.path.exists(sft / "metrics.jsonl") and os.path.getsize(sft / "metrics.jsonl") > 0):
+            assert proc.poll() is None, proc.communicate()[0][-3000:]
+            assert time.monotonic() < deadline, "the warm start logged no step"
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGTERM)
+        out = proc.communicate(timeout=60)[0]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 0, out[-3000:]
+    assert "stop requested by signal" in out, out[-3000:]
+    assert os.listdir(sft / "checkpoints")
