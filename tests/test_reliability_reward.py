@@ -106,3 +106,26 @@ def test_a_number_past_the_int_conversion_limit_scores():
     assert reward({"answer": big}, f"the answer is {big}") == 1.0
     assert reward({"answer": "5"}, f"the answer is {big}") == 0.0
     assert reward({"answer": big}, "the answer is 5") == 0.0
+
+
+@pytest.mark.slow
+def test_a_hanging_reward_at_dp2_is_named_not_blamed_on_a_frozen_rank(tmp_path):
+    """torchrun, dp=2, a plug-in that hangs on rank 1: the run ends within reward.timeout_s (not
+    parallel.timeout_s) with every rank naming the plug-in, the prompt and the sample."""
+    from rl.train import main
+    from tests.dist import REPO, run_torchrun
+
+    config = os.path.join(REPO, "configs", "grpo_tiny.yaml")
+    small = ["model.hidden_size=32", "model.intermediate_size=64", "init.sft_steps=5", "init.sft_examples=200",
+             "rollout.prompts_per_step=4", "rollout.group_size=2", "rollout.max_new_tokens=4", "train.progress=false",
+             f"init.sft_dir={tmp_path / 'sft'}"]
+    assert main(["--config", config, *small, f"train.out_dir={tmp_path / 'first'}", "train.steps=1"]) == 0
+    t0 = time.monotonic()
+    res = run_torchrun(["rl.train", "--config", config, *small, f"train.out_dir={tmp_path / 'hang'}",
+                        "train.steps=3", "reward.fns=[tests.reward_plugins:plugin_hangs_on_rank_1]",
+                        "reward.timeout_s=3", "parallel.timeout_s=300"], nproc=2, timeout=240)
+    took = time.monotonic() - t0
+    assert res.returncode != 0 and took < 200, (took, res.stderr[-3000:])
+    assert "reward for prompt 0, sample 0: " in res.stderr, res.stderr[-3000:]
+    assert "plug-in tests.reward_plugins:plugin_hangs_on_rank_1" in res.stderr and "reward.timeout_s=3" in res.stderr
+    assert "has not advanced" not in res.stderr and "collective failed" not in res.stderr, res.stderr[-3000:]
