@@ -88,10 +88,12 @@ class RewardWorker:
         self.proc: subprocess.Popen | None = None
 
     def _start(self) -> None:
-        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # where `rl` is, wherever we run from
+        root = os.path.abspath(__file__)  # the folder holding the top package (`rl`), wherever we run from
+        for _ in __name__.split("."):
+            root = os.path.dirname(root)
         env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"),
                    PYTHONPATH=os.pathsep.join([root, *filter(None, [os.environ.get("PYTHONPATH")])]))
-        self.proc = subprocess.Popen([sys.executable, "-m", "rl.reward_worker"], stdin=subprocess.PIPE,
+        self.proc = subprocess.Popen([sys.executable, "-m", __name__], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, env=env, close_fds=True)
         _write(self.proc.stdin.fileno(), (list(sys.path), self.specs))
         try:
