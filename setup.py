@@ -1,10 +1,11 @@
-from setuptools import setup
+from setuptools import find_packages, setup
 
 setup(
     name="kltron",
     version="0.1.0",
     description="Megatron-style RL fine-tuning trainer with a correct, cheap KL penalty",
-    packages=["core", "parallel", "rl", "tools"],
+    packages=find_packages(include=["core", "core.*", "parallel", "parallel.*", "rl", "rl.*",
+                                "tools", "tools.*"]),
     package_data={"core": ["data/*.txt", "data/*.model", "data/*.jsonl"]},
     include_package_data=True,
     license="Apache-2.0",
@@ -22,8 +23,8 @@ setup(
         "dev": ["pytest>=8", "ruff>=0.6", "transformers>=4.45", "matplotlib", "hypothesis"],
         "plot": ["matplotlib"],
         "data": ["pyarrow"],  # Parquet prompt sets
-        "math": ["math-verify"],  # symbolic answer equality in rl.math_reward
-        "tensorboard": ["tensorboard"],  # monitor.tensorboard=true (core/monitor.py)
+        "math": ["math-verify"],  # symbolic answer equality in rl.experience.math_reward
+        "tensorboard": ["tensorboard"],  # monitor.tensorboard=true (core/runtime/monitor.py)
         # monitor.wandb=offline; not in dev: a 20 MB wheel, 62 MB installed (a Go binary), 14+ dependencies
         "wandb": ["wandb"],
     },

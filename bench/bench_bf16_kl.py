@@ -1,4 +1,4 @@
-"""Exact-KL error of the heads with bf16 inputs, against float64 (issue 9, item 5).
+"""Exact-KL error of the heads with bf16 inputs, against float64.
 
     python -m bench.bench_bf16_kl [--tokens 512 --hidden 128 --vocab 32768 --device cpu --json OUT]
 

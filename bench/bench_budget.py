@@ -1,4 +1,4 @@
-"""The RL step's memory budget (core/budget.py): checked against MemTracker at a Qwen2.5-0.5B shape
+"""The RL step's memory budget (core/runtime/budget.py): checked against MemTracker at a Qwen2.5-0.5B shape
 here, and projected for Llama-3-8B and Llama-3-70B on 8 and 64 GPUs.
 
     python -m bench.bench_budget check [--json OUT]     # one GRPO step, Qwen2.5-0.5B shape, random weights
@@ -20,8 +20,8 @@ import argparse
 import json
 import os
 
-from core.budget import KL_METHODS, PLACEMENTS, Batch, Layout, rollout_fields, step_budget
 from core.config import ModelConfig
+from core.runtime.budget import KL_METHODS, PLACEMENTS, Batch, Layout, rollout_fields, step_budget
 
 QWEN05B = ModelConfig(vocab_size=151936, hidden_size=896, n_layers=24, n_heads=14, n_kv_heads=2,
                       intermediate_size=4864, max_seq_len=64, qkv_bias=True, tie_embeddings=True)
@@ -35,7 +35,7 @@ GB = 1e9
 def rollout_memory(tr, step: int) -> dict:
     """The allocator peak of one rollout (generation and scoring) of trainer `tr` above what was live
     before it, and the rows and prompt length it generated."""
-    from rl.rollout import collect_rollout
+    from rl.experience.rollout import collect_rollout
     from tools.klcost.cpu_peak import profiled_peak
 
     cfg, st = tr.cfg, tr.state

@@ -26,7 +26,7 @@ import time
 
 import torch
 
-from core.metrics import phase_peak_begin, phase_peak_end
+from core.runtime.metrics import phase_peak_begin, phase_peak_end
 from parallel.fused import fused_head
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}

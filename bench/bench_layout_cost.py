@@ -1,6 +1,6 @@
 """The shared-prompt layout's plan against response length: forward+backward of one batch of GRPO groups
 padded row by row, in the default shared plan (each group one piece, two median groups a row) and in the
-plan the layout cost model picks (rl/shared_layout.py: `LayoutCost`, `_cheapest_plan`), side by side.
+plan the layout cost model picks (rl/update/shared_layout.py: `LayoutCost`, `_cheapest_plan`), side by side.
 
     python -m bench.bench_layout_cost [--hidden 256] [--layers 2] [--groups 4] [--group-size 8] [--repeats 2]
         [--device cuda --dtype bf16] [--shapes 64x512,256x2048] [--json OUT]
@@ -24,8 +24,8 @@ import torch
 
 from core.config import ModelConfig
 from core.model import build_model
-from rl.rollout import Rollout
-from rl.shared_layout import LayoutCost, share_rollout
+from rl.experience.rollout import Rollout
+from rl.update.shared_layout import LayoutCost, share_rollout
 
 SHAPES = ((16, 6), (64, 64), (64, 256), (64, 512), (256, 512))  # (prompt tokens, response tokens)
 

@@ -1,4 +1,4 @@
-"""What running reward plug-ins in a worker process (rl.reward_worker) costs: the same rollout of
+"""What running reward plug-ins in a worker process (rl.experience.reward_worker) costs: the same rollout of
 N prompts x G samples scored in the rank (`reward.timeout_s=0`) and through the worker, side by side
 in one process, alternating, best of `--repeat`.
 
@@ -11,7 +11,7 @@ import argparse
 import random
 import time
 
-from rl.rewards import RewardConfig, build_reward, score_responses
+from rl.experience.rewards import RewardConfig, build_reward, score_responses
 
 
 def main(argv=None) -> dict:

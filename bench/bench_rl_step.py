@@ -14,7 +14,7 @@ saves against gathering logits. One process (tp = dp = 1), fp32, CPU.
    and backward temporaries; param bytes and optimizer-state bytes are also counted from the
    tensors themselves.
 3. KL memory, on one update mini-batch: (log-probs, entropy, exact forward KL to the reference),
-   forward+backward through the whole policy, with the fused head (rl.logprobs.policy_token_stats,
+   forward+backward through the whole policy, with the fused head (rl.update.logprobs.policy_token_stats,
    kl="forward") versus materialising the policy's and the reference's logits at the response
    positions and using torch.log_softmax. Both start from the same inputs (sequences, the
    reference's final hidden states and head weight); peaks exclude the models' parameters, so they
@@ -43,11 +43,11 @@ from core.model import build_model
 from core.tokenizer import load_tokenizer
 from parallel.dims import ParallelDims, init_parallel
 from rl.config import RLConfig
-from rl.critic import Critic
-from rl.logprobs import critic_values, logprobs_from_hidden, policy_token_stats, reference_hidden
-from rl.losses import aggregate, clipped_value_loss, loss_scale, policy_loss
-from rl.tasks import CHARSET
+from rl.experience.tasks import CHARSET
+from rl.models.critic import Critic
+from rl.objectives.losses import aggregate, clipped_value_loss, loss_scale, policy_loss
 from rl.train import assemble
+from rl.update.logprobs import critic_values, logprobs_from_hidden, policy_token_stats, reference_hidden
 
 REWARD = "bench.bench_rl_step:digit_share"
 

@@ -20,7 +20,7 @@ Phases. kltron: RLTrainer's timers; other = step minus them. TRL, by wrapping it
 `_generate` + `_calculate_rewards`; ref / old = `_get_per_token_logps_and_entropies` on the reference /
 on the policy without grad; step = the 4 optimizer steps of one generation (TrainerCallback.on_step_end
 marks); update = step minus `_generate_and_score_completions`, other = the rest of that method.
-Generation alone: core.generate.generate vs transformers' generate(do_sample=True, top_k=0, top_p=1),
+Generation alone: core.generation.generate.generate vs transformers' generate(do_sample=True, top_k=0, top_p=1),
 same model and 256-row batch, alternating; the two models' prompt logits are compared first.
 """
 
@@ -41,13 +41,13 @@ import time
 import torch
 
 from core.config import ModelConfig, load_config
-from core.generate import generate
+from core.generation.generate import generate
 from core.model import Transformer, build_model
 from core.tokenizer import load_tokenizer
 from parallel.dims import ParallelDims, init_parallel
 from rl.config import RLConfig
-from rl.rollout import left_pad, step_prompts
-from rl.tasks import make_task
+from rl.experience.rollout import left_pad, step_prompts
+from rl.experience.tasks import make_task
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SEED = 1234

@@ -4,7 +4,7 @@
     python -m bench.bench_sampler --device cuda --skip-gen    # the sampler part on a GPU (synchronised timing)
 
 1. Sampler at [256, 32000] fp32 logits: kltron's sampler (eager, and torch.compile'd with its
-   one-time compile cost), top-p / min-p variants, and `--old-ref`'s core/sampling.py (eager and
+   one-time compile cost), top-p / min-p variants, and `--old-ref`'s core/generation/sampling.py (eager and
    compiled), each beside `torch.multinomial(torch.softmax(logits, -1), 1)` in the same
    run; ratio = sampler / multinomial (lower is faster). Repeats interleave the two; medians.
 2. Generation (prefill + decode) of the tiny model and a ~60M model (hidden 512, 8 layers,
@@ -27,8 +27,8 @@ import time
 import torch
 
 from core.config import ModelConfig
-from core.generate import generate
-from core.sampling import sample_from_sharded_logits
+from core.generation.generate import generate
+from core.generation.sampling import sample_from_sharded_logits
 
 MODELS = {
     "tiny": ModelConfig(vocab_size=256, hidden_size=64, n_layers=2, n_heads=4, n_kv_heads=2, intermediate_size=176,
@@ -38,7 +38,7 @@ MODELS = {
 }
 
 
-def load_old(ref: str, path: str = "core/generate.py", name: str = "old_generate"):
+def load_old(ref: str, path: str = "core/generation/generate.py", name: str = "old_generate"):
     """`path` as of git `ref`, imported as a separate module `name` (None when unavailable or ref is "none")."""
     if ref in ("", "none"):
         return None
@@ -58,7 +58,8 @@ def load_old(ref: str, path: str = "core/generate.py", name: str = "old_generate
 
 
 def load_old_generate(ref: str):
-    """core/generate.py as of git `ref` (its sampler is whatever core/sampling.py this tree has)."""
+    """core/generation/generate.py as of git `ref` (its sampler is whatever core/generation/sampling.py this
+    tree has)."""
     return load_old(ref)
 
 
@@ -113,7 +114,7 @@ def bench_sampler(repeats: int, old_ref: str, out: dict, device: str = "cpu") ->
 
     t_hf, t_ours = side_by_side(hf_top_p, lambda: sample_from_sharded_logits(logits, top_p=0.9, **kw), repeats,
                                 device)
-    old = load_old(old_ref, "core/sampling.py", "old_sampling")
+    old = load_old(old_ref, "core/generation/sampling.py", "old_sampling")
     if old is not None:
         cases[f"eager, {old_ref}'s sampler"] = lambda: old.sample_from_sharded_logits(logits, **kw)
         cases[f"compiled, {old_ref}'s"] = lambda: old.sample_from_sharded_logits(logits, compile=True, **kw)
@@ -181,7 +182,8 @@ def main(argv=None) -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--repeats", type=int, default=5, help="sampler repeats")
     ap.add_argument("--gen-repeats", type=int, default=2, help="generation repeats")
-    ap.add_argument("--old-ref", default="main", help="git ref whose core/generate.py is the 'before' ('none': skip)")
+    ap.add_argument("--old-ref", default="main",
+                    help="git ref whose core/generation/generate.py is the 'before' ('none': skip)")
     ap.add_argument("--skip-gen", action="store_true")
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where the sampler part runs")
     ap.add_argument("--json", default=None)

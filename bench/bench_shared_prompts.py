@@ -1,4 +1,4 @@
-"""kltron's GRPO step with and without the shared-prompt forward (rl/shared_layout.py), same run.
+"""kltron's GRPO step with and without the shared-prompt forward (rl/update/shared_layout.py), same run.
 
 The workload of bench/bench_rl_vs_trl.py (same weights, prompts, batch 32 x 8, 6 new tokens, 2 epochs
 x 2 mini-batches), kltron side only, once per variant in a fresh child process, variants alternated

@@ -2,7 +2,7 @@
 micro-batches (padded to the batch's longest row), token-budget micro-batches (rows sorted by
 length, each micro-batch trimmed to its longest row), packed sequences (rows concatenated,
 block-diagonal causal attention) and the shared-prompt layout under a token budget (each prompt
-group once, its responses after it, [R, W] with R x W <= the budget; rl/shared_layout.py), side by
+group once, its responses after it, [R, W] with R x W <= the budget; rl/update/shared_layout.py), side by
 side in one run. One process (tp = dp = 1), fp32.
 
     python -m bench.bench_update_padding [--rows 256] [--short 4] [--long 64] [--long-share 0.1]
@@ -42,12 +42,12 @@ from core.config import ModelConfig, load_config
 from core.model import build_model
 from core.tokenizer import load_tokenizer
 from parallel.dims import ParallelDims, init_parallel
-from rl.advantages import broadcast_to_tokens
 from rl.config import RLConfig
-from rl.logprobs import policy_token_stats
-from rl.rollout import Rollout
+from rl.experience.rollout import Rollout
+from rl.objectives.advantages import broadcast_to_tokens
 from rl.train import assemble
-from rl.trainer import StepData
+from rl.update.logprobs import policy_token_stats
+from rl.update.step_data import StepData
 
 G = 8  # samples per prompt
 
@@ -99,7 +99,7 @@ def plan_stats(trainer, data) -> tuple[int, int, int]:
     mini-batch, as the trainer plans it."""
     rows = torch.arange(data.mask.shape[0], device=data.mask.device)
     tokens = [m.packed.input_ids.numel() if m.packed is not None else m.rows.numel() * (m.prompt_cols +
-              m.response_cols) for m in trainer._micro_batches(data, rows)]
+              m.response_cols) for m in trainer.updater._micro_batches(data, rows)]
     return len(tokens), sum(tokens), max(tokens)
 
 
@@ -120,20 +120,20 @@ def peak_update(trainer, data) -> int:
     tensors = [t for t in (data.ro.sequences, data.ro.attention_mask, data.mask, data.old_logp, data.ref_logp,
                            data.kl, data.advantages)]
     mt.track_external(trainer.policy, trainer.opt.opt, *tensors)
-    real = trainer._micro_step
+    real = trainer.updater._micro_step
 
     def micro_step(*a, **k):  # MemTracker refuses a second forward of a module without this (the peak is kept)
         mt.reset_mod_stats()
         return real(*a, **k)
 
-    trainer._micro_step = micro_step
+    trainer.updater._micro_step = micro_step
     try:
         with mt:
             base = sum(d["Total"] for d in mt.get_tracker_snapshot("current").values())
             trainer.update(data, 1)
         return sum(d["Total"] for d in mt.get_tracker_snapshot("peak").values()) - base
     finally:
-        del trainer._micro_step
+        del trainer.updater._micro_step
 
 
 def timed_update(trainer, data, step: int) -> tuple[float, float]:

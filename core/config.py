@@ -151,7 +151,8 @@ class TrainConfig:
     progress: bool = True
     device: str = "auto"  # "auto", "cpu" or "cuda"
     compile: bool = False  # torch.compile each transformer block (full-sequence forwards; decoding stays eager)
-    memory_check: bool = True  # on CUDA, refuse at start-up a run whose projected peak (core.budget) exceeds the GPU
+    # on CUDA, refuse at start-up a run whose projected peak (core.runtime.budget) exceeds the GPU
+    memory_check: bool = True
 
 
 def _writable_dir(key: str, path: str) -> None:

@@ -38,7 +38,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # statistics in fp32 or wider (fp64 stays fp64: a float64 check of gradients summed over rows that
-        # share activations, rl/shared_layout.py, would otherwise see fp32 rounding of each backward)
+        # share activations, rl/update/shared_layout.py, would otherwise see fp32 rounding of each backward)
         xf = x.to(torch.promote_types(x.dtype, torch.float32))
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(x.dtype)

@@ -24,11 +24,11 @@ import torch.distributed as dist
 
 from core.ckpt import CheckpointError, load_model_weights, save_model_weights
 from core.config import ConfigError, SFTConfig, check_train, load_config
-from core.lifecycle import PREEMPTED_EXIT, Preempted, RankMismatchError, StopRequest, exit_process, shutdown
-from core.metrics import PhaseTimer, ProgressBar, Throughput, peak_memory, reset_peak_memory
 from core.model import build_model
 from core.optim import OptimConfigError, build_optimizer, check_optim_config
-from core.run import Run, start_run
+from core.runtime.lifecycle import PREEMPTED_EXIT, Preempted, RankMismatchError, StopRequest, exit_process, shutdown
+from core.runtime.metrics import PhaseTimer, ProgressBar, Throughput, peak_memory, reset_peak_memory
+from core.runtime.run import Run, start_run
 from core.sft_data import DataError, SequenceLoader, tokenize_text_file
 from core.tokenizer import TokenizerError, load_tokenizer
 from parallel.comm import all_reduce

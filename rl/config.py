@@ -5,11 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from core.config import ModelConfig, OptimConfig, ParallelConfig, TrainConfig
-from rl.controller import MAX_N_OVER_HORIZON, KLControllerConfig
-from rl.kl import KLConfig
-from rl.losses import PolicyLossConfig
-from rl.prompts import PromptDataConfig
-from rl.rewards import RewardConfig
+from rl.experience.prompts import PromptDataConfig
+from rl.experience.rewards import RewardConfig
+from rl.objectives.controller import MAX_N_OVER_HORIZON, KLControllerConfig
+from rl.objectives.kl import KLConfig
+from rl.objectives.losses import PolicyLossConfig
 
 
 @dataclass
@@ -59,21 +59,21 @@ class AlgoConfig:
     epochs: int = 1  # passes over each step's rollouts
     mini_batches: int = 1  # optimizer steps per epoch; each mini-batch is split over DP
     micro_batch_size: int = 0  # rows per forward on one rank (gradient accumulation); 0: whole mini-batch
-    # >0: micro-batches by tokens instead (rl/micro_batches.py): rows sorted by length, grouped while
+    # >0: micro-batches by tokens instead (rl/update/micro_batches.py): rows sorted by length, grouped while
     # rows x (longest prompt + longest response) <= this, each trimmed to its longest row; with share_prompts
-    # prompt groups laid out [R, W] with R x W <= this (rl/shared_layout.py)
+    # prompt groups laid out [R, W] with R x W <= this (rl/update/shared_layout.py)
     micro_batch_tokens: int = 0
     pack_sequences: bool = False  # with micro_batch_tokens: rows concatenated, <= that many tokens per sequence
-    # each distinct prompt once, its responses after it, in the ref/old passes and the update (rl/shared_layout.py),
-    # with row or token-budget micro-batches; None (default): on for GRPO (1.3x faster step at 58M) unless
-    # pack_sequences, off for PPO
+    # each distinct prompt once, its responses after it, in the ref/old passes and the update
+    # (rl/update/shared_layout.py), with row or token-budget micro-batches; None (default): on for GRPO
+    # (1.3x faster step at 58M) unless pack_sequences, off for PPO
     share_prompts: bool | None = None
     group_mini_batches: bool = False  # mini-batches of whole prompt groups (global prompt id mod mini_batches)
     adv_std_norm: bool = True  # GRPO: divide by the group's std
     gamma: float = 1.0  # PPO GAE
     lam: float = 0.95
     whiten_advantages: bool = True  # PPO
-    early_stop_kl: float | None = None  # stop the update epochs once approx KL(old||new) exceeds this
+    early_stop_kl: float | None = None  # stop the update epochs once approx KL(old||new) per token exceeds this
     # tokens per chunk of the fused head; null or "auto": chunk x Vp/tp <= 2^25 elements and, above 2^21,
     # chunk <= H/16 (bf16 head; H/8 fp32), in [128, T] (parallel/vocab_stats.py's auto_chunk_size)
     kl_chunk_size: int | str | None = "auto"
@@ -144,7 +144,7 @@ class ReferenceConfig:
 
 @dataclass
 class MonitorConfig:
-    """The `monitor` section: where metrics go beside metrics.jsonl (rank 0; core/monitor.py)."""
+    """The `monitor` section: where metrics go beside metrics.jsonl (rank 0; core/runtime/monitor.py)."""
 
     tensorboard: bool = False  # TensorBoard event files in {train.out_dir}/tensorboard (extra `tensorboard`)
     wandb: str | bool = "off"  # "off" | "offline": a Weights & Biases offline run in {train.out_dir}/wandb
@@ -159,10 +159,35 @@ class MonitorConfig:
             raise ValueError(f"monitor.corr_window must be >= 3, got {self.corr_window}")
 
 
+MAX_GUARD_PER_TOKEN = 10.0  # a mean KL of 10 nats per token is no healthy run's: larger is a per-sequence value
+
+
 @dataclass
 class GuardConfig:
-    kl_warn: float = 20.0  # mean per-token KL above this: warning
-    kl_stop: float = 50.0  # mean per-token KL above this: stop the run (after saving)
+    """The step's mean KL per response token (nats, the logged `kl_mean`) against two limits; null: off.
+    A healthy run's is 0.01-0.4 over 20-step windows (grpo_tiny: 0.09 -> 0.37, single steps up to 0.78), and
+    tools.diagnose calls a median of 1 `kl_high`; a single step above 2 is far out, above 5 broken."""
+
+    kl_warn_per_token: float | None = 2.0  # above this: a warning on rank 0
+    kl_stop_per_token: float | None = 5.0  # above this: stop the run (after saving)
+    kl_warn: float | None = None  # renamed kl_warn_per_token: refused with the new name
+    kl_stop: float | None = None  # renamed kl_stop_per_token: refused with the new name
+
+    def __post_init__(self):
+        for old in ("kl_warn", "kl_stop"):
+            if getattr(self, old) is not None:
+                raise ValueError(f"guard.{old} is now guard.{old}_per_token (the mean KL per response token, nats; "
+                                 f"default {getattr(GuardConfig, old + '_per_token')}): its old default 20 / 50 "
+                                 f"is a per-sequence magnitude, 50-200x a healthy run's per-token KL")
+        for k in ("kl_warn_per_token", "kl_stop_per_token"):
+            v = getattr(self, k)
+            if v is not None and not 0 < v <= MAX_GUARD_PER_TOKEN:
+                raise ValueError(f"guard.{k}={v:g} must be in (0, {MAX_GUARD_PER_TOKEN:g}] nats per response token "
+                                 f"(null: off); a larger value is a per-sequence KL (a sum over the response)")
+        if None not in (self.kl_warn_per_token, self.kl_stop_per_token) and \
+                self.kl_warn_per_token > self.kl_stop_per_token:
+            raise ValueError(f"guard.kl_warn_per_token={self.kl_warn_per_token:g} is above guard.kl_stop_per_token="
+                             f"{self.kl_stop_per_token:g}")
 
 
 @dataclass
@@ -212,6 +237,10 @@ class RLConfig:
         n = self.rollout.prompts_per_step * self.rollout.group_size  # samples per step: the controller's clock
         self._resolve_algo_defaults()
         if self.kl_ctl.horizon_steps is not None:  # a horizon in steps, converted to Ziegler's samples
+            if "horizon" in self.kl_ctl.user_keys and self.kl_ctl.horizon != self.kl_ctl.horizon_steps * n:
+                raise ValueError(f"kl_ctl.horizon={self.kl_ctl.horizon} (samples) and kl_ctl.horizon_steps="
+                                 f"{self.kl_ctl.horizon_steps} (x {n} samples per step) are both set and disagree: "
+                                 f"set one of them")
             self.kl_ctl.horizon = self.kl_ctl.horizon_steps * n
         if self.kl_ctl.mode == "adaptive" and not n / self.kl_ctl.horizon < MAX_N_OVER_HORIZON:
             raise ValueError(f"kl_ctl.horizon={self.kl_ctl.horizon} is in samples and a step has "
@@ -221,10 +250,14 @@ class RLConfig:
 
     def _resolve_algo_defaults(self):
         """kl.where='auto' (the default): PPO puts the KL in the reward per token (Ziegler et al., InstructGPT,
-        TRL's PPOTrainer), GRPO in the loss (DeepSeekMath) with the default estimator k3+."""
+        TRL's PPOTrainer) with the estimator k1, GRPO in the loss (DeepSeekMath) with k3+
+        (rl/objectives/kl_place.py)."""
         if getattr(self.kl, "where_auto", False):
-            self.kl.where = "reward" if self.algo.name == "ppo" else "loss"
+            self.kl.place("reward" if self.algo.name == "ppo" else "loss")
         if self.kl_ctl.mode == "grad_ratio" and (self.kl.where != "loss" or self.kl.exact):
             raise ValueError(f"kl_ctl.mode='grad_ratio' balances the KL term of the loss against the policy "
                              f"gradient: it needs kl.where='loss' and a sampled estimator (kl.exact=false), got "
                              f"kl.where={self.kl.where!r}, kl.exact={self.kl.exact}")
+        if self.kl_ctl.mode == "grad_ratio" and self.kl.gradient == "sequence":
+            raise ValueError("kl_ctl.mode='grad_ratio' weighs the KL loss term's gradient alone: it does not see "
+                             "kl.gradient='sequence''s future-KL part of the advantages; use kl.gradient='token'")

@@ -5,7 +5,7 @@ it is absent), the frozen reference (default: the same checkpoint), the critic f
 `train.steps` RL steps, writing `metrics.jsonl` and checkpoints to `train.out_dir` and resuming from
 its latest checkpoint when `train.resume`. The tokenizer is `tokenizer`, else the start checkpoint's
 own (a converted HF checkpoint carries its files), else the shipped one. Prompts come from `data`
-(rl.prompts: read and tokenized once, in PromptSampler's order, whose state the checkpoints carry)
+(rl.experience.prompts: read and tokenized once, in PromptSampler's order, whose state the checkpoints carry)
 or from `reward.task`. A finished run writes `{out_dir}/model`: the policy's weights plus the
 tokenizer files, ready for `python -m tools.convert_hf export`.
 """
@@ -22,23 +22,31 @@ import torch.distributed as dist
 import yaml
 
 import core.ckpt as ckpt
-from core.budget import projected_peak_bytes
 from core.ckpt import raise_on_all_ranks, world_group
 from core.config import ConfigError, ModelConfig, check_train, from_dict, load_config, to_dict
-from core.lifecycle import PREEMPTED_EXIT, RankStalled, StopRequest, Watchdog, exit_process, is_comm_failure, shutdown
-from core.metrics import ProgressBar
 from core.model import Transformer
 from core.optim import build_optimizer
-from core.run import Run, check_not_stopped, record_stop, saving, start_run
+from core.runtime.budget import projected_peak_bytes
+from core.runtime.lifecycle import (
+    PREEMPTED_EXIT,
+    RankStalled,
+    StopRequest,
+    Watchdog,
+    exit_process,
+    is_comm_failure,
+    shutdown,
+)
+from core.runtime.metrics import ProgressBar
+from core.runtime.run import Run, check_not_stopped, record_stop, saving, start_run
 from core.tokenizer import TOKENIZER_FILES, load_tokenizer
 from parallel.dims import ParallelDims, launch_world_size, resolve_device
 from parallel.fsdp import FSDPOptions, freeze, parallelize
 from rl.config import RLConfig
-from rl.critic import Critic
-from rl.guards import CollapseGuard, Preempted
-from rl.prompts import PromptSampler, data_hashes, load_prompt_data
-from rl.rewards import build_reward
-from rl.rollout import DataPrompts, TaskPrompts
+from rl.experience.prompts import PromptSampler, data_hashes, load_prompt_data
+from rl.experience.rewards import build_reward
+from rl.experience.rollout import DataPrompts, TaskPrompts
+from rl.health.guards import CollapseGuard, Preempted
+from rl.models.critic import Critic
 from rl.trainer import RLTrainer
 from rl.warmstart import ensure_start_checkpoint
 
@@ -138,7 +146,7 @@ def assemble(cfg: RLConfig, state, model_cfg, tokenizer, policy, ref, critic=Non
 
 
 def memory_plan(cfg: RLConfig, model_cfg: ModelConfig, world_size: int, device: torch.device) -> dict:
-    """core.budget's projected peak bytes per rank of one step of this exact config, model and layout."""
+    """core.runtime.budget's projected peak bytes per rank of one step of this exact config, model and layout."""
     return projected_peak_bytes(replace(cfg, model=model_cfg), world_size, device.type)
 
 
@@ -225,7 +233,7 @@ def _sampler(trainer: RLTrainer):
 def _extra_state(trainer: RLTrainer) -> dict:
     extra = {"kl_controller": trainer.controller.state_dict(), "ref_sync": trainer.ref_sync.state_dict(),
              "reward_norm": trainer.reward_norm.state_dict(), "entropy_ctl": trainer.ent_ctl.state_dict(),
-             "reward_kl_window": trainer.reward_kl.state_dict()}
+             "reward_kl_window": trainer.recorder.reward_kl.state_dict()}
     if _sampler(trainer) is not None:
         extra["prompt_sampler"] = _sampler(trainer).state_dict()
     return extra
@@ -242,7 +250,7 @@ def _resume(trainer: RLTrainer, run: Run) -> int:
     if "entropy_ctl" in extra:  # checkpoints written before the entropy target existed have none
         trainer.ent_ctl.load_state_dict(extra["entropy_ctl"])
     if "reward_kl_window" in extra:  # reward_kl_corr's window (absent in older checkpoints)
-        trainer.reward_kl.load_state_dict(extra["reward_kl_window"])
+        trainer.recorder.reward_kl.load_state_dict(extra["reward_kl_window"])
     if _sampler(trainer) is not None or "prompt_sampler" in extra:
         if _sampler(trainer) is None or "prompt_sampler" not in extra:
             raise ConfigError(f"resume: the checkpoint under {run.ckpt_root} was "
@@ -269,13 +277,13 @@ def save_final_model(trainer: RLTrainer, run: Run, tokenizer, step: int) -> str:
 
 
 def _report(rec: dict, step: int, cfg: RLConfig, is_main: bool) -> str | None:
-    """Warn on stderr above guard.kl_warn; the stop message when guard.kl_stop was passed."""
+    """Warn on stderr above guard.kl_warn_per_token; the stop message when guard.kl_stop_per_token was passed."""
     if rec["kl_warning"] and is_main:
-        print(f"kltron: step {step}: mean KL {rec['kl_mean']:.3f} is above guard.kl_warn="
-              f"{cfg.guard.kl_warn}", file=sys.stderr)
+        print(f"kltron: step {step}: mean KL {rec['kl_mean']:.3f} nats per token is above guard.kl_warn_per_token="
+              f"{cfg.guard.kl_warn_per_token}", file=sys.stderr)
     if rec.get("kl_stop"):
-        return (f"kltron: step {step}: mean KL {rec['kl_mean']:.3f} passed guard.kl_stop={cfg.guard.kl_stop}; "
-                "stopping after this checkpoint (see python -m tools.diagnose)")
+        return (f"kltron: step {step}: mean KL {rec['kl_mean']:.3f} nats per token passed guard.kl_stop_per_token="
+                f"{cfg.guard.kl_stop_per_token}; stopping after this checkpoint (see python -m tools.diagnose)")
     return None
 
 

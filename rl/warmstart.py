@@ -14,8 +14,8 @@ import core.ckpt as ckpt
 from core.config import ConfigError, DataConfig, SFTConfig, TrainConfig
 from core.sft import train as sft_train
 from rl.config import RLConfig
-from rl.rewards import build_reward
-from rl.tasks import sft_text
+from rl.experience.rewards import build_reward
+from rl.experience.tasks import sft_text
 
 DATA_WAIT_S = 120.0  # how long ranks > 0 wait for rank 0's task corpus (no process group exists yet)
 

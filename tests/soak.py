@@ -1,4 +1,4 @@
-"""Soak (issue 12), not part of the test run: `python -m tests.soak [--steps 300] [--nproc 1] [--out DIR]`.
+"""Soak, not part of the test run: `python -m tests.soak [--steps 300] [--nproc 1] [--out DIR]`.
 
 Runs the tiny GRPO job (configs/grpo_tiny.yaml, its start checkpoint built or reused under
 `--sft-dir`) for `--steps` steps, stopped at half way (train.stop_after, a job time limit) and

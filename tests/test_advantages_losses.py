@@ -6,9 +6,9 @@ import statistics
 import pytest
 import torch
 
-from rl.advantages import broadcast_to_tokens, gae, grpo_advantages, kl_shaped_rewards, whiten
-from rl.kl import KLConfig, kl_estimate
-from rl.losses import (
+from rl.objectives.advantages import broadcast_to_tokens, gae, grpo_advantages, kl_shaped_rewards, whiten
+from rl.objectives.kl import KLConfig, kl_estimate
+from rl.objectives.losses import (
     AGG_MODES,
     LossScale,
     PolicyLossConfig,
@@ -275,10 +275,11 @@ def test_policy_loss_combines_terms():
     kl_exact = torch.rand(2, 5, dtype=D, requires_grad=True)
     loss_e, _ = policy_loss(logp, old, adv, m, kl_cfg=KLConfig(exact=True), beta=0.5, kl=kl_exact)
     torch.testing.assert_close(loss_e, aggregate(pg, m) + 0.5 * aggregate(kl_exact, m))
-    # exact KL in the reward, none passed: nothing to add or report, no error
-    _, st_x = policy_loss(logp, old, adv, m, kl_cfg=KLConfig(exact=True, where="reward"), beta=0.5,
-                          ref_logp=ref)
-    assert "kl_loss" not in st_x
+    # exact KL in the reward: its current-token (pathwise) part enters the loss (kl_place.py); it needs the KL
+    loss_x, _ = policy_loss(logp, old, adv, m, kl_cfg=KLConfig(exact=True, where="reward"), beta=0.5, kl=kl_exact)
+    torch.testing.assert_close(loss_x, aggregate(pg, m) + 0.5 * aggregate(kl_exact, m))
+    with pytest.raises(ValueError, match="kl.where='reward' needs the per-token `kl`.*exact"):
+        policy_loss(logp, old, adv, m, kl_cfg=KLConfig(exact=True, where="reward"), beta=0.5, ref_logp=ref)
     with pytest.raises(ValueError, match="exact KL"):
         policy_loss(logp, old, adv, m, kl_cfg=KLConfig(exact=True), beta=0.5, ref_logp=ref)
     with pytest.raises(ValueError, match="ref_logp"):
@@ -343,8 +344,8 @@ def test_dp_two_ranks_gradient_equals_full_batch(dist_pools, mode):
 
 @pytest.mark.parametrize("mode", AGG_MODES)
 def test_token_weights_and_token_loss_match_aggregate(mode):
-    from rl.kl import KLConfig
-    from rl.losses import token_policy_loss, token_weights
+    from rl.objectives.kl import KLConfig
+    from rl.objectives.losses import token_policy_loss, token_weights
 
     lp, old, adv, m = _loss_batch()
     ref = lp - 0.2

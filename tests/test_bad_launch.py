@@ -23,7 +23,7 @@ BAD = {
     "wrong_type": (["train.steps=abc"], "train.steps: expected an integer, got 'abc'"),
     "seq_longer_than_model": (["data.seq_len=512"], "data.seq_len=512 exceeds model.max_seq_len=128"),
     "too_little_data": (["data.micro_batch_size=4096"], "fewer than one global batch"),
-    # issue 12: values that slipped through to a raw error, or to a run that silently did nothing
+    # values that once slipped through to a raw error, or to a run that silently did nothing
     "tp_zero": (["parallel.tp=0"], "parallel.tp must be a positive integer, got 0"),
     "tp_negative": (["parallel.tp=-1"], "parallel.tp must be a positive integer, got -1"),
     "tp_too_big": (["parallel.tp=4", "parallel.dp=1"], "parallel.tp=4 is larger than the world size 2"),

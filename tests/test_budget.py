@@ -1,11 +1,11 @@
-"""core/budget.py against MemTracker: the budget's parts add up to the measured peak of the policy's
+"""core/runtime/budget.py against MemTracker: the budget's parts add up to the measured peak of the policy's
 update pass and the reference's pass of a tiny GRPO step (bench/bench_rl_step.py) within 15%."""
 
 import pytest
 
 from bench import bench_rl_step as bench
-from core.budget import Batch, Layout, param_counts, rollout_fields, step_budget
 from core.config import ModelConfig
+from core.runtime.budget import Batch, Layout, param_counts, rollout_fields, step_budget
 
 SHAPES = {  # one where the parameters dominate, one where the activations do
     "params": bench.BenchConfig(ModelConfig(vocab_size=2048, hidden_size=16, n_layers=1, n_heads=2, n_kv_heads=1,
@@ -69,9 +69,9 @@ def test_param_counts_match_the_built_model():
 
 
 def test_projected_peak_bytes_for_an_rl_config():
-    from core.budget import projected_peak_bytes
     from core.config import load_config
     from core.model import build_model
+    from core.runtime.budget import projected_peak_bytes
     from rl.config import RLConfig
     from tests.dist import REPO
 

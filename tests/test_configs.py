@@ -1,5 +1,5 @@
 """Every shipped config in configs/ parses with load_config (RL configs: grpo_* / ppo_*; the rest
-are SFT), and the RL configs' rewards build (short names resolve to rl.math_reward's functions)."""
+are SFT), and the RL configs' rewards build (short names resolve to rl.experience.math_reward's functions)."""
 
 import glob
 import os
@@ -8,8 +8,8 @@ import pytest
 
 from core.config import SFTConfig, load_config
 from rl.config import RLConfig
-from rl.math_reward import format_reward, math_reward
-from rl.rewards import build_reward
+from rl.experience.math_reward import format_reward, math_reward
+from rl.experience.rewards import build_reward
 from tests.dist import REPO
 
 CONFIGS = sorted(glob.glob(os.path.join(REPO, "configs", "*.yaml")))

@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from rl.controller import KLController, KLControllerConfig
+from rl.objectives.controller import KLController, KLControllerConfig
 
 
 def test_fixed_keeps_beta():
@@ -16,11 +16,11 @@ def test_fixed_keeps_beta():
 
 
 def test_adaptive_ziegler_by_hand():
-    c = KLController(KLControllerConfig(mode="adaptive", beta=0.1, target=6.0, horizon=10000))
-    # kl=9: error = clip(9/6 - 1, -.2, .2) = 0.2; beta = 0.1 * (1 + 0.2 * 256 / 10000)
-    assert c.update(9.0, n_samples=256) == pytest.approx(0.1 * 1.00512, rel=1e-15)
-    # kl=6.6: error = 0.1; beta *= 1 + 0.1 * 100 / 10000
-    assert c.update(6.6, n_samples=100) == pytest.approx(0.1 * 1.00512 * 1.001, rel=1e-15)
+    c = KLController(KLControllerConfig(mode="adaptive", beta=0.1, target=0.6, horizon=10000))
+    # kl=0.9: error = clip(0.9/0.6 - 1, -.2, .2) = 0.2; beta = 0.1 * (1 + 0.2 * 256 / 10000)
+    assert c.update(0.9, n_samples=256) == pytest.approx(0.1 * 1.00512, rel=1e-15)
+    # kl=0.66: error = 0.1; beta *= 1 + 0.1 * 100 / 10000
+    assert c.update(0.66, n_samples=100) == pytest.approx(0.1 * 1.00512 * 1.001, rel=1e-12)
     # kl=0: error = -0.2 (clipped from -1); beta *= 1 - 0.2 * 1e4 / 1e4 = 0.8
     assert c.update(0.0, n_samples=10000) == pytest.approx(0.1 * 1.00512 * 1.001 * 0.8, rel=1e-15)
 

@@ -1,12 +1,12 @@
-"""`rl.train --dry-run` and the start-up memory check (core.budget's projection where users meet it)."""
+"""`rl.train --dry-run` and the start-up memory check (core.runtime.budget's projection where users meet it)."""
 
 import os
 
 import pytest
 import torch
 
-from core.budget import projected_peak_bytes
 from core.config import ConfigError, ModelConfig, load_config
+from core.runtime.budget import projected_peak_bytes
 from rl import train as rl_train
 from rl.config import RLConfig
 from tests.dist import REPO

@@ -65,7 +65,7 @@ def _torchrun(args: list[str], timeout: int = 240) -> str:
 def _kltron_greedy(model_dir: str, prompts: list[list[int]], max_new: int, vocab_limit):
     from core.ckpt import load_model_weights, read_manifest
     from core.config import ModelConfig, from_dict
-    from core.generate import generate
+    from core.generation.generate import generate
     from core.model import build_model
 
     cfg = from_dict(ModelConfig, read_manifest(model_dir)["model_config"])

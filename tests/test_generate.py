@@ -4,7 +4,7 @@ follow, and the same tokens for every TP and DP layout."""
 import torch
 
 from core.config import ModelConfig
-from core.generate import generate, sample_from_sharded_logits
+from core.generation.generate import generate, sample_from_sharded_logits
 from core.model import KVCache, build_model
 
 CFG = dict(vocab_size=131, hidden_size=32, n_layers=2, n_heads=4, n_kv_heads=2, intermediate_size=64,

@@ -156,7 +156,7 @@ def test_projection_extrapolated_in_tokens_equals_the_direct_one(tp):
 
 
 def test_default_chunk_is_auto_and_meets_the_10x_target_at_llama_scale(tmp_path):
-    """Issue 13's target at T=8192, H=4096, V=128256 bf16, tp 1, at the default chunk: the fused exact
+    """The memory target at T=8192, H=4096, V=128256 bf16, tp 1, at the default chunk: the fused exact
     KL peaks >= 10x below gathering the logits. The chunk reported is the fused heads' rule."""
     rows = kl_memory.main(["--model", "llama3-8b", "--tokens", "8k", "--dtype", "bf16", "--project", "--json",
                            str(tmp_path / "p.json"), "--methods", "gather,fused_exact,fused_exact_loss"])
@@ -172,7 +172,7 @@ def test_default_chunk_is_auto_and_meets_the_10x_target_at_llama_scale(tmp_path)
 @pytest.mark.slow
 @pytest.mark.parametrize("tp", [2, 8])
 def test_exact_kl_within_1p1x_the_memory_of_k3_at_llama_scale_tp(tp):
-    """Issue 13's target at tp > 1: projected at T=8192, H=4096, V=128256 bf16 (Llama-3-8B's head),
+    """The memory target at tp > 1: projected at T=8192, H=4096, V=128256 bf16 (Llama-3-8B's head),
     forward+backward at the default chunk, the fused exact KL with the loss inside peaks at most
     1.1x the fused sampled-k3 path with the loss inside. The exact path holds one [chunk, Vp/tp]
     fp32 temporary more (the reference's logits); with the chunk bounded by elements only (2048
@@ -240,7 +240,7 @@ def _children(pid):
 
 @pytest.mark.slow
 def test_killed_rank_is_named_and_the_tool_exits(tmp_path):
-    """issue 12 defect 3: kill -9 one rank of --tp 2; the tool must exit non-zero within its timeout,
+    """kill -9 one rank of --tp 2; the tool must exit non-zero within its timeout,
     naming that rank (the old code waited on the result queue forever)."""
     cmd = [sys.executable, "-m", "tools.kl_memory", "--tokens", "4096", "--hidden", "64", "--vocab", "4000",
            "--tp", "2", "--json", str(tmp_path / "x.json"), "--methods", "fused_exact", "--repeats", "500",

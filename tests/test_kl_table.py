@@ -3,11 +3,13 @@ estimator x place (loss / reward) x importance weight, what its expected gradien
 (samples from pi) and off-policy (samples from pi_old != pi). Closed forms in float64:
 grad KL(pi||ref) = p * (log(p/q) - KL), grad KL(ref||pi) = p - q (w.r.t. the logits of pi)."""
 
+import re
+
 import pytest
 import torch
 
-from rl.kl import KLConfig, kl_estimate, kl_loss_term, loss_gradient
-from rl.losses import clipped_surrogate
+from rl.objectives.kl import KLConfig, kl_estimate, kl_loss_term, loss_gradient
+from rl.objectives.losses import clipped_surrogate
 
 K = 6
 D = torch.float64
@@ -39,11 +41,11 @@ def _loss_grad(cfg, theta, ref_logp, old_logp):
     return grad
 
 
-def _reward_grad(cfg, theta, ref_logp, old_logp):
+def _reward_grad(estimator, theta, ref_logp, old_logp):
     """KL in the reward: computed once at rollout (from pi_old, detached), it enters the advantage
     -k; the clipped surrogate (never clipping here) carries it: E_old[grad -A * pi/pi_old]."""
     logp = torch.log_softmax(theta, 0)
-    k_old = kl_estimate(old_logp[None], ref_logp[None], cfg.estimator, direction=cfg.direction)[0].detach()
+    k_old = kl_estimate(old_logp[None], ref_logp[None], estimator)[0].detach()
     pg, _ = clipped_surrogate(logp[None], old_logp[None], -k_old[None], torch.ones(1, K, dtype=torch.bool),
                               clip_low=0.99, clip_high=100.0)
     (grad,) = torch.autograd.grad((old_logp.exp() * pg[0]).sum(), theta)
@@ -93,17 +95,22 @@ def test_biased_live_weight_is_refused(row):
         KLConfig(estimator=est, direction=direction, is_weight=w)
 
 
-# place = reward: on-policy, k1 (and k1+, same value) gives exactly grad KL(pi||ref); k3 (k3+) gives
-# grad KL(pi||ref) - grad KL(ref||pi); off-policy the penalty is stale: k1 gives grad KL(pi||ref) -
-# grad KL(pi||pi_old). No importance weight applies (the surrogate's ratio already reweights).
+# place = reward (one token; tests/test_kl_sequence.py for whole responses): on-policy, k1 (and k1+,
+# same value) gives exactly grad KL(pi||ref); k3 (k3+) would give grad KL(pi||ref) - grad KL(ref||pi)
+# and k2 no KL's gradient, so KLConfig refuses them there; off-policy the penalty is stale: k1 gives
+# grad KL(pi||ref) - grad KL(pi||pi_old). No importance weight applies (the surrogate's ratio reweights).
 @pytest.mark.parametrize("est", ["k1", "k1+", "k3", "k3+", "k2"])
 @pytest.mark.parametrize("seed", [0, 1])
 def test_reward_table_by_enumeration(est, seed):
-    cfg = KLConfig(estimator=est, where="reward")
+    if est in ("k1", "k1+"):
+        assert KLConfig(estimator=est, where="reward").estimator == est
+    else:
+        with pytest.raises(ValueError, match=re.escape(f"kl.estimator='{est}' with kl.where='reward'") + ".*use kl"):
+            KLConfig(estimator=est, where="reward")
     theta, old_logp, ref_logp = _setup(seed)
     tg = _targets(theta, ref_logp, old_logp)
-    on = _reward_grad(cfg, theta, ref_logp, torch.log_softmax(theta.detach(), 0))
-    off = _reward_grad(cfg, theta, ref_logp, old_logp)
+    on = _reward_grad(est, theta, ref_logp, torch.log_softmax(theta.detach(), 0))
+    off = _reward_grad(est, theta, ref_logp, old_logp)
     if est in ("k1", "k1+"):
         torch.testing.assert_close(on, tg[F], atol=1e-12, rtol=1e-10)
         torch.testing.assert_close(off, tg[F] - tg["grad KL(pi||pi_old)"], atol=1e-12, rtol=1e-10)
@@ -123,13 +130,13 @@ def test_default_loss_estimator_follows_kl_pi_ref():
 
 
 def test_plain_k3_in_the_loss_is_logged_once(caplog):
-    from rl import kl as klmod
+    from rl.objectives import kl as klmod
 
     klmod._LOGGED.clear()
-    with caplog.at_level("WARNING", logger="rl.kl"):
+    with caplog.at_level("WARNING", logger="rl.objectives.kl"):
         KLConfig(estimator="k3", where="loss")
         KLConfig(estimator="k3", where="loss")
-        KLConfig(estimator="k3", where="reward")
+        KLConfig(estimator="k3", where="auto")  # the place is not known yet: nothing logged
         KLConfig(estimator="k3+", where="loss")
     msgs = [r.getMessage() for r in caplog.records]
     assert len(msgs) == 1 and "grad KL(ref||pi)" in msgs[0] and "kl.estimator='k3'" in msgs[0], msgs

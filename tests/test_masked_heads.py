@@ -1,4 +1,4 @@
-"""Masked tokens reach no value and no gradient (issue 9, item 1): garbage planted at padded
+"""Masked tokens reach no value and no gradient: garbage planted at padded
 positions (NaN hidden rows, out-of-range target ids, NaN / -inf reference log-probs, a log-ratio
 of -100 under k3) leaves every gradient finite and equal to the one computed with those tokens
 removed from the batch -- in the fused head, the fused loss and the vocab-parallel functions."""

@@ -1,15 +1,15 @@
-"""rl.math_reward on a hand-written table of GSM8K / MATH style responses and references (the expected
-verdicts are written by hand), with and without math-verify; the plug-in path of rl.rewards."""
+"""rl.experience.math_reward on a hand-written table of GSM8K / MATH style responses and references (the expected
+verdicts are written by hand), with and without math-verify; the plug-in path of rl.experience.rewards."""
 
 from __future__ import annotations
 
 import pytest
 
-import rl.math_reward as mr
+import rl.experience.math_reward as mr
 from core.tokenizer import DATA_DIR
-from rl.math_reward import FormatReward, MathReward, answers_match, extract_answer, math_reward
-from rl.prompts import read_records
-from rl.rewards import CombinedReward, load_reward_fn, score_responses
+from rl.experience.math_reward import FormatReward, MathReward, answers_match, extract_answer, math_reward
+from rl.experience.prompts import read_records
+from rl.experience.rewards import CombinedReward, load_reward_fn, score_responses
 
 GSM_GOLD = ("Natalia sold 48/2 = <<48/2=24>>24 clips in May.\nNatalia sold 48+24 = <<48+24=72>>72 clips "
             "altogether in April and May.\n#### 72")
@@ -136,8 +136,9 @@ def test_shipped_gold_answers_score_one():
 
 
 def test_plugins_combine_through_rl_rewards():
-    fn = CombinedReward(["rl.math_reward:math_reward", "rl.math_reward:gsm8k_format_reward"], "mean")
+    fn = CombinedReward(["rl.experience.math_reward:math_reward", "rl.experience.math_reward:gsm8k_format_reward"],
+                        "mean")
     metas = [{"answer": "#### 6"}, {"answer": "#### 10"}]
     responses = ["#### 6", "it is 6", "\\boxed{10}", "#### 11"]
     assert score_responses(fn, metas, responses, 2).tolist() == [1.0, 0.5, 0.5, 0.5]
-    assert callable(load_reward_fn("rl.math_reward:boxed_format_reward"))
+    assert callable(load_reward_fn("rl.experience.math_reward:boxed_format_reward"))

@@ -11,8 +11,8 @@ import torch
 
 from core.config import ModelConfig
 from core.model import build_model
-from rl.advantages import gae
-from rl.kl import ESTIMATORS, KLConfig, kl_from_config, masked_mean, masked_sum
+from rl.objectives.advantages import gae
+from rl.objectives.kl import ESTIMATORS, KLConfig, kl_from_config, masked_mean, masked_sum
 
 MC = ModelConfig(vocab_size=256, hidden_size=32, n_layers=2, n_heads=4, n_kv_heads=2, intermediate_size=64,
                  max_seq_len=64)

@@ -1,5 +1,5 @@
-"""Micro-batches by token budget and packed sequences (rl/micro_batches.py, core/model.py's
-document_ids, rl/logprobs.py's packed heads).
+"""Micro-batches by token budget and packed sequences (rl/update/micro_batches.py, core/model.py's
+document_ids, rl/update/logprobs.py's packed heads).
 
 References: the planner against hand-counted lengths and budgets; the packed forward against each
 row run alone, unpadded; the token-budget and packed updates against today's padded update (rows
@@ -16,9 +16,9 @@ import torch
 from core.config import ModelConfig, load_config
 from core.model import build_model
 from rl.config import AlgoConfig
-from rl.micro_batches import by_token_budget, group_packed, group_padded, pack_rows, row_lengths, split_to
-from rl.rollout import Rollout
-from rl.shared_layout import shared_by_token_budget
+from rl.experience.rollout import Rollout
+from rl.update.micro_batches import by_token_budget, group_packed, group_padded, pack_rows, row_lengths, split_to
+from rl.update.shared_layout import shared_by_token_budget
 from tests.helpers import model_config
 
 # ---------------------------------------------------------------------------------------------
@@ -167,7 +167,7 @@ def _update(dp: int, overrides: list[str]):
     from parallel.dims import ParallelDims, init_parallel, kv_replica_group
     from parallel.fsdp import full_tensor
     from rl.config import RLConfig
-    from rl.critic import Critic
+    from rl.models.critic import Critic
     from rl.train import assemble
 
     torch.set_num_threads(1)
@@ -194,7 +194,7 @@ def _update(dp: int, overrides: list[str]):
             return real()
 
         opt.step = step
-    plan = tr._micro_batches
+    plan = tr.updater._micro_batches
 
     def recording(data, rows):
         out = plan(data, rows)
@@ -208,7 +208,7 @@ def _update(dp: int, overrides: list[str]):
         plans.append((local, len(out), sum(m.filler for m in out), max(shared, default=0)))
         return out
 
-    tr._micro_batches = recording
+    tr.updater._micro_batches = recording
     rec = tr.update(data, 0)
     return grads, {k: rec[k] for k in STATS if k in rec}, plans
 

@@ -70,7 +70,7 @@ def test_fused_head_under_bf16_model_returns_fp32_matching_float64():
 
 
 def test_generate_keeps_a_bf16_kv_cache(monkeypatch):
-    from core import generate as gen
+    from core.generation import generate as gen
 
     made = []
     orig = KVCache.empty
@@ -134,7 +134,7 @@ def test_bf16_grpo_steps_with_bf16_reference_close_to_fp32():
 
 @pytest.mark.slow
 def test_compiled_blocks_match_eager_and_decoding_stays_eager():
-    from core.generate import generate
+    from core.generation.generate import generate
 
     torch.manual_seed(2)
     ids = torch.randint(3, 200, (2, 12))

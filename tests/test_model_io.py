@@ -23,7 +23,7 @@ from parallel.comm import all_reduce
 from parallel.dims import ParallelDims, init_parallel, kv_replica_group
 from parallel.fsdp import FSDPOptions, full_tensor, parallelize
 from parallel.vocab import vocab_parallel_cross_entropy
-from rl.critic import Critic
+from rl.models.critic import Critic
 
 CFG = dict(vocab_size=131, hidden_size=32, n_layers=2, n_heads=4, n_kv_heads=2, intermediate_size=64, max_seq_len=16)
 OPTIM = OptimConfig(lr=1e-2, min_lr=1e-3, warmup_steps=1, grad_clip=1.0)

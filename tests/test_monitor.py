@@ -71,7 +71,7 @@ def test_yaml_off_is_the_string_off():
 
 @pytest.mark.slow
 def test_wandb_offline_run_reads_back(tmp_path, wandb_offline):
-    from core.monitor import Monitor
+    from core.runtime.monitor import Monitor
 
     mon = Monitor(str(tmp_path), wandb="offline", config={"kl_ctl": {"beta": 0.02}})
     assert mon.wb is not None

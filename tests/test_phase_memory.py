@@ -1,4 +1,4 @@
-"""Peak memory per phase (core/metrics.PhaseTimer(memory=...)): a phase that holds a known
+"""Peak memory per phase (core/runtime/metrics.PhaseTimer(memory=...)): a phase that holds a known
 allocation reports at least that much more than a phase that holds none, and the step's peak
 covers every phase even though each phase resets the high-water mark."""
 
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from core.metrics import PhaseTimer, peak_memory, reset_peak_memory
+from core.runtime.metrics import PhaseTimer, peak_memory, reset_peak_memory
 
 MB = 2**20
 

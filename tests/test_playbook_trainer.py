@@ -12,7 +12,7 @@ from core.model import build_model
 from core.tokenizer import load_tokenizer
 from parallel.dims import ParallelDims, init_parallel, kv_replica_group
 from rl.config import RLConfig
-from rl.critic import Critic
+from rl.models.critic import Critic
 from rl.train import assemble
 from tools.diagnose import diagnose
 

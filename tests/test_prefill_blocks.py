@@ -1,4 +1,4 @@
-"""Blocked prefill (`rollout.prefill_tokens`, core/generate.py): the prompts run through the model in
+"""Blocked prefill (`rollout.prefill_tokens`, core/generation/generate.py): the prompts run through the model in
 blocks of whole rows, each writing its own slice of the KV cache. Checked against the one-forward
 prefill (float64: the same logits, cache and tokens), across DP ranks that hold different numbers of
 distinct prompts (every rank runs the same number of forwards), and by what it allocates."""
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from core.config import ModelConfig
-from core.generate import _last_position_head, _prefill, generate
+from core.generation.generate import _last_position_head, _prefill, generate
 from core.model import KVCache, build_model
 
 CFG = dict(vocab_size=131, hidden_size=32, n_layers=2, n_heads=4, n_kv_heads=2, intermediate_size=64,

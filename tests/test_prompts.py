@@ -1,4 +1,4 @@
-"""rl.prompts: records, chat rendering and tokenization checked against transformers and hand-built
+"""rl.experience.prompts: records, chat rendering and tokenization checked against transformers and hand-built
 expectations; the global order checked by enumeration over DP layouts; every bad input named."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from core.tokenizer import DATA_DIR, DEFAULT_CORPUS, load_tokenizer
-from rl.prompts import (
+from rl.experience.prompts import (
     PromptDataConfig,
     PromptDataError,
     PromptSampler,

@@ -7,7 +7,7 @@ import torch
 from core.config import ModelConfig
 from core.model import build_model
 from rl.config import ReferenceConfig
-from rl.reference import ReferenceSync, sync_reference
+from rl.models.reference import ReferenceSync, sync_reference
 
 CFG = ModelConfig(vocab_size=131, hidden_size=32, n_layers=2, n_heads=4, n_kv_heads=2, intermediate_size=64)
 

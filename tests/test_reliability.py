@@ -1,4 +1,4 @@
-"""Issue 12's weak spots, in process and on 2 gloo ranks: bad converter configs and kl_eval --out
+"""Reliability weak spots, in process and on 2 gloo ranks: bad converter configs and kl_eval --out
 named before any work, reward plug-ins that raise / return a non-number / overflow named by prompt
 and sample on every rank, metrics truncated to the resumed step, diagnose keeping the last record of
 a step, collapse guards, the stop-request agreement under a real signal, the watchdog naming a
@@ -105,7 +105,7 @@ BAD_REWARDS = {
 
 @pytest.mark.parametrize("case", list(BAD_REWARDS))
 def test_bad_reward_is_named_by_prompt_and_sample(case):
-    from rl.rewards import BoundedReward, score_responses
+    from rl.experience.rewards import BoundedReward, score_responses
 
     fn, message = BAD_REWARDS[case]
     fn = BoundedReward(fn if case != "raises" else (lambda m, r: plugin_raises(m, r) if m["i"] else 0.0), 1e6)
@@ -116,7 +116,7 @@ def test_bad_reward_is_named_by_prompt_and_sample(case):
 
 @pytest.mark.parametrize("spec", ["tests.test_reliability:plugin_none", "tests.test_reliability:plugin_raises"])
 def test_bad_plugin_through_the_config_is_named(spec):
-    from rl.rewards import RewardConfig, build_reward, score_responses
+    from rl.experience.rewards import RewardConfig, build_reward, score_responses
 
     _, fn, _ = build_reward(RewardConfig(task="arithmetic", fns=[spec]))
     with pytest.raises(ValueError, match=r"prompt 0, sample 0: .*plug-in (tests.test_reliability:)?plugin_(none|ra)"):
@@ -124,7 +124,7 @@ def test_bad_plugin_through_the_config_is_named(spec):
 
 
 def test_reward_max_abs_is_configurable():
-    from rl.rewards import RewardConfig, build_reward, score_responses
+    from rl.experience.rewards import RewardConfig, build_reward, score_responses
 
     with pytest.raises(ValueError, match="reward.max_abs"):
         RewardConfig(max_abs=float("inf"))
@@ -135,7 +135,7 @@ def test_reward_max_abs_is_configurable():
 def _one_rank_fails(bad_rank):
     import torch.distributed as dist
 
-    from rl.rollout import raise_everywhere
+    from rl.experience.rollout import raise_everywhere
 
     err = "reward for prompt 3, sample 1 is not a number: None" if dist.get_rank() == bad_rank else None
     try:
@@ -156,7 +156,7 @@ def test_every_rank_names_the_culprit(dist_pools):
 
 
 def test_truncate_metrics_keeps_steps_up_to_the_checkpoint(tmp_path):
-    from core.run import truncate_metrics
+    from core.runtime.run import truncate_metrics
 
     p = tmp_path / "metrics.jsonl"
     lines = [json.dumps({"step": s, "x": s * 1.5}) for s in range(6)]
@@ -189,7 +189,7 @@ def _rec(**kw):
 
 
 def test_collapse_to_uniform_stops_and_blames_the_learning_rate():
-    from rl.guards import collapse_findings
+    from rl.health.guards import collapse_findings
 
     assert collapse_findings(_rec(), 1e-4) == (False, [])
     near_uniform = _rec(entropy=math.log(256) - 1e-3, grad_norm=0.0)
@@ -221,7 +221,7 @@ def test_diagnose_names_a_collapse(tmp_path, capsys):
 def test_a_real_signal_sets_the_stop_request():
     import torch
 
-    from core.lifecycle import StopRequest
+    from core.runtime.lifecycle import StopRequest
 
     req = StopRequest().install()
     try:
@@ -236,7 +236,7 @@ def _agree(signalled_rank):
     import torch
     import torch.distributed as dist
 
-    from core.lifecycle import StopRequest
+    from core.runtime.lifecycle import StopRequest
 
     req = StopRequest()
     if dist.get_rank() == signalled_rank:
@@ -252,7 +252,7 @@ def test_one_signalled_rank_stops_every_rank(dist_pools):
 def _stall():
     import torch.distributed as dist
 
-    from core.lifecycle import Watchdog
+    from core.runtime.lifecycle import Watchdog
 
     # stall 1 s, frozen for 2.5 s: rank 0's own heartbeat thread must not look frozen when a loaded
     # machine delays it (with 0.5 s it did, once, in the fast tier next to other jobs)
@@ -280,7 +280,7 @@ def test_watchdog_names_the_stalled_rank_and_phase(dist_pools):
 def _compare(cfg_by_rank, fake_code):
     import torch.distributed as dist
 
-    import core.lifecycle as lc
+    import core.runtime.lifecycle as lc
 
     r = dist.get_rank()
     if fake_code and r == 1:
@@ -314,7 +314,7 @@ def test_sft_stops_on_a_signal_with_a_checkpoint_and_resumes_bit_for_bit(tmp_pat
     """A real SIGTERM during step 2 of 4: the step ends, its checkpoint is written, Preempted is
     raised; the resumed run's losses equal an uninterrupted run's."""
     from core.config import SFTConfig, load_config
-    from core.lifecycle import Preempted, StopRequest
+    from core.runtime.lifecycle import Preempted, StopRequest
     from core.sft import train
 
     tiny = os.path.join(os.path.dirname(__file__), "..", "configs", "sft_tiny.yaml")

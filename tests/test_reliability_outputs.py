@@ -152,10 +152,10 @@ def test_import_refuses_to_replace_a_checkpoint(tmp_path, capsys):
 def test_a_second_run_in_the_same_folder_is_refused_by_pid_and_host(tmp_path):
     """Two real processes: the second is refused naming the first's pid; once the first is killed
     (SIGKILL: no clean-up ran) its lock does not block the next one."""
-    from core.run import lock_out_dir
+    from core.runtime.run import lock_out_dir
 
     out = str(tmp_path / "run")
-    code = ("import sys, time; from core.run import lock_out_dir; f = lock_out_dir(sys.argv[1]); "
+    code = ("import sys, time; from core.runtime.run import lock_out_dir; f = lock_out_dir(sys.argv[1]); "
             "print('locked', flush=True); time.sleep(120)")
     env = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1")
     holder = subprocess.Popen([sys.executable, "-c", code, out], stdout=subprocess.PIPE, text=True, env=env)
@@ -174,7 +174,7 @@ def test_a_second_run_in_the_same_folder_is_refused_by_pid_and_host(tmp_path):
 
 
 def test_a_replaced_prompt_file_is_refused_by_name(tmp_path):
-    from rl.prompts import PromptDataConfig, PromptDataError, PromptSampler, data_hashes
+    from rl.experience.prompts import PromptDataConfig, PromptDataError, PromptSampler, data_hashes
 
     path = tmp_path / "p.jsonl"
     path.write_text("".join(json.dumps({"prompt": f"{i}+1=", "answer": str(i + 1)}) + "\n" for i in range(8)))
@@ -192,7 +192,7 @@ def test_a_replaced_prompt_file_is_refused_by_name(tmp_path):
 @pytest.mark.parametrize("prompt", ['""', '"   "', '[{"role": "user", "content": ""}]'])
 def test_an_empty_prompt_is_refused_at_load_by_file_and_line(tmp_path, prompt):
     from core.tokenizer import load_tokenizer
-    from rl.prompts import PromptDataConfig, PromptDataError, load_prompt_set
+    from rl.experience.prompts import PromptDataConfig, PromptDataError, load_prompt_set
 
     path = tmp_path / "p.jsonl"
     path.write_text('{"prompt": "1+1=", "answer": "2"}\n' + f'{{"prompt": {prompt}, "answer": "2"}}\n')
@@ -209,7 +209,7 @@ def test_a_changed_config_is_refused_naming_the_keys(tmp_path):
     import yaml
 
     from core.config import load_config, to_dict
-    from core.run import check_config_unchanged
+    from core.runtime.run import check_config_unchanged
     from rl.config import RLConfig
 
     old = load_config(RLConfig, CONFIG, [])
@@ -238,7 +238,7 @@ def test_a_full_disk_names_the_step_and_folder(tmp_path, monkeypatch):
     from core.ckpt import CheckpointError
     from core.config import ModelConfig
     from core.model import Transformer
-    from core.run import Run
+    from core.runtime.run import Run
 
     def full(*a, **k):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))

@@ -1,4 +1,4 @@
-"""Issue 12 with real processes and real signals (torchrun, gloo, 2 ranks; a timeout fails a hang):
+"""Reliability with real processes and real signals (torchrun, gloo, 2 ranks; a timeout fails a hang):
 good runs exit 0 every time, a frozen rank ends the run within parallel.timeout_s naming it,
 SIGTERM / SIGUSR1 save at an agreed step and the resume is bit for bit, a finished run's folder is
 left alone, metrics are not logged twice after a resume, and a collapse names the learning rate."""
@@ -23,7 +23,7 @@ CONFIG = os.path.join(REPO, "configs", "grpo_tiny.yaml")
 SMALL = ["model.hidden_size=32", "model.intermediate_size=64", "init.sft_steps=5", "init.sft_examples=200",
          "rollout.prompts_per_step=4", "rollout.group_size=4", "rollout.max_new_tokens=4", "train.save_every=0",
          "train.progress=false"]
-REPEAT = int(os.environ.get("KLTRON_REPEAT", "3"))  # per layout; issue 12 measured with 30
+REPEAT = int(os.environ.get("KLTRON_REPEAT", "3"))  # per layout; docs/reliability.md's row: 30
 TIMING = ("tokens_per_s", "step_time_s", "time_", "_time", "mem", "peak")
 
 
@@ -58,7 +58,7 @@ def _assert_clean(res, what):
 
 
 def test_good_runs_exit_zero_every_time(sft):
-    """Defect 2: a good dp=2 or tp=2 run never ends with a rank aborting at shutdown."""
+    """A good dp=2 or tp=2 run never ends with a rank aborting at shutdown."""
     base, sft = sft
     for i in range(REPEAT):
         for layout in ("parallel.tp=1", "parallel.tp=2"):

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from rl.rewards import RewardConfig, build_reward, score_responses
+from rl.experience.rewards import RewardConfig, build_reward, score_responses
 from tests.reward_plugins import HANG
 
 
@@ -99,7 +99,7 @@ def test_math_reward_scores_a_tower_of_powers_in_bounded_time():
 
 def test_a_number_past_the_int_conversion_limit_scores():
     """More than sys.get_int_max_str_digits() (4,300) digits: compared as text, not a ValueError."""
-    from rl.math_reward import MathReward
+    from rl.experience.math_reward import MathReward
 
     big = "7" * 5000
     reward = MathReward(use_math_verify=False)

@@ -8,7 +8,7 @@ import statistics
 import pytest
 import torch
 
-from rl.rewards import (
+from rl.experience.rewards import (
     CombinedReward,
     RewardConfig,
     RunningRewardNorm,
@@ -16,7 +16,7 @@ from rl.rewards import (
     load_reward_fn,
     score_responses,
 )
-from rl.tasks import CHARSET, ArithmeticTask, StringTask, make_task, sft_text
+from rl.experience.tasks import CHARSET, ArithmeticTask, StringTask, make_task, sft_text
 
 
 def plugin_length(meta, response):  # a plug-in for the tests: "tests.test_rewards:plugin_length"

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from rl.kl import ESTIMATORS, KLConfig, kl_by_position, kl_estimate, kl_quantiles, masked_mean, masked_sum
+from rl.objectives.kl import ESTIMATORS, KLConfig, kl_by_position, kl_estimate, kl_quantiles, masked_mean, masked_sum
 
 K = 5  # outcomes of the categorical policy
 

@@ -1,4 +1,4 @@
-"""Issue 9 on the RL side: padding (NaN, inf, huge log-ratios) reaches no value or gradient in the
+"""Numerics on the RL side: padding (NaN, inf, huge log-ratios) reaches no value or gradient in the
 KL term, the policy loss, the per-token fused loss, the value loss or GAE; the value_clamp of
 k1+/k3+ bounds their gradient; the adaptive controller's clock; the direction names."""
 
@@ -7,10 +7,17 @@ import math
 import pytest
 import torch
 
-from rl.advantages import gae
-from rl.controller import KLController, KLControllerConfig
-from rl.kl import ESTIMATORS, KLConfig, kl_estimate
-from rl.losses import LossScale, PolicyLossConfig, clipped_value_loss, policy_loss, token_policy_loss, token_weights
+from rl.objectives.advantages import gae
+from rl.objectives.controller import KLController, KLControllerConfig
+from rl.objectives.kl import ESTIMATORS, KLConfig, kl_estimate
+from rl.objectives.losses import (
+    LossScale,
+    PolicyLossConfig,
+    clipped_value_loss,
+    policy_loss,
+    token_policy_loss,
+    token_weights,
+)
 
 D = torch.float64
 GARBAGE = {"nan": math.nan, "-inf": -math.inf, "inf": math.inf, "lr-200": -200.0}

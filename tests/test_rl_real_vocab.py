@@ -7,13 +7,13 @@ import pytest
 import torch
 
 from core.config import ModelConfig, load_config
-from core.generate import generate
+from core.generation.generate import generate
 from core.model import build_model
 from core.tokenizer import load_tokenizer
 from parallel.dims import ParallelDims, init_parallel, kv_replica_group
 from rl.config import RLConfig
-from rl.math_reward import format_reward, math_reward
-from rl.rewards import CombinedReward, RewardConfig, build_reward, load_reward_fn
+from rl.experience.math_reward import format_reward, math_reward
+from rl.experience.rewards import CombinedReward, RewardConfig, build_reward, load_reward_fn
 
 PADDED = 320  # embedding rows; the shipped tokenizer has 256 ids
 MODEL = dict(vocab_size=PADDED, hidden_size=32, n_layers=2, n_heads=4, n_kv_heads=2, intermediate_size=64,
@@ -163,4 +163,4 @@ def test_data_prompts_checked_at_start_and_split_over_dp():
     assert halves[0][0] == 0 and halves[1][0] == 4
     assert halves[0][1] + halves[1][1] == whole[1] and halves[0][2] + halves[1][2] == whole[2]
     texts = [m["prompt"] for m in whole[2]]
-    assert whole[1] == [[tok.bos_id] + tok.encode(t) for t in texts]  # bos once, from rl.prompts
+    assert whole[1] == [[tok.bos_id] + tok.encode(t) for t in texts]  # bos once, from rl.experience.prompts

@@ -102,17 +102,18 @@ def test_two_nodes_on_loopback(sft_dir):
 
 
 def test_kl_stop_guard_saves_and_stops(sft_dir):
-    """Mean KL above guard.kl_stop: the step's checkpoint is written, then the run stops with a
+    """Mean KL per token above guard.kl_stop_per_token: the step's checkpoint is written, then the run stops with a
     message pointing at tools.diagnose (step 0 has KL exactly 0: policy == reference)."""
     from rl.train import main
 
     base, sft = sft_dir
     out = base / "kl_stop"
     with pytest.raises(SystemExit) as exc:
-        main(["--config", CONFIG, *SMALL, f"init.sft_dir={sft}", f"train.out_dir={out}", "guard.kl_stop=1e-9",
-              "guard.kl_warn=1e-10", "reward.use_task_reward=false", "reward.fns=[tests.test_rl_trainer:digit_reward]",
-              "train.steps=6"])
-    assert "guard.kl_stop" in str(exc.value.code) and "tools.diagnose" in str(exc.value.code)
+        main(["--config", CONFIG, *SMALL, f"init.sft_dir={sft}", f"train.out_dir={out}",
+              "guard.kl_stop_per_token=1e-9", "guard.kl_warn_per_token=1e-10", "reward.use_task_reward=false",
+              "reward.fns=[tests.test_rl_trainer:digit_reward]", "train.steps=6"])
+    msg = str(exc.value.code)
+    assert "nats per token passed guard.kl_stop_per_token" in msg and "tools.diagnose" in msg
     rows = _rows(str(out))
     assert [r["step"] for r in rows] == [0, 1] and rows[1]["kl_stop"] and rows[1]["kl_warning"]
     assert os.path.isdir(out / "checkpoints" / "step-00000001")

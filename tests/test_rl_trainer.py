@@ -11,7 +11,7 @@ from core.model import build_model
 from core.tokenizer import load_tokenizer
 from parallel.dims import ParallelDims, init_parallel, kv_replica_group
 from rl.config import RLConfig
-from rl.critic import Critic
+from rl.models.critic import Critic
 
 MODEL = dict(vocab_size=256, hidden_size=32, n_layers=2, n_heads=4, n_kv_heads=2, intermediate_size=64,
              max_seq_len=64)
@@ -151,7 +151,7 @@ def test_early_stop_of_update_epochs():
 
 def test_fused_loss_equals_recomputing_head(singles):
     """The default update (policy loss inside the fused head, gradient formed in forward) takes the
-    same steps as autograd through the recomputing fused head and rl.losses.policy_loss."""
+    same steps as autograd through the recomputing fused head and rl.objectives.losses.policy_loss."""
     for name, ov in (("grpo", GRPO), ("ppo", PPO), ("exact", EXACT)):
         _compare(singles[name], _steps_and_logits(1, 1, ov + ["algo.fused_loss=false"]))
 
@@ -161,7 +161,7 @@ def _with_padding(data, garbage: bool):
     garbage (NaN old log-prob, log(pi/ref) = -200, -inf advantage), or removed altogether."""
     import dataclasses
 
-    from rl.rollout import Rollout
+    from rl.experience.rollout import Rollout
 
     ro = data.ro
     if garbage:
@@ -224,6 +224,7 @@ def test_mini_batch_split_matches_the_per_row_definition():
     """The split by global row id against its definition written out row by row: within each prompt's
     group a permutation keyed by (seed, step, epoch, prompt), global position p to mini-batch p mod n."""
     from parallel.dims import derive_seed
+    from rl.update.mini_batches import mini_batches
 
     trainer, _ = _trainer(1, 1, GRPO + ["algo.mini_batches=4", "rollout.group_size=4"])
     G, n = 4, 4
@@ -234,5 +235,5 @@ def test_mini_batch_split_matches_the_per_row_definition():
             prompt, j = divmod(rid, G)
             g = torch.Generator().manual_seed(derive_seed(trainer.cfg.train.seed, step * 7919 + epoch * 131 + prompt))
             want[(prompt * G + int(torch.randperm(G, generator=g)[j])) % n].append(i)
-        got = trainer._mini_batches(row_ids, step, epoch)
+        got = mini_batches(trainer.cfg, row_ids, step, epoch, "cpu")
         assert [g.tolist() for g in got] == want

@@ -9,8 +9,8 @@ from core.config import ModelConfig
 from core.model import build_model
 from core.tokenizer import load_tokenizer
 from rl.config import RolloutConfig
-from rl.rollout import collect_rollout
-from rl.tasks import make_task
+from rl.experience.rollout import collect_rollout
+from rl.experience.tasks import make_task
 
 MODEL = dict(vocab_size=256, hidden_size=32, n_layers=2, n_heads=4, n_kv_heads=2, intermediate_size=64,
              max_seq_len=64)
@@ -91,7 +91,7 @@ def test_left_pad_matches_a_per_row_loop():
     exactly on the real tokens."""
     import random
 
-    from rl.rollout import left_pad
+    from rl.experience.rollout import left_pad
     rng = random.Random(0)
     for _ in range(50):
         rows = [[rng.randrange(100) for _ in range(rng.randint(1, 9))] for _ in range(rng.randint(1, 7))]

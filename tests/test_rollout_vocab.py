@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from core.tokenizer import load_tokenizer
-from rl.rollout import decode_responses
+from rl.experience.rollout import decode_responses
 
 
 def test_ids_past_the_tokenizer_are_dropped():
@@ -36,7 +36,7 @@ def test_batch_decode_matches_per_row_decode():
 def test_task_prompts_cache_gives_the_tokenizers_ids(monkeypatch):
     """TaskPrompts keeps each prompt text's ids: repeated texts, a batch with duplicates and a batch after the
     cache starts over all get bos + the tokenizer's own encoding, and the backend sees each text once."""
-    from rl.rollout import TaskPrompts
+    from rl.experience.rollout import TaskPrompts
     tok, plain = load_tokenizer(None), load_tokenizer(None)
     seen = []
     real = tok.encode_batch

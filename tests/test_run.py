@@ -1,4 +1,4 @@
-"""The run set-up (core/run.py) and seeding (parallel.dims.derive_seed), single process.
+"""The run set-up (core/runtime/run.py) and seeding (parallel.dims.derive_seed), single process.
 
 derive_seed is checked against the expressions each call site wrote out before it existed
 (seed * 1_000_003 + key, and model init's `% 2**63`), so a default job's seeds are unchanged."""
@@ -13,11 +13,11 @@ import torch
 import yaml
 
 from core.config import ModelConfig, SFTConfig, load_config, to_dict
-from core.run import start_run
+from core.runtime.run import start_run
 from core.sft_data import SequenceLoader
 from parallel.dims import ParallelDims, derive_seed, resolve_device
-from rl.rollout import step_prompts
-from rl.tasks import make_task
+from rl.experience.rollout import step_prompts
+from rl.experience.tasks import make_task
 
 SEEDS = [0, 1, 7, 1234, 2**31 - 1, 10**12]
 

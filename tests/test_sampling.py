@@ -5,7 +5,7 @@ never drawn, and identical tokens for every TP layout (tp 1, 2, 4)."""
 import pytest
 import torch
 
-from core.sampling import sample_from_sharded_logits, top_p_threshold
+from core.generation.sampling import sample_from_sharded_logits, top_p_threshold
 
 V, VP, N = 10, 12, 20000  # true vocabulary, padded, samples (one row id each)
 
@@ -186,7 +186,7 @@ def _wide_logits(B=48, Vl=4100, seed=7):
 
 def _scores64(z, rk, ck, inv_t):
     """float64 race scores log E - z / T from the hash's integers, written out independently."""
-    from core.sampling import _hash
+    from core.generation.sampling import _hash
     w = _hash(rk[:, None], ck[None, :]).to(torch.float32).double() * 2.0**-31
     return torch.log(-torch.log1p(-w)) - z.double() * inv_t
 
@@ -196,7 +196,7 @@ def test_pruned_race_matches_the_exact_race(inv_t):
     """The block-pruned race (compile=True's algorithm, here with eager bounds) picks the same column and
     score as the race over every column, and that column minimises the float64 scores; each block's
     bounds hold around the float64 scores of its columns."""
-    from core.sampling import _BLK, _block_bounds, _race_exact, _race_pruned, col_keys, row_keys
+    from core.generation.sampling import _BLK, _block_bounds, _race_exact, _race_pruned, col_keys, row_keys
     z = _wide_logits()
     rk, ck = row_keys(9, 2, torch.arange(100, 148), 4), col_keys(torch.arange(3000, 3000 + z.shape[1]))
     best, idx = _race_pruned(z, rk, ck, inv_t, _block_bounds)
@@ -215,7 +215,7 @@ def test_pruned_race_matches_the_exact_race(inv_t):
 def test_row_keys_match_a_per_row_reference():
     """row_keys (seed and step mixed as Python ints, rows and position on tensors) against the chain of
     32-bit finalisers written out per row, including a negative seed and ids past 2**31."""
-    from core.sampling import row_keys
+    from core.generation.sampling import row_keys
 
     def mix(x):
         x &= 0xFFFFFFFF

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from core.config import SFTConfig, load_config
-from core.metrics import read_metrics
+from core.runtime.metrics import read_metrics
 from core.sft_data import DataError, SequenceLoader, tokenize_text_file
 from core.tokenizer import load_tokenizer
 from tests.dist import REPO, run_torchrun
@@ -157,7 +157,7 @@ def test_progress_bar_and_metrics_writer(tmp_path):
     import io
     import json
 
-    from core.metrics import MetricsWriter, PhaseTimer, ProgressBar, peak_memory
+    from core.runtime.metrics import MetricsWriter, PhaseTimer, ProgressBar, peak_memory
 
     log = io.StringIO()  # not a terminal: one full line every `every` steps, the first and the last
     bar = ProgressBar(25, every=10, stream=log)

@@ -1,5 +1,5 @@
-"""Shared-prompt forward for GRPO groups (rl/shared_layout.py, core/model.py's prefix_ids,
-core/generate.py's share_prefill).
+"""Shared-prompt forward for GRPO groups (rl/update/shared_layout.py, core/model.py's prefix_ids,
+core/generation/generate.py's share_prefill).
 
 References: the layout against a hand-written example; per-token log-probs, entropy, exact KL,
 losses and every parameter gradient against the padded row-by-row forward in float64 (prompts of
@@ -15,13 +15,19 @@ import pytest
 import torch
 
 from core.config import ModelConfig, load_config
-from core.generate import generate
+from core.generation.generate import generate
 from core.model import build_model, document_mask_4d
 from rl.config import AlgoConfig
-from rl.logprobs import packed_fused_loss, packed_token_stats, policy_fused_loss, policy_token_stats, reference_hidden
-from rl.micro_batches import gather_tokens, row_lengths, scatter_tokens
-from rl.rollout import Rollout
-from rl.shared_layout import (
+from rl.experience.rollout import Rollout
+from rl.update.logprobs import (
+    packed_fused_loss,
+    packed_token_stats,
+    policy_fused_loss,
+    policy_token_stats,
+    reference_hidden,
+)
+from rl.update.micro_batches import gather_tokens, row_lengths, scatter_tokens
+from rl.update.shared_layout import (
     LayoutCost,
     _halve,
     budget_pieces,
@@ -103,7 +109,7 @@ def _stats_and_grads(shared: bool, fused: bool, cost=None, **rollout_kw):
             return lp * wt[0][t] + ent * wt[1][t] + kl * wt[2][t]
 
         if shared:
-            from rl.logprobs import packed_fused_loss
+            from rl.update.logprobs import packed_fused_loss
             kw["ref_hidden"], kw["mask"] = gather_tokens(sh, ref_h), gather_tokens(sh, ro.response_mask)
             loss, _ = packed_fused_loss(policy, sh, token_loss, **kw)
         else:
@@ -343,16 +349,16 @@ def _trainer_params(overrides: list[str], plans: list | None = None, old_rows: l
     policy, ref = (build_model(mc, state.tp_group, seed=11, dtype=torch.float64) for _ in range(2))
     tr = assemble(cfg, state, mc, load_tokenizer(None), policy, ref)
     if plans is not None:  # record each mini-batch's micro-batches
-        plan = tr._micro_batches
-        tr._micro_batches = lambda data, rows: plans.append(plan(data, rows)) or plans[-1]
+        plan = tr.updater._micro_batches
+        tr.updater._micro_batches = lambda data, rows: plans.append(plan(data, rows)) or plans[-1]
     if old_rows is not None:  # record how many rows each old-log-prob forward computes
-        stats = tr._token_stats
+        stats = tr.heads.token_stats
 
         def counted(model, ro, packed=None, **kw):
             if not torch.is_grad_enabled():  # the old-log-prob pass (make_experience), not an unfused update
                 old_rows.append(ro.sequences.shape[0] if packed is None else len(set(packed.src_rows.tolist())))
             return stats(model, ro, packed=packed, **kw)
-        tr._token_stats = counted
+        tr.heads.token_stats = counted
     rec = [tr.step(s) for s in range(steps)][-1]
     return {n: p.detach().clone() for n, p in tr.policy.named_parameters()}, rec
 

@@ -88,7 +88,7 @@ def test_tensorboard_events_carry_the_metric_names(tmp_path):
     pytest.importorskip("tensorboard")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    from core.monitor import Monitor
+    from core.runtime.monitor import Monitor
 
     mon = Monitor(str(tmp_path), tensorboard=True)
     rows = _run(n=3, reward_kl_corr=lambda i: 0.5)
@@ -115,7 +115,7 @@ def _real_run(tmp_path, overrides, steps):
                        "kl_ctl.horizon=640", "train.save_every=0"] + overrides)
     try:
         rl_run(cfg)
-    except SystemExit as e:  # a guard (KL limit, collapse: rl/guards.py) stopped it after writing its metrics
+    except SystemExit as e:  # a guard (KL limit, collapse: rl/health/guards.py) stopped it after writing its metrics
         assert "stopping after this checkpoint" in str(e), e
     with open(os.path.join(str(tmp_path), "metrics.jsonl")) as f:
         return [json.loads(line) for line in f]
@@ -173,7 +173,7 @@ def jumping_reward(meta, response):
     """The task's exact-match reward, its scale jumping x30 on the steps in JUMP["steps"] (counted by calls:
     prompts x group per step, one process): an outlier batch the policy cannot aim at."""
     if not _TASK:
-        from rl.tasks import make_task
+        from rl.experience.tasks import make_task
 
         _TASK.append(make_task("arithmetic", max_operand=9, ops="+", partial_credit=0.0))
     step = JUMP["calls"] // JUMP["per_step"]

@@ -1,5 +1,5 @@
-"""Numerical truth of the vocab-parallel statistics against float64 (issue 9, items 5 and 6) and
-device discipline (issue 10): bf16 heads produce fp32 logits (no bf16 rounding before the fp32
+"""Numerical truth of the vocab-parallel statistics against float64 and
+device discipline: bf16 heads produce fp32 logits (no bf16 rounding before the fp32
 reductions), -inf logits are exact zeros of probability, a large constant offset between policy
 and reference costs no precision, and every head runs on the meta device without a CPU tensor."""
 

@@ -28,7 +28,7 @@ import os
 import sys
 from dataclasses import asdict
 
-from rl.guards import HEALTHY_FRACTION, UNIFORM_FRACTION
+from rl.health.guards import HEALTHY_FRACTION, UNIFORM_FRACTION
 from tools.symptoms import CHECKS as PLAYBOOK_CHECKS
 from tools.symptoms import Finding
 
@@ -117,7 +117,7 @@ def check_kl_flat_reward(rows, window: int) -> Finding | None:
         return Finding("kl_flat_reward", ev,
                        "beta too large (the penalty pins the policy to the reference); too little diversity in "
                        "each group (all samples scored alike, so advantages are zero); learning rate too low",
-                       "lower kl_ctl.beta (or kl_ctl.mode=normalized); raise rollout.temperature or "
+                       "lower kl_ctl.beta (or let it adapt: kl_ctl.preset=ziegler); raise rollout.temperature or "
                        "rollout.group_size so groups disagree")
     return None
 

@@ -11,9 +11,9 @@ logits:
 
     logprob      log p(x_t)               policy      ref_logprob  log q(x_t)     reference
     kl_exact     KL(p || q), full vocab   (pi_ref)    entropy      H(p)
-    k1, k2, k3   sampled estimators of KL(p || q) from log p(x_t) - log q(x_t) (rl.kl.kl_estimate)
+    k1, k2, k3   sampled estimators of KL(p || q) from log p(x_t) - log q(x_t) (rl.objectives.kl.kl_estimate)
 
-p is the policy, q the reference: every KL here is KL(policy || reference), the direction rl.kl calls
+p is the policy, q the reference: every KL here is KL(policy || reference), the direction rl.objectives.kl calls
 `pi_ref` (the RL-for-LLM literature's "reverse KL").
 
 R.json: {"policy", "ref", "tp", "dp", "sequences": [{"line", "response_start", "n_tokens", "logprob": [..],
@@ -44,11 +44,11 @@ from core.ckpt import (
     write_bytes_atomic,
 )
 from core.config import ModelConfig, from_dict
-from core.lifecycle import exit_process, shutdown
 from core.model import Transformer
+from core.runtime.lifecycle import exit_process, shutdown
 from parallel.dims import LayoutError, ParallelDims, init_parallel, kv_replica_group, launch_world_size, resolve_device
 from parallel.fused import fused_head
-from rl.kl import HEAD_DIRECTION, kl_estimate
+from rl.objectives.kl import HEAD_DIRECTION, kl_estimate
 
 FIELDS = ("logprob", "ref_logprob", "kl_exact", "k1", "k2", "k3", "entropy")
 

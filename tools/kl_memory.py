@@ -13,7 +13,7 @@ The code lives in tools/klcost/: methods.py (the paths and the matmul floor), pe
 Cut Cross-Entropy, Liger), measure.py (measured rows), spawn.py (tp > 1 on gloo ranks, every wait
 bounded), project.py (FakeTensorMode projections, the size guard), report.py (table, plots),
 cli.py (arguments), cpu_peak.py (the CPU allocator's peak from torch.profiler's events). The
-whole RL step's budget is core/budget.py.
+whole RL step's budget is core/runtime/budget.py.
 
 Row fields: name, method, mode (exact, k3, jsd, -), pass, source (measured | projected), tokens,
 hidden, vocab, tp, dtype, device, chunk_size, peak_bytes, memory_source (memtracker | profiler |

@@ -44,7 +44,7 @@ def _slope(ys: list[float]) -> float:
 
 KL_NORMAL = 1e-3  # a mean per-token KL above this is "not near zero"
 BETA_STRONG = 0.5  # a per-token KL coefficient this large dominates a reward in [0, 1]
-KL_HIGH = 1.0  # nats per token: high for RL fine-tuning, though far below the default guard (kl_warn 20)
+KL_HIGH = 1.0  # nats per token: high for RL fine-tuning (a healthy run's is 0.01-0.4)
 KL_HACK = 0.5  # the KL level a reward-hacking climb reaches
 ENTROPY_ZERO = 0.05  # nats per token
 KL_SPIKE = 0.05  # a KL spike below this (nats/token) is noise around a near-zero KL
@@ -91,14 +91,14 @@ def check_reward_flat_kl_normal(rows, window: int) -> Finding | None:
 
 def check_kl_high(rows, window: int) -> Finding | None:
     kl = _series(rows, "kl_mean")[-window:]
-    if len(kl) < 6:
+    if len(kl) < 6 and not (rows and rows[-1].get("kl_stop")):  # a run the KL guard stopped early is judged too
         return None
     level = statistics.median(kl)
     if level >= KL_HIGH:
         beta = _series(rows, "beta")[-window:]
         bt = f" with beta {statistics.median(beta):.4g}" if beta else ""
         return Finding("kl_high", f"the mean KL sits at {level:.3g} nats/token (median of the last {len(kl)} "
-                                  f"steps){bt}: high, though below guard.kl_warn",
+                                  f"steps){bt}: high, though below guard.kl_warn_per_token",
                        "beta too small for the learning rate (or 0); a reference that is not the policy's start",
                        "raise kl_ctl.beta or let it adapt (kl_ctl.preset=ziegler or band, kl_ctl.target ~0.1); "
                        "lower optim.lr")

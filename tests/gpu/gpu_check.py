@@ -30,7 +30,7 @@ import time
 
 import torch
 
-from core.metrics import read_metrics
+from core.runtime.metrics import read_metrics
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PHASES = ("rollout", "ref", "old", "update")
@@ -123,7 +123,7 @@ KL_METHODS = "matmul_floor,gather,fused_exact_loss,fused_k3_loss"
 
 
 def kl_memory_section(py: str, j, cpu: bool) -> dict:
-    """Issue 13's device rows: tools.kl_memory measured (allocator peak, median time) and projected
+    """The KL-cost device rows: tools.kl_memory measured (allocator peak, median time) and projected
     (meta tensors) at one shape; the summary pairs them by method."""
     shape = ["--tokens", "256", "--hidden", "64", "--vocab", "4096", "--dtype", "fp32"] if cpu else \
         ["--tokens", "8192", "--hidden", "4096", "--vocab", "128256", "--dtype", "bf16"]

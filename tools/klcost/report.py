@@ -85,7 +85,7 @@ def plot_peak_vs_tokens(rows: list[dict], path: str, title: str) -> None:
 
 
 def plot_budget(budgets: list[tuple[str, dict]], path: str, title: str) -> None:
-    """Stacked bars: one bar per labelled budget (core/budget.py parts, bytes), capacity lines."""
+    """Stacked bars: one bar per labelled budget (core/runtime/budget.py parts, bytes), capacity lines."""
     import matplotlib
 
     matplotlib.use("Agg")

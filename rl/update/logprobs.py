@@ -6,16 +6,17 @@ tensor exists and no logits cross the wire.
 
 Positions: the response token at index t (0-based, sequence position P + t) is predicted by the
 hidden state at position P + t - 1, so a response of N tokens uses hidden[:, P-1 : P+N-1].
-Packed sequences (`packed_token_stats`, `packed_fused_loss`; rl/micro_batches.py's PackedRows):
+Packed sequences (`packed_token_stats`, `packed_fused_loss`; rl/update/micro_batches.py's PackedRows):
 several rows in one [1, T] sequence, block-diagonal causal attention, each row's own positions;
 the head reads the M hidden states at `head_pos` and returns [1, M]. The shared-prompt layout
-(rl/shared_layout.py) is a PackedRows of R rows with `prefix_ids`: the same heads read it
+(rl/update/shared_layout.py) is a PackedRows of R rows with `prefix_ids`: the same heads read it
 (head_pos indexes the flattened [R * T] positions). `policy_token_stats` and `reference_hidden`
 take it as `packed=` and return the padded [B, N] shapes (0 where no head token).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
@@ -23,7 +24,7 @@ import torch
 from parallel.comm import copy_to_tp
 from parallel.fused import fused_head
 from parallel.fused_loss import fused_head_loss
-from rl.micro_batches import gather_tokens, scatter_tokens
+from rl.update.micro_batches import gather_tokens, scatter_tokens
 
 
 class TokenStats(NamedTuple):
@@ -46,7 +47,7 @@ def _through_head(model, sequences, attention_mask, prompt_len: int, tp_group, r
 
 
 def _through_head_packed(model, packed, tp_group, ref_hidden, mask, fn):
-    """`_through_head` over one packed sequence (rl/micro_batches.py's PackedRows): the head reads the
+    """`_through_head` over one packed sequence (rl/update/micro_batches.py's PackedRows): the head reads the
     hidden states at `packed.head_pos` [M] of the flattened [R * T] positions (R = 1 packed, R prompt
     groups shared); ref_hidden and mask are [1, M, H] and [1, M]."""
     kw = dict(position_ids=packed.position_ids, document_ids=packed.document_ids)
@@ -80,7 +81,7 @@ def policy_token_stats(model, sequences, attention_mask, prompt_len: int, *, tp_
                        packed=None) -> TokenStats:
     """Log-probs (and entropy, exact KL against the given reference hidden states and head
     weight) of the response tokens of `sequences` [B, P + N] under `model`; 0 where `mask` [B, N]
-    is False. `packed`: the shared-prompt layout of these rows (rl/shared_layout.py) to run instead;
+    is False. `packed`: the shared-prompt layout of these rows (rl/update/shared_layout.py) to run instead;
     the results are the same [B, N] (0 outside its head tokens)."""
     fn = _stats_head(tp_group, vocab_size, temperature, chunk_size, entropy, kl, ref_weight)
     if packed is None:
@@ -95,7 +96,7 @@ def packed_token_stats(model, packed, *, tp_group=None, vocab_size: int, tempera
                        chunk_size: int | None = None, entropy: bool = True, kl: str | None = None,
                        ref_hidden: torch.Tensor | None = None, ref_weight: torch.Tensor | None = None,
                        mask: torch.Tensor | None = None) -> TokenStats:
-    """`policy_token_stats` of the M response tokens of a packed sequence (rl/micro_batches.py's
+    """`policy_token_stats` of the M response tokens of a packed sequence (rl/update/micro_batches.py's
     PackedRows: several rows in one, block-diagonal causal attention, per-row positions): [1, M]
     each; ref_hidden [1, M, H], mask [1, M]."""
     fn = _stats_head(tp_group, vocab_size, temperature, chunk_size, entropy, kl, ref_weight)
@@ -170,3 +171,30 @@ def _loss_head(token_loss, tp_group, vocab_size, temperature, chunk_size, entrop
                                                   ref_hidden=rh, ref_weight_local=ref_weight,
                                                   temperature=temperature, chunk_size=chunk_size, entropy=entropy,
                                                   kl=kl, mask=m)
+
+
+@dataclass
+class PolicyHeads:
+    """The fused heads' settings fixed for a run, applied to a rollout's rows (`ro`: rl.experience.rollout.Rollout,
+    [B, P + N]): the vocabulary the log-probs, entropy and exact KL are taken over (the tokenizer's ids,
+    the ones the sampler draws from), the sampling temperature, the chunk, and the TP group the head's
+    weight is sharded over."""
+
+    tp_group: object
+    vocab_size: int
+    temperature: float
+    chunk_size: int | str | None
+
+    def settings(self) -> dict:
+        return dict(tp_group=self.tp_group, vocab_size=self.vocab_size, temperature=self.temperature,
+                    chunk_size=self.chunk_size)
+
+    def token_stats(self, model, ro, **kw) -> TokenStats:
+        """`policy_token_stats` of `ro`'s response tokens under `model`: TokenStats [B, N]."""
+        return policy_token_stats(model, ro.sequences, ro.attention_mask, ro.prompt_len, **self.settings(),
+                                  mask=ro.response_mask, **kw)
+
+    def fused_loss(self, model, ro, token_loss, **kw) -> tuple[torch.Tensor, TokenStats]:
+        """`policy_fused_loss` of `ro`'s response tokens under `model`: (loss, TokenStats [B, N])."""
+        return policy_fused_loss(model, ro.sequences, ro.attention_mask, ro.prompt_len, token_loss,
+                                 **self.settings(), mask=ro.response_mask, **kw)

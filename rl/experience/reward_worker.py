@@ -3,7 +3,7 @@
 A plug-in is foreign code on foreign input: a response holding `\\boxed{10^{10^{10}}}` sends a
 symbolic checker into a computation that can run for hours inside C (where neither a thread nor a
 Python signal handler can stop it, and SIGTERM is only handled once it returns). Each rank therefore
-evaluates its plug-ins in one child process (`python -m rl.reward_worker`, started on the first call,
+evaluates its plug-ins in one child process (`python -m rl.experience.reward_worker`, started on the first call,
 light: no torch) and waits for each answer at most `reward.timeout_s` seconds. On a timeout the
 child is killed (SIGKILL) and restarted on the next call, and `RewardTimeout` names the plug-in; the
 caller (`rl.rewards.checked_reward`) adds the prompt and the sample.

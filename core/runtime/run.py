@@ -33,8 +33,8 @@ from core.ckpt import (
     world_group,
 )
 from core.config import ModelConfig, to_dict
-from core.lifecycle import check_same_everywhere
-from core.metrics import MetricsWriter
+from core.runtime.lifecycle import check_same_everywhere
+from core.runtime.metrics import MetricsWriter
 from parallel.dims import ParallelDims, ParallelState, init_parallel, kv_replica_group, resolve_device, seed_everything
 
 

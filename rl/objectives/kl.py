@@ -7,14 +7,22 @@ r = pi_ref(x) / pi(x) = exp(-log_ratio). Directions are named by their arguments
 `ref_pi` is KL(ref||pi) = E_pi[r log r] (their forward KL). The old names `forward` / `reverse` are
 refused with an error naming the new one.
 
-| estimator | value (direction pi_ref)             | E_{x~pi}[value]      | gradient as a loss term (on-policy) |
-|-----------|--------------------------------------|----------------------|-------------------------------------|
-| `k1`      | log_ratio = -log r                   | KL(pi||ref), exactly | zero in expectation                 |
-| `k2`      | 0.5 * log_ratio**2                   | biased (>= 0)        | grad KL(pi||ref)                    |
-| `k3`      | (r - 1) - log r                      | KL(pi||ref), exactly | grad KL(ref||pi)  (the other KL)    |
-| `k1+`     | value of k1, gradient of k2          | KL(pi||ref)          | grad KL(pi||ref)                    |
-| `k3+`     | value of k3, gradient of k2 (default)| KL(pi||ref)          | grad KL(pi||ref)                    |
-| `low_var_kl` | k3 with clamps 20 (log-ratio) / 10 (value) unless given (verl's name) | | as k3 |
+| estimator    | value (direction pi_ref)         | E_pi[value] | as a loss term (on-policy) | as a reward   |
+|--------------|----------------------------------|-------------|----------------------------|---------------|
+| `k1`         | log_ratio = -log r               | KL(pi||ref) | zero in expectation        | seq. (default)|
+| `k2`         | 0.5 * log_ratio**2               | biased >= 0 | tok. KL(pi||ref)           | refused       |
+| `k3`         | (r - 1) - log r                  | KL(pi||ref) | tok. KL(ref||pi)           | refused       |
+| `k1+`        | value of k1, gradient of k2      | KL(pi||ref) | tok. KL(pi||ref)           | seq. (as k1)  |
+| `k3+`        | value of k3, gradient of k2      | KL(pi||ref) | tok. KL(pi||ref) (default) | refused       |
+| `low_var_kl` | k3, clamps 20 (log-ratio) / 10 (value) unless given (verl's name) | | as k3 | refused       |
+| exact        | the full-vocabulary KL per position | the KL    | tok. KL of its direction   | seq. (*)      |
+
+"tok." is the per-token gradient with the prefix held fixed, E[sum_t grad KL_t(prefix)]; "seq." the
+gradient of the response-level KL(pi||ref) = E[sum_t log(pi/ref)] (what `kl_mean` reports per token);
+(*) the exact KL's current-token (pathwise) part then goes into the loss (`KLConfig.in_loss`).
+tok. and seq. differ by the future KL's score-function term; `kl.gradient=sequence` adds it in the loss (k1+,
+k3+, exact; k1/k3 with is_weight=live), and rl/objectives/kl_place.py derives every row and says why the
+refused ones follow no KL. `kl.direction=ref_pi` goes in the loss only (tok. KL(ref||pi)).
 
 "Gradient as a loss term" means E_{x~pi}[grad_theta k(x)] with the sampling distribution held
 fixed, which is what minimising `mean(k)` over on-policy samples does. k1's gradient is
@@ -37,7 +45,8 @@ estimator's on-policy gradient exactly, off-policy too (E_old[w grad k] = E_pi[g
 `"live"` (gradient through w; DeepSeek-V3.2 / TRL's bias-corrected k3) turns k1 and k3 into
 differentiable unbiased estimates of KL(pi||ref), whose gradient is grad KL(pi||ref) on- and
 off-policy; `"none"` leaves the term unweighted (biased off-policy). tests/test_kl_table.py
-checks every estimator x place x weight by exact enumeration (the README's table).
+checks every estimator x place x weight by exact enumeration on one token (on- and off-policy),
+tests/test_kl_sequence.py every allowed row over whole responses (tok. vs seq.).
 
 Masked positions (padding) never reach a value or a gradient: with `mask`, the inputs there are
 replaced by a constant before any arithmetic, so NaN or inf in the padding cannot leak.
@@ -57,6 +66,7 @@ from dataclasses import dataclass
 import torch
 
 from parallel import comm
+from rl.objectives.kl_place import GRADIENTS, default_estimator, reward_error, sequence_gradient_error
 
 ESTIMATORS = ("k1", "k2", "k3", "k1+", "k3+", "low_var_kl")
 DIRECTIONS = ("pi_ref", "ref_pi")  # KL(pi||ref), KL(ref||pi)
@@ -93,14 +103,20 @@ def loss_gradient(estimator: str, direction: str = "pi_ref", is_weight: str = "d
 
 @dataclass
 class KLConfig:
-    """The `kl` section: how the KL to the reference is measured and where it enters."""
+    """The `kl` section: how the KL to the reference is measured, where it enters, which gradient it follows."""
 
-    estimator: str = "k3+"  # one of ESTIMATORS (ignored when exact=True); k3+: gradient of KL(pi||ref)
+    # one of ESTIMATORS (ignored when exact=True); null: by place (rl.objectives.kl_place.default_estimator): k1 in
+    # the reward, k3+ in the loss (k3 for ref_pi or is_weight=live)
+    estimator: str | None = None
     exact: bool = False  # use the exact full-vocab KL from the vocab-parallel head instead
     direction: str = "pi_ref"  # "pi_ref": KL(pi||ref) | "ref_pi": KL(ref||pi)
     # "loss": beta * KL term in the policy loss; "reward": -beta * KL per token; "auto" (resolved by
     # rl.config.RLConfig): reward for PPO, loss for GRPO (a bare KLConfig treats "auto" as "loss")
     where: str = "auto"
+    # "token": the per-position KL's gradient with the prefix held fixed (the loss term alone);
+    # "sequence": the gradient of the response-level KL (the loss: the future KL joins each token's
+    # advantage; the reward: always). null: sequence in the reward, token in the loss (rl/objectives/kl_place.py)
+    gradient: str | None = None
     log_ratio_clamp: float | None = None  # clip log(pi/ref) to [-c, c] before the estimator
     value_clamp: float | None = None  # clip the estimate to [-v, v]; k1+/k3+: also d/dlogp to [-v, v]
     fp32: bool = True  # upcast to fp32 before computing (fp64 inputs stay fp64)
@@ -111,37 +127,64 @@ class KLConfig:
     is_ratio_max: float = 10.0  # w is clamped to at most this (a clamped token keeps w, loses w's grad)
 
     def __post_init__(self):
-        if self.estimator not in ESTIMATORS:
-            raise ValueError(f"kl.estimator must be one of {ESTIMATORS}, got {self.estimator!r}")
+        if self.estimator is not None and self.estimator not in ESTIMATORS:
+            raise ValueError(f"kl.estimator must be one of {ESTIMATORS} or null, got {self.estimator!r}")
         check_direction(self.direction, "kl.direction")
         if self.where not in ("loss", "reward", "auto"):
             raise ValueError(f"kl.where must be 'loss', 'reward' or 'auto', got {self.where!r}")
-        self.where_auto = self.where == "auto"  # RLConfig then picks the place by algorithm
-        if self.where_auto:
-            self.where = "loss"
-        if self.direction == "ref_pi" and not self.exact and self.estimator not in REVERSE_ESTIMATORS:
-            raise ValueError(f"kl.direction='ref_pi' with a sampled estimator needs kl.estimator in "
-                             f"{REVERSE_ESTIMATORS}, got {self.estimator!r}")
+        if self.gradient is not None and self.gradient not in GRADIENTS:
+            raise ValueError(f"kl.gradient must be one of {GRADIENTS} or null, got {self.gradient!r}")
         for name in ("log_ratio_clamp", "value_clamp"):
             v = getattr(self, name)
             if v is not None and not v > 0:
                 raise ValueError(f"kl.{name} must be positive or null, got {v!r}")
         if self.is_weight not in IS_WEIGHTS:
             raise ValueError(f"kl.is_weight must be one of {IS_WEIGHTS}, got {self.is_weight!r}")
+        if not self.is_ratio_max >= 1.0:
+            raise ValueError(f"kl.is_ratio_max must be >= 1, got {self.is_ratio_max!r}")
+        self.where_auto = self.where == "auto"  # RLConfig then picks the place by algorithm
+        self.estimator_auto, self.gradient_auto = self.estimator is None, self.gradient is None
+        self.place("loss" if self.where_auto else self.where, warn=not self.where_auto)
+
+    def place(self, where: str, warn: bool = True) -> None:
+        """Put the KL in `where` ("loss" | "reward"): resolve the estimator and gradient left unset, and
+        refuse a combination whose gradient follows no KL (rl/objectives/kl_place.py), naming its keys."""
+        self.where = where
+        if self.estimator_auto:
+            self.estimator = default_estimator(where, self.direction, self.is_weight)
+        if self.gradient_auto:
+            self.gradient = "sequence" if where == "reward" else "token"
+        if self.direction == "ref_pi" and not self.exact and self.estimator not in REVERSE_ESTIMATORS:
+            raise ValueError(f"kl.direction='ref_pi' with a sampled estimator needs kl.estimator in "
+                             f"{REVERSE_ESTIMATORS}, got {self.estimator!r}")
         if self.is_weight == "live" and not self.exact and (self.estimator not in LIVE_ESTIMATORS
                                                             or self.direction != "pi_ref"):
             raise ValueError(f"kl.is_weight='live' gives a biased gradient with kl.estimator={self.estimator!r}, "
                              f"kl.direction={self.direction!r}: use it with kl.estimator in {LIVE_ESTIMATORS} and "
                              f"kl.direction='pi_ref', or kl.is_weight='detached'")
-        if not self.is_ratio_max >= 1.0:
-            raise ValueError(f"kl.is_ratio_max must be >= 1, got {self.is_ratio_max!r}")
-        if self.where == "loss" and not self.exact and self.estimator in ("k1", "k3", "low_var_kl"):
+        if where == "reward":
+            err = reward_error(self.estimator, self.direction, self.exact, self.gradient)
+        elif self.gradient == "sequence":
+            err = sequence_gradient_error(self.estimator, self.direction, self.exact,
+                                          loss_gradient(self.estimator, self.direction, self.is_weight))
+        else:
+            err = None
+        if err:
+            raise ValueError(err)
+        if warn and where == "loss" and not self.exact and self.direction == "pi_ref" and \
+                self.estimator in ("k1", "k3", "low_var_kl"):
             msg = (f"kl.estimator={self.estimator!r} in the loss (kl.is_weight={self.is_weight!r}, "
                    f"kl.direction={self.direction!r}): its gradient is "
                    f"{loss_gradient(self.estimator, self.direction, self.is_weight)}")
             if msg not in _LOGGED:
                 _LOGGED.add(msg)
-                log.warning("%s; k3+ (the default) follows grad KL(pi||ref)", msg)
+                log.warning("%s; k3+ (the loss's default) follows grad KL(pi||ref)", msg)
+
+    @property
+    def in_loss(self) -> bool:
+        """Whether the policy loss carries a KL term with a gradient: the KL in the loss, or the exact KL
+        in the reward, whose current-token (pathwise) part only the loss can carry (rl/objectives/kl_place.py)."""
+        return self.where == "loss" or (self.where == "reward" and self.exact)
 
 
 def _upcast(t: torch.Tensor, fp32: bool = True) -> torch.Tensor:

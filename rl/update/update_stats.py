@@ -1,4 +1,4 @@
-"""Statistics of one RL update (rl/trainer.py's `RLTrainer.update`), reduced over micro-batches and DP
+"""Statistics of one RL update (rl/update/update.py's `PolicyUpdate.update`), reduced over micro-batches and DP
 ranks the way the losses were normalised."""
 
 from __future__ import annotations

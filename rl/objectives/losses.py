@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import torch
 
 from parallel import comm
-from rl.kl import KLConfig, kl_loss_term, sanitize
+from rl.objectives.kl import KLConfig, kl_loss_term, sanitize
 
 AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 
@@ -82,6 +82,24 @@ def aggregate(values: torch.Tensor, mask: torch.Tensor, mode: str = "token-mean"
                              f"(e.g. the max response length), got {norm_len!r}")
         per_seq = x.sum(-1) / norm_len
     return per_seq.sum() / max(scale.seqs, 1)
+
+
+def _with_future_kl(advantages: torch.Tensor, m: torch.Tensor, kl_cfg: KLConfig | None, beta: float,
+                    kl_future: torch.Tensor | None) -> torch.Tensor:
+    """advantages - beta * kl_future (kl.gradient='sequence' in the loss: the future KL as a return,
+    rl/objectives/kl_place.py); the advantages unchanged otherwise. Refuses a missing or misplaced `kl_future`."""
+    wanted = kl_cfg is not None and kl_cfg.where == "loss" and kl_cfg.gradient == "sequence" and beta != 0.0
+    if kl_future is None:
+        if wanted:
+            raise ValueError("kl.gradient='sequence' with kl.where='loss' needs `kl_future` "
+                             "(rl.objectives.kl_place.future_kl of the rollout's per-token KL)")
+        return advantages
+    if not wanted:
+        raise ValueError("kl_future is given but the KL is not in the loss with kl.gradient='sequence' and beta != 0 "
+                         "(in the reward the future KL is already in the returns)")
+    if kl_future.shape != advantages.shape:
+        raise ValueError(f"kl_future has shape {tuple(kl_future.shape)}, the advantages {tuple(advantages.shape)}")
+    return advantages - beta * sanitize(kl_future, m).detach().to(advantages.dtype)
 
 
 def _masked_stats(x: torch.Tensor, m: torch.Tensor, empty: float) -> tuple[torch.Tensor, ...]:
@@ -217,21 +235,24 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
                 mask: torch.Tensor, cfg: PolicyLossConfig | None = None, *,
                 kl_cfg: KLConfig | None = None, beta: float = 0.0,
                 ref_logp: torch.Tensor | None = None, kl: torch.Tensor | None = None,
-                entropy: torch.Tensor | None = None, scale: LossScale | None = None
-                ) -> tuple[torch.Tensor, dict]:
+                entropy: torch.Tensor | None = None, scale: LossScale | None = None,
+                kl_future: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
     """Surrogate + beta * KL + (-entropy_coef * entropy), each aggregated by `cfg.agg` with `scale`.
 
-    All tensors [B, S]. The KL term enters when `kl_cfg.where == "loss"`: from `kl` (a per-token
+    All tensors [B, S]. The KL term enters when `kl_cfg.in_loss` (the KL in the loss, or the exact KL
+    in the reward, whose pathwise part only the loss carries: rl/objectives/kl_place.py): from `kl` (a per-token
     KL with grad, e.g. the exact KL from the fused head; required when kl_cfg.exact) or else from
-    `kl_estimate(logp, ref_logp)` with kl_cfg's estimator. With where == "reward" (or no kl_cfg)
+    `kl_estimate(logp, ref_logp)` with kl_cfg's estimator. With a sampled KL in the reward (or no kl_cfg)
     no KL term is added, but the KL is still reported when `kl` (or, unless kl_cfg.exact,
-    `ref_logp`) is given.
+    `ref_logp`) is given. `kl_future` ([B, S], `rl.objectives.kl_place.future_kl` of the rollout's KL; needed with
+    kl.gradient='sequence' in the loss): -beta * kl_future joins the advantages (the future KL as a return).
     `entropy` (with grad) is needed when cfg.entropy_coef != 0.
     Returns (loss: 0-d fp32 tensor with grad, stats: dict of detached 0-d tensors: pg_loss,
     kl_loss (the aggregated KL; scaled like the loss), entropy, clipfrac, dual_clipfrac,
     ratio_mean/min/max, approx_kl_old, valid_tokens).
     """
     cfg = cfg or PolicyLossConfig()
+    advantages = _with_future_kl(advantages, mask.bool(), kl_cfg, beta, kl_future)
     pg, stats = clipped_surrogate(logp, old_logp, advantages, mask, cfg.clip_low, cfg.clip_high,
                                   cfg.dual_clip, cfg.log_ratio_clamp)
     agg = lambda x: aggregate(x, mask, cfg.agg, scale, cfg.norm_len)
@@ -239,12 +260,12 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
     loss = pg_loss
     stats["pg_loss"] = pg_loss.detach()
 
-    kl_in_loss = kl_cfg is not None and kl_cfg.where == "loss"
+    kl_in_loss = kl_cfg is not None and kl_cfg.in_loss
     exact = kl_cfg is not None and kl_cfg.exact
     if kl is not None or (ref_logp is not None and not exact):  # sanitized, importance-weighted
         kl = kl_loss_term(kl_cfg or KLConfig(), logp, ref_logp, old_logp, mask, kl)
     if kl_in_loss and kl is None:
-        raise ValueError("policy_loss: kl.where='loss' needs the per-token `kl`" +
+        raise ValueError(f"policy_loss: kl.where={kl_cfg.where!r} needs the per-token `kl`" +
                          (" (kl.exact=True: the exact KL from the head)" if exact else " or `ref_logp`"))
     if kl is not None:
         kl_loss = agg(kl)
@@ -302,7 +323,8 @@ class TokenPolicyLoss:
 
     def __init__(self, cfg: PolicyLossConfig, weights: torch.Tensor, mask: torch.Tensor, old_logp: torch.Tensor,
                  advantages: torch.Tensor, *, kl_cfg: KLConfig | None = None, beta: float = 0.0,
-                 ref_logp: torch.Tensor | None = None, on_policy: bool = False, entropy_coef: float | None = None):
+                 ref_logp: torch.Tensor | None = None, on_policy: bool = False, entropy_coef: float | None = None,
+                 kl_future: torch.Tensor | None = None):
         self.cfg, self.kl_cfg, self.beta, self.on_policy = cfg, kl_cfg, beta, on_policy
         self.ent_coef = cfg.entropy_coef if entropy_coef is None else entropy_coef  # adaptive: the controller's
         self.m = mask.reshape(-1).bool()
@@ -310,7 +332,10 @@ class TokenPolicyLoss:
         self.old = sanitize(old_logp.reshape(-1), self.m).detach()
         self.adv = sanitize(advantages.reshape(-1), self.m).detach()
         self.ref = None if ref_logp is None else sanitize(ref_logp.reshape(-1), self.m).detach()
-        self.kl_in_loss = kl_cfg is not None and kl_cfg.where == "loss" and beta != 0.0
+        if kl_future is not None:
+            kl_future = kl_future.reshape(-1)
+        self.adv = _with_future_kl(self.adv, self.m, kl_cfg, beta, kl_future)
+        self.kl_in_loss = kl_cfg is not None and kl_cfg.in_loss and beta != 0.0
         if self.kl_in_loss and not kl_cfg.exact and self.ref is None:
             raise ValueError("TokenPolicyLoss: kl.where='loss' with a sampled estimator needs `ref_logp`")
         self.rec = {k: torch.zeros(self.m.numel(), dtype=torch.float64, device=self.m.device) for k in self._PARTS}
@@ -335,7 +360,7 @@ class TokenPolicyLoss:
             if self.kl_in_loss:
                 total = total + self.beta * klt
         elif self.kl_in_loss:
-            raise ValueError("TokenPolicyLoss: kl.exact=True with kl.where='loss' needs the head's exact KL")
+            raise ValueError(f"TokenPolicyLoss: kl.exact=True with kl.where={kc.where!r} needs the head's exact KL")
         if entropy is not None:
             entropy = sanitize(entropy, mm)
             rec["entropy"], self.seen["entropy"] = entropy, True

@@ -2,7 +2,7 @@
 
 A prompt source gives each DP rank its contiguous slice of the step's global prompt list, the same
 list for every layout: `TaskPrompts` draws a built-in task's prompts from a generator keyed by
-(seed, step); `DataPrompts` takes a data set's prompts in `rl.prompts.PromptSampler`'s order (their
+(seed, step); `DataPrompts` takes a data set's prompts in `rl.experience.prompts.PromptSampler`'s order (their
 ids already carry bos where the tokenizer wants one). Sampling noise is keyed by each row's global
 id, so the rollout of a step does not depend on the DP layout. Rows are prompt-major: sample j of
 global prompt i is row i*G + j, as `grpo_advantages` expects. `evaluate` scores a held-out set
@@ -16,12 +16,12 @@ from dataclasses import dataclass
 
 import torch
 
-from core.generate import generate
+from core.generation.generate import generate
 from parallel import comm
 from parallel.dims import derive_seed
 from rl.config import RolloutConfig
-from rl.prompts import PromptSampler, PromptSet, eval_rank_indices
-from rl.rewards import score_responses
+from rl.experience.prompts import PromptSampler, PromptSet, eval_rank_indices
+from rl.experience.rewards import score_responses
 
 
 @dataclass
@@ -114,7 +114,7 @@ class TaskPrompts:
 
 
 class DataPrompts:
-    """A data set's prompts (rl.prompts) in `sampler`'s global order."""
+    """A data set's prompts (rl.experience.prompts) in `sampler`'s global order."""
 
     def __init__(self, prompts: PromptSet, sampler: PromptSampler):
         self.prompts, self.sampler = prompts, sampler

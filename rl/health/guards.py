@@ -1,5 +1,5 @@
-"""Guards on a training step's record beyond the KL limits (`guard.kl_warn` / `guard.kl_stop`, in
-`rl.train._report`): collapse of the policy, named with its likely cause.
+"""Guards on a training step's record beyond the per-token KL limits (`guard.kl_warn_per_token` /
+`guard.kl_stop_per_token`, in `rl.train._report`): collapse of the policy, named with its likely cause.
 
 `collapse_findings(rec, lr)` looks at one step's metrics record (the `RLTrainer.step` record plus
 "entropy_max" = ln V, added by the trainer) and returns (stop, messages):
@@ -22,7 +22,7 @@ from __future__ import annotations
 import math
 import sys
 
-from core.lifecycle import Preempted  # noqa: F401 - re-exported for rl.train
+from core.runtime.lifecycle import Preempted  # noqa: F401 - re-exported for rl.train
 
 UNIFORM_FRACTION = 0.98
 HEALTHY_FRACTION = 0.9

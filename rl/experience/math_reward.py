@@ -1,4 +1,4 @@
-"""Verifiable math rewards (reward plug-ins, `fn(meta, response) -> float`, see rl.rewards).
+"""Verifiable math rewards (reward plug-ins, `fn(meta, response) -> float`, see rl.experience.rewards).
 
 `math_reward` compares the final answer of the response with meta["answer"] (1.0 equal, 0.0 not);
 `format_reward` scores whether the response states a final answer in the expected form.
@@ -123,7 +123,7 @@ def _math_verify_equal(gold: str, answer: str) -> bool:
     if _mv_parse is None:
         return False
     # math-verify's timeouts use SIGALRM, which only the main thread may set: on (a rank's reward worker,
-    # rl.reward_worker, runs plug-ins in its main thread); off elsewhere, where reward.timeout_s bounds the call
+    # rl.experience.reward_worker, runs plug-ins in its main thread); off elsewhere (reward.timeout_s bounds it)
     t = MV_TIMEOUT_S if threading.current_thread() is threading.main_thread() else None
     try:
         g = _mv_parse(f"${gold}$", parsing_timeout=t)
@@ -179,7 +179,7 @@ class FormatReward:
         return float(ok)
 
 
-# Plug-in names for rl.rewards ("rl.math_reward:math_reward", ...).
+# Plug-in names for rl.experience.rewards ("rl.experience.math_reward:math_reward", ...).
 math_reward = MathReward()
 math_reward_strict = MathReward(fallback_last_number=False)
 format_reward = FormatReward("any")

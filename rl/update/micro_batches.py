@@ -13,7 +13,7 @@ p_i real prompt tokens and a response that ends at column n_i (its last valid to
 | (share_prompts=false)                 | (first-fit decreasing), padding dropped        | block-diagonal causal  |
 | share_prompts, micro_batch_size=m     | m rows in mini-batch order; per prompt group   | [R, W]: W = longest    |
 |                                       | the prompt once, then each response; groups    | row of groups          |
-|                                       | packed into rows (rl/shared_layout.py)         | prompt + own response  |
+|                                       | packed into rows (rl/update/shared_layout.py)  | prompt + own response  |
 | share_prompts, micro_batch_tokens=T   | prompt groups (split into pieces that repeat   | [R, W], R x W <= T     |
 |                                       | the prompt when longer than T) first-fit       | prompt + own response  |
 |                                       | decreasing into rows of W, R x W <= T          |                        |
@@ -23,7 +23,7 @@ pack_sequences (refused), which already concatenates rows into one sequence.
 
 A row (shared: a prompt with one response) longer than T forms a micro-batch of its own. Rows
 without a valid response token are left out: their loss, gradient and statistics are exactly 0
-(losses are normalised by the mini-batch's global counts, rl/losses.py, so leaving them out or
+(losses are normalised by the mini-batch's global counts, rl/objectives/losses.py, so leaving them out or
 splitting rows differently changes nothing but float rounding order).
 
 FSDP's all-gathers and reduce-scatters run per forward/backward, so every DP rank must run the same
@@ -41,7 +41,7 @@ from dataclasses import dataclass
 import torch
 
 from parallel import comm
-from rl.rollout import Rollout
+from rl.experience.rollout import Rollout
 
 
 @dataclass
@@ -52,7 +52,7 @@ class PackedRows:
     input_ids, position_ids (each row's own positions), document_ids (0..k-1): [1, T].
     src_rows, src_cols: [M] local row and response column of each head token, in packed order.
     head_pos: [M] packed position of the hidden state that predicts it; targets: [M] its token id.
-    The shared-prompt layout (rl/shared_layout.py) has R rows: inputs [R, T], `prefix_ids` [R, T]
+    The shared-prompt layout (rl/update/shared_layout.py) has R rows: inputs [R, T], `prefix_ids` [R, T]
     set, and head_pos indexes the flattened [R * T] positions (R = 1 when packed)."""
 
     input_ids: torch.Tensor
@@ -112,7 +112,7 @@ def row_lengths(ro: Rollout, rows: torch.Tensor) -> tuple[list[int], list[int]]:
 
 def by_row_count(ro: Rollout, rows: torch.Tensor, size: int) -> list[MicroBatch]:
     """`size` rows per micro-batch in the given order (0: all), untrimmed: [m, P + N] each (the
-    shared-prompt layout of the same plan: rl/shared_layout.py's `shared_by_row_count`)."""
+    shared-prompt layout of the same plan: rl/update/shared_layout.py's `shared_by_row_count`)."""
     m = size or rows.numel()
     N = ro.response_mask.shape[1]
     return [MicroBatch(rows[i:i + m], ro.prompt_len, N) for i in range(0, rows.numel(), m)]

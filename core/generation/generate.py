@@ -1,6 +1,6 @@
 """Sampling with a KV cache under tensor parallelism, without gathering logits.
 
-The sampler (core/sampling.py) draws from vocabulary-sharded logits with noise keyed by (seed,
+The sampler (core/generation/sampling.py) draws from vocabulary-sharded logits with noise keyed by (seed,
 step, row id, position, global vocabulary index), so every TP layout, DP layout and batch order
 draws the same token for the same row, with O(B) communication per position.
 
@@ -29,8 +29,8 @@ from typing import Callable, Sequence
 
 import torch
 
+from core.generation.sampling import sample_from_sharded_logits
 from core.model import KVCache, Transformer
-from core.sampling import sample_from_sharded_logits
 from parallel.comm import all_reduce
 from parallel.layers import vocab_parallel_logits
 

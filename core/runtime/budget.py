@@ -147,7 +147,7 @@ def step_budget(cfg: ModelConfig, lay: Layout, batch: Batch, placement: str = "t
     update = master + gathered + 2 * master + ref + max(acts + head + head_grad, master + tied_extra)
     vp_local = cfg.padded_vocab_size(lay.tp) // lay.tp
     # the reference's no-grad pass (experience phase): the copy of its head weight [Vp/tp, H] that
-    # rl/logprobs.py's reference_hidden keeps, plus the larger of one layer's forward transients and
+    # rl/update/logprobs.py's reference_hidden keeps, plus the larger of one layer's forward transients and
     # its log-probs by the fused head: one [chunk, Vp/tp] fp32 logits tensor (statistics in place)
     ref_b = DTYPE_BYTES[ref_dtype or lay.compute_dtype]
     ref_head_copy = vp_local * cfg.hidden_size * ref_b
@@ -174,7 +174,7 @@ def rollout_fields(ro) -> dict:
 
 
 def rollout_work(cfg: ModelConfig, tp: int, batch: Batch, act_bytes: int, kv_cache: int) -> int:
-    """Bytes the rollout allocates beside its KV cache (core/generate.py): the larger of a prefill
+    """Bytes the rollout allocates beside its KV cache (core/generation/generate.py): the larger of a prefill
     block's forward transients (rows_per_block x P tokens; `prefill_tokens` 0 runs every row at once;
     with a shared prefill only one row per prompt runs)
     and a decode position's logits [rows, Vp/tp] (compute dtype) with one fp32 [rows, Vp/tp] sampler

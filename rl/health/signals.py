@@ -13,8 +13,8 @@ from collections import deque
 import torch
 
 from parallel import comm
-from rl.kl import KLConfig, kl_loss_term
-from rl.losses import PolicyLossConfig, clipped_surrogate, loss_scale, token_weights
+from rl.objectives.kl import KLConfig, kl_loss_term
+from rl.objectives.losses import PolicyLossConfig, clipped_surrogate, loss_scale, token_weights
 
 
 def repetition_rate(ids: torch.Tensor, mask: torch.Tensor, n: int = 3, dp_group=None) -> float:

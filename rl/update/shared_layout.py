@@ -17,8 +17,8 @@ prompt's length. So each response token's hidden state is the one the row-by-row
 responses' gradients, as the separate rows' copies did. Response token 0 of every member is
 predicted by the prompt's last position: `head_pos` repeats it and the gather's backward sums.
 
-The result is a `PackedRows` (rl/micro_batches.py) whose `head_pos` index the flattened [R * W]
-positions, so the packed heads (rl/logprobs.py) read it unchanged. Groups are found by equality of
+The result is a `PackedRows` (rl/update/micro_batches.py) whose `head_pos` index the flattened [R * W]
+positions, so the packed heads (rl/update/logprobs.py) read it unchanged. Groups are found by equality of
 the real prompt token ids (so prompt length too), not by row order. Rows without a valid response
 token are left out: they contribute exactly nothing, as on the padded path.
 
@@ -44,9 +44,9 @@ from dataclasses import dataclass
 
 import torch
 
-from core.generate import distinct_prompts
-from rl.micro_batches import MicroBatch, PackedRows, agreed_count, by_row_count, filler, row_lengths, split_to
-from rl.rollout import Rollout
+from core.generation.generate import distinct_prompts
+from rl.experience.rollout import Rollout
+from rl.update.micro_batches import MicroBatch, PackedRows, agreed_count, by_row_count, filler, row_lengths, split_to
 
 
 def prompt_keys(ro: Rollout, rows: torch.Tensor) -> list[int]:

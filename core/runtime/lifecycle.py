@@ -194,7 +194,7 @@ class RankStalled(RuntimeError):
 
 def source_hash() -> str:
     """sha256 over the library's Python files (parallel, core, rl, tools), in path order."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     h = hashlib.sha256()
     for pkg in ("parallel", "core", "rl", "tools"):
         for dirpath, dirs, files in sorted(os.walk(os.path.join(root, pkg))):

@@ -2,11 +2,11 @@
 
 A reward function has the signature of `Task.reward`: `fn(meta: dict, response: str) -> float`.
 Plug-ins are named "package.module:function" and imported with importlib, or by a short name of
-`SHORT_NAMES` ("math", "format", ...: rl.math_reward's functions); several are combined by their
+`SHORT_NAMES` ("math", "format", ...: rl.experience.math_reward's functions); several are combined by their
 mean, their min, or a weighted sum (`reward.weights`, one per function, task reward first).
 `score_responses` evaluates one function over a rollout of N prompts x G samples and refuses a
 NaN or infinite reward with a ValueError naming the prompt and the sample -- never zeroed silently.
-Plug-ins given by name run in a worker process per rank (rl.reward_worker), each call bounded by
+Plug-ins given by name run in a worker process per rank (rl.experience.reward_worker), each call bounded by
 `reward.timeout_s`: a response that sends a checker into an endless computation is named (plug-in,
 prompt, sample), or scored `reward.on_timeout`, instead of hanging the run. The task's own
 exact-match reward runs in the rank (it cannot hang; no round trip).
@@ -25,22 +25,24 @@ import torch
 import torch.distributed
 
 from parallel import comm
-from rl.reward_worker import RemoteError, RewardTimeout, RewardWorker
-from rl.tasks import make_task
+from rl.experience.reward_worker import RemoteError, RewardTimeout, RewardWorker
+from rl.experience.tasks import make_task
 
 RewardFn = Callable[[dict, str], float]
 
-# short names for the verifiable math rewards (rl/math_reward.py), usable in reward.fns
-SHORT_NAMES = {"math": "rl.math_reward:math_reward", "math_strict": "rl.math_reward:math_reward_strict",
-               "format": "rl.math_reward:format_reward", "gsm8k_format": "rl.math_reward:gsm8k_format_reward",
-               "boxed_format": "rl.math_reward:boxed_format_reward"}
+# short names for the verifiable math rewards (rl/experience/math_reward.py), usable in reward.fns
+SHORT_NAMES = {"math": "rl.experience.math_reward:math_reward",
+               "math_strict": "rl.experience.math_reward:math_reward_strict",
+               "format": "rl.experience.math_reward:format_reward",
+               "gsm8k_format": "rl.experience.math_reward:gsm8k_format_reward",
+               "boxed_format": "rl.experience.math_reward:boxed_format_reward"}
 
 
 @dataclass
 class RewardConfig:
     """The `reward` section."""
 
-    task: str | None = "arithmetic"  # a built-in task (rl.tasks.make_task); null with a data section
+    task: str | None = "arithmetic"  # a built-in task (rl.experience.tasks.make_task); null with a data section
     task_args: dict = field(default_factory=dict)  # e.g. {"max_operand": 9, "partial_credit": 0.1}
     fns: list = field(default_factory=list)  # extra "module:function" plug-ins or SHORT_NAMES ("math", "format")
     use_task_reward: bool = True  # include the task's own exact-match reward (when reward.task is set)

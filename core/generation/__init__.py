@@ -1,0 +1,1 @@
+"""Generation: KV-cache decoding under tensor parallelism and the layout-invariant sampler."""

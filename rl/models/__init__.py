@@ -1,0 +1,1 @@
+"""The models beside the policy: the frozen reference and PPO's critic."""

@@ -1,0 +1,161 @@
+"""What the update needs of one step's rollouts on this rank (steps 2-5 of rl/trainer.py's step).
+
+`ExperienceMaker.make_experience(ro, step)` turns a scored rollout into `StepData`, in order:
+  2. ref log-probs -- the frozen reference's hidden states and head weight, then its log-probs
+  3. old log-probs -- policy, no grad, through the fused head (+ entropy, + exact KL if asked), over
+                      every row but the deferred ones (below)
+  4. KL per token  -- exact full-vocabulary KL or a sampled estimator, padding replaced once; into the
+                      reward when `kl.where=reward`, scaled by the controller's beta
+  5. advantages    -- GRPO group-normalised, or GAE over critic values (PPO)
+
+Deferred rows (`algo.old_from_update`): epoch 0's first mini-batch is on-policy, so its update forward
+computes the very log-probs, entropy (and exact KL) the old pass would; the old pass skips those rows
+and the update writes them in (`fill_deferred`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from core.runtime.metrics import PhaseTimer
+from rl.config import RLConfig
+from rl.experience.rollout import Rollout
+from rl.objectives.advantages import broadcast_to_tokens, gae, grpo_advantages, kl_shaped_rewards, whiten
+from rl.objectives.controller import KLController
+from rl.objectives.kl import HEAD_DIRECTION, kl_from_config, sanitize
+from rl.update.logprobs import PolicyHeads, TokenStats, critic_values, logprobs_from_hidden, reference_hidden
+from rl.update.micro_batches import MicroBatch
+from rl.update.mini_batches import mini_batches
+from rl.update.shared_layout import LayoutCost, share_rollout
+
+
+@dataclass
+class StepData:
+    """Everything the update needs for one step's rollouts on this rank. Tensors [B, N] unless noted."""
+
+    ro: Rollout
+    mask: torch.Tensor  # response mask (bool)
+    old_logp: torch.Tensor
+    ref_logp: torch.Tensor
+    ref_hidden: torch.Tensor | None  # [B, N, H] when the exact KL is used
+    ref_weight: torch.Tensor | None  # [Vp/tp, H]
+    kl: torch.Tensor  # per-token KL (no grad), the metric and the reward-shaping term
+    entropy: torch.Tensor
+    advantages: torch.Tensor
+    returns: torch.Tensor | None = None  # PPO
+    old_values: torch.Tensor | None = None  # PPO
+    # local rows of epoch 0's first mini-batch whose old log-probs, entropy (and exact KL) its on-policy update
+    # forward fills in (`algo.old_from_update`); None: the old-log-prob pass computed every row
+    deferred: torch.Tensor | None = None
+
+
+class ExperienceMaker:
+    """Steps 2-5 for one run: the models and controllers they read, passed in."""
+
+    def __init__(self, cfg: RLConfig, *, policy, reference, critic, reward_norm, controller: KLController,
+                 heads: PolicyHeads, layout_cost: LayoutCost, timer: PhaseTimer, dp_group, device):
+        self.cfg, self.policy, self.ref, self.critic = cfg, policy, reference, critic
+        self.reward_norm, self.controller, self.heads = reward_norm, controller, heads
+        self.layout_cost, self.timer, self.dp_group, self.device = layout_cost, timer, dp_group, device
+
+    @torch.no_grad()
+    def make_experience(self, ro: Rollout, step: int) -> StepData:
+        cfg = self.cfg
+        mask = ro.response_mask
+        exact = cfg.kl.exact
+        # each prompt once (rl/update/shared_layout.py), in the plan the layout cost model prices lowest
+        shared = share_rollout(ro, cost=self.layout_cost) if cfg.algo.share_prompts else None
+        with self.timer("ref_logprobs"):
+            ref_h, ref_w = reference_hidden(self.ref, ro.sequences, ro.attention_mask, ro.prompt_len, packed=shared)
+            ref_logp = logprobs_from_hidden(ref_h, ref_w, ro.responses_ids, **self.heads.settings(), mask=mask)
+        deferred = self._deferred_rows(ro, step)
+        with self.timer("old_logprobs"):
+            kl_dir = HEAD_DIRECTION[cfg.kl.direction] if exact else None
+            old = self._old_pass(ro, shared, deferred, entropy=True, kl=kl_dir, ref_hidden=ref_h, ref_weight=ref_w)
+        # padding is replaced here, once, before anything reaches advantages, losses or the heads
+        old_logp, ref_logp = sanitize(old.logprobs, mask), sanitize(ref_logp, mask)
+        kl = sanitize(old.kl.float(), mask) if exact else kl_from_config(cfg.kl, old_logp, ref_logp, mask)
+        scores = ro.scores
+        if self.reward_norm is not None:
+            scores = self.reward_norm.normalize_(scores.clone(), self.dp_group)
+        data = StepData(ro, mask, old_logp, ref_logp, ref_h if exact else None, ref_w if exact else None,
+                        kl, sanitize(old.entropy, mask), advantages=None, deferred=deferred)
+        if cfg.algo.name == "grpo":
+            if cfg.kl.where == "reward":  # the response's summed KL penalty enters its reward
+                scores = scores - self.controller.beta * kl.sum(1)
+            adv = grpo_advantages(scores, cfg.rollout.group_size, cfg.algo.adv_std_norm)
+            data.advantages = broadcast_to_tokens(adv, mask)
+        else:
+            with self.timer("critic_values"):
+                values = critic_values(self.critic, ro.sequences, ro.attention_mask, ro.prompt_len)
+            beta = self.controller.beta if cfg.kl.where == "reward" else 0.0
+            valid = mask.any(1)
+            rewards = torch.zeros_like(kl)
+            if valid.any():  # an empty response has no token to carry its score
+                rewards[valid] = kl_shaped_rewards(scores[valid], kl[valid], mask[valid], beta)
+            adv, ret = gae(rewards, values, mask.float(), cfg.algo.gamma, cfg.algo.lam)
+            if cfg.algo.whiten_advantages:
+                adv = whiten(adv, mask, self.dp_group)
+            data.advantages, data.returns, data.old_values = adv, ret, values
+        return data
+
+    def _deferred_rows(self, ro: Rollout, step: int) -> torch.Tensor | None:
+        """Epoch 0's first mini-batch (local rows), whose old values its on-policy update forward provides
+        (`algo.old_from_update`), or None where the old-log-prob pass must compute every row: something
+        reads old log-probs before the update (the KL in the reward, grad_ratio's beta), or the option is off."""
+        c = self.cfg
+        if not c.algo.old_from_update or c.kl.where != "loss" or c.kl_ctl.mode == "grad_ratio" or \
+                c.kl.gradient == "sequence":  # its future-KL returns read every row's KL before the update
+            return None
+        return mini_batches(c, ro.row_ids.cpu(), step, 0, self.device)[0]
+
+    def _old_pass(self, ro: Rollout, shared, deferred: torch.Tensor | None, **kw) -> TokenStats:
+        """The old-log-prob pass (policy, no grad) over every local row but `deferred`: TokenStats [B, N],
+        0 on the deferred rows (filled in by the update). With every row deferred (one mini-batch) no
+        forward runs, on every rank alike (the same count of rows is deferred on each)."""
+        if deferred is None:
+            return self.heads.token_stats(self.policy, ro, packed=shared, **kw)
+        B, N = ro.response_mask.shape
+        keep = torch.ones(B, dtype=torch.bool, device=ro.response_mask.device)
+        keep[deferred] = False
+        rows = torch.nonzero(keep).flatten()
+        if rows.numel() == 0:
+            dt = torch.promote_types(next(self.policy.parameters()).dtype, torch.float32)
+            zero = torch.zeros(B, N, dtype=dt, device=ro.response_mask.device)
+            return TokenStats(zero, zero if kw["entropy"] else None, zero if kw["kl"] else None)
+        packed = share_rollout(ro, rows, self.layout_cost) if self.cfg.algo.share_prompts else None
+        if packed is not None:  # the head's [1, M] values land on their rows, 0 elsewhere
+            return self.heads.token_stats(self.policy, ro, packed=packed, **kw)
+        # padded (or no row with a response token): the kept rows' own forward, scattered back
+        mb = MicroBatch(rows, ro.prompt_len, N)
+        rh = kw.pop("ref_hidden")
+        out = self.heads.token_stats(self.policy, mb.rollout(ro), ref_hidden=mb.row_tokens(rh), **kw)
+
+        def back(t):
+            if t is None:
+                return None
+            full = t.new_zeros((B, N) + tuple(t.shape[2:]))
+            full[rows] = t
+            return full
+        return TokenStats(*(back(t) for t in out))
+
+
+def fill_deferred(data: StepData, mb: MicroBatch, cur: TokenStats, mask: torch.Tensor, exact: bool) -> None:
+    """Write an on-policy micro-batch's own values (its tokens' log-probs, entropy, exact KL (`exact`): what
+    the old-log-prob pass would have computed, up to float rounding order) into the step's data;
+    `mask`: the micro-batch's response mask, as `cur`'s tensors are laid out."""
+    if mb.filler:
+        return
+
+    def put(full: torch.Tensor, vals: torch.Tensor) -> None:
+        vals = sanitize(vals.detach().to(full.dtype), mask)
+        if mb.packed is not None:
+            full[mb.packed.src_rows, mb.packed.src_cols] = vals.reshape(-1)
+        else:
+            full[mb.rows, :mb.response_cols] = vals
+    put(data.old_logp, cur.logprobs)
+    put(data.entropy, cur.entropy)
+    if exact:
+        put(data.kl, cur.kl.float())
