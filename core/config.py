@@ -99,6 +99,7 @@ def _positive_int(key: str, v, allow: tuple = ()) -> None:
         return
     if not isinstance(v, int) or isinstance(v, bool) or v < 1:
         extra = f" or {' / '.join(map(str, allow))}" if allow else ""
+        extra += " (0: keep all)" if key == "train.keep_last" else ""
         raise ConfigError(f"{key} must be a positive integer{extra}, got {v!r}")
 
 
@@ -152,8 +153,9 @@ class TrainConfig:
     out_dir: str = "runs/sft"
     save_every: int = 0  # 0: save only at the end
     stop_after: int | None = None  # end this run after this step (a job time limit); resume continues
-    keep_last: int = 2
+    keep_last: int = 2  # training checkpoints kept (0: all)
     resume: bool = True
+    allow_config_change: bool = False  # resume although the config differs from the run's config.yaml
     verify_checkpoints: bool = True  # hash every checkpoint file a load opens; resume falls back to one that verifies
     progress: bool = True
     device: str = "auto"  # "auto", "cpu" or "cuda"
@@ -184,7 +186,7 @@ def check_train(t: TrainConfig) -> None:
     """Named errors for a `train` section that would misbehave (pure: no collective, no file written)."""
     _positive_int("train.steps", t.steps)
     _positive_int("train.log_every", t.log_every)
-    _positive_int("train.keep_last", t.keep_last)
+    _positive_int("train.keep_last", t.keep_last, allow=(0,))  # 0: keep every checkpoint
     if not isinstance(t.save_every, int) or t.save_every < 0:
         raise ConfigError(f"train.save_every must be >= 0 (0: save only at the end), got {t.save_every!r}")
     if t.stop_after is not None:

@@ -172,7 +172,8 @@ def train(cfg: SFTConfig, stop_request: StopRequest | None = None) -> dict:
     if extra is not None:
         job.loader.load_state_dict(extra["data"])
     first = 1 if extra is None else extra["step"] + 1
-    if os.path.isfile(os.path.join(run.out_dir, "model", "manifest.json")) and run.finished(t.steps, "sft"):
+    if run.finished(t.steps, "sft"):  # else, at the last step without a verified model, the loop writes it
+        run.close()
         return {"losses": [], "grad_norms": [], "skipped_total": job.opt.skipped_total, "out_dir": run.out_dir,
                 "saved": None}
     writer = run.open_outputs(cfg)

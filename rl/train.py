@@ -22,6 +22,7 @@ import torch.distributed as dist
 import yaml
 
 import core.ckpt as ckpt
+from core.ckpt import raise_on_all_ranks, world_group
 from core.config import ConfigError, ModelConfig, check_train, from_dict, load_config, to_dict
 from core.model import Transformer
 from core.model_shapes import PRESETS, preset, shape_from_hf_config
@@ -37,12 +38,12 @@ from core.runtime.lifecycle import (
     shutdown,
 )
 from core.runtime.metrics import ProgressBar
-from core.runtime.run import Run, start_run
+from core.runtime.run import Run, check_not_stopped, record_stop, saving, start_run
 from core.tokenizer import TOKENIZER_FILES, load_tokenizer
 from parallel.dims import ParallelDims, launch_world_size, resolve_device
 from parallel.fsdp import FSDPOptions, freeze, parallelize
 from rl.config import RLConfig
-from rl.experience.prompts import PromptSampler, load_prompt_data
+from rl.experience.prompts import PromptSampler, data_hashes, load_prompt_data
 from rl.experience.rewards import build_reward
 from rl.experience.rollout import DataPrompts, TaskPrompts
 from rl.health.guards import CollapseGuard, Preempted
@@ -99,7 +100,7 @@ def prompt_sources(cfg: RLConfig, tokenizer, task, data=None, max_seq_len: int |
     train_set, eval_set = data if data is not None else load_prompt_data(cfg.data, tokenizer)
     d = cfg.data
     sampler = PromptSampler(len(train_set.prompts), ro.prompts_per_step, seed=d.seed, shuffle=d.shuffle,
-                            epochs=d.epochs)
+                            epochs=d.epochs, files=data_hashes(d))
     if cfg.train.steps > sampler.num_steps:
         raise ConfigError(f"train.steps={cfg.train.steps} is past the data: {train_set.summary()} give "
                           f"{sampler.num_steps} steps of rollout.prompts_per_step={ro.prompts_per_step} in "
@@ -223,9 +224,10 @@ def dry_run(cfg: RLConfig, world_size: int | None = None, hf_config: str | None 
     return plan
 
 
-def build(cfg: RLConfig) -> tuple[RLTrainer, Run, object]:
-    """Check the config, make sure the starting checkpoint exists (SFT builds it when asked), set up
-    the run and load policy, reference (and critic) into the trainer -> (trainer, run, tokenizer)."""
+def build(cfg: RLConfig, stop_request: StopRequest | None = None) -> tuple[RLTrainer, Run, object]:
+    """Check the config, make sure the starting checkpoint exists (SFT builds it when asked; a signal
+    caught by `stop_request` stops it at its next step, with its checkpoint), set up the run and load
+    policy, reference (and critic) into the trainer -> (trainer, run, tokenizer)."""
     dims = check_rl_config(cfg, launch_world_size())
     tokenizer = load_tokenizer(tokenizer_path(cfg))
     data = None
@@ -234,7 +236,7 @@ def build(cfg: RLConfig) -> tuple[RLTrainer, Run, object]:
         if cfg.init.checkpoint is None:
             raise ConfigError("data: prompts from a data set need init.checkpoint (a converted checkpoint); the "
                               "supervised warm start only knows the built-in tasks")
-    start = ensure_start_checkpoint(cfg, tokenizer, resolve_device(cfg.train.device))
+    start = ensure_start_checkpoint(cfg, tokenizer, resolve_device(cfg.train.device), stop_request)
     model_cfg = from_dict(ModelConfig, ckpt.read_manifest(start)["model_config"])
     check_memory(cfg, model_cfg, launch_world_size(), resolve_device(cfg.train.device))
     run = start_run(cfg, dims, model_cfg)
@@ -263,7 +265,8 @@ def _sampler(trainer: RLTrainer):
 
 def _extra_state(trainer: RLTrainer) -> dict:
     extra = {"kl_controller": trainer.controller.state_dict(), "ref_sync": trainer.ref_sync.state_dict(),
-             "reward_norm": trainer.reward_norm.state_dict(), "entropy_ctl": trainer.ent_ctl.state_dict()}
+             "reward_norm": trainer.reward_norm.state_dict(), "entropy_ctl": trainer.ent_ctl.state_dict(),
+             "reward_kl_window": trainer.recorder.reward_kl.state_dict()}
     if _sampler(trainer) is not None:
         extra["prompt_sampler"] = _sampler(trainer).state_dict()
     return extra
@@ -279,6 +282,8 @@ def _resume(trainer: RLTrainer, run: Run) -> int:
     trainer.reward_norm.load_state_dict(extra["reward_norm"])
     if "entropy_ctl" in extra:  # checkpoints written before the entropy target existed have none
         trainer.ent_ctl.load_state_dict(extra["entropy_ctl"])
+    if "reward_kl_window" in extra:  # reward_kl_corr's window (absent in older checkpoints)
+        trainer.recorder.reward_kl.load_state_dict(extra["reward_kl_window"])
     if _sampler(trainer) is not None or "prompt_sampler" in extra:
         if _sampler(trainer) is None or "prompt_sampler" not in extra:
             raise ConfigError(f"resume: the checkpoint under {run.ckpt_root} was "
@@ -288,14 +293,20 @@ def _resume(trainer: RLTrainer, run: Run) -> int:
     return int(extra["step"]) + 1
 
 
+def tokenizer_files(tokenizer) -> list[str]:
+    """The tokenizer files found beside the tokenizer (core.tokenizer.TOKENIZER_FILES)."""
+    folder = os.path.dirname(os.path.abspath(tokenizer.path))
+    return [os.path.join(folder, n) for n in TOKENIZER_FILES if os.path.isfile(os.path.join(folder, n))]
+
+
 def save_final_model(trainer: RLTrainer, run: Run, tokenizer, step: int) -> str:
     """Write `{out_dir}/model`: the policy's full weights (gathered over TP and DP) and the tokenizer
-    files found beside the tokenizer (core.tokenizer.TOKENIZER_FILES), all hashed in the manifest, so
-    `tools.convert_hf export` gives a folder `transformers` loads. Collective."""
-    folder = os.path.dirname(os.path.abspath(tokenizer.path))
-    files = [os.path.join(folder, n) for n in TOKENIZER_FILES if os.path.isfile(os.path.join(folder, n))]
-    return ckpt.save_model_weights(trainer.policy, os.path.join(run.out_dir, "model"), run.state,
-                                   tokenizer_fingerprint=tokenizer.fingerprint, step=step, extra_files=files)
+    files, all hashed in the manifest, so `tools.convert_hf export` gives a folder `transformers`
+    loads. Collective."""
+    with saving(f"the final model {run.final_model_dir} (step {step})"):
+        return ckpt.save_model_weights(trainer.policy, run.final_model_dir, run.state,
+                                       tokenizer_fingerprint=tokenizer.fingerprint, step=step,
+                                       extra_files=tokenizer_files(tokenizer))
 
 
 def _report(rec: dict, step: int, cfg: RLConfig, is_main: bool) -> str | None:
@@ -317,11 +328,21 @@ def _should_save(t, step: int, stop) -> bool:
 def run(cfg: RLConfig, stop_request: StopRequest | None = None) -> list[dict]:
     """Train as `cfg` says. A SIGTERM / SIGUSR1 caught by `stop_request` ends the run after the next
     step every rank agrees on, with its checkpoint written (raises Preempted)."""
-    trainer, run, tokenizer = build(cfg)
-    first = _resume(trainer, run)
+    trainer, run, tokenizer = build(cfg, stop_request)
     t = cfg.train
-    if run.finished(t.steps - 1, "rl.train"):
-        return []
+    try:
+        first = _resume(trainer, run)
+        raise_on_all_ranks(lambda: check_not_stopped(run.out_dir, run.resumed_step) if run.state.is_main else None,
+                           world_group(run.state), src=0)
+        if run.resumed_step is not None and run.resumed_step >= t.steps - 1:
+            if not run.finished(t.steps - 1, "rl.train", final_step=t.steps):  # final model missing: write it
+                save_final_model(trainer, run, tokenizer, t.steps)
+            run.close()
+            getattr(trainer.reward_fn, "close", lambda: None)()
+            return []
+    except BaseException:
+        run.close()  # the out_dir lock
+        raise
     writer = run.open_outputs(cfg)
     bar = ProgressBar(t.steps, enabled=run.state.is_main and t.progress, every=t.log_every)
     dog = Watchdog.for_run(cfg.parallel.watchdog_s).start()
@@ -340,7 +361,10 @@ def run(cfg: RLConfig, stop_request: StopRequest | None = None) -> list[dict]:
             preempted = stop_request is not None and stop_request.agree(run.device)
             if _should_save(t, step, stop or preempted):
                 dog.beat("save", step)
-                run.save(step, _modules(trainer), _extra_state(trainer), tokenizer.fingerprint)
+                run.save(step, _modules(trainer), _extra_state(trainer), tokenizer.fingerprint,
+                         tokenizer_files(tokenizer))
+                if collapse and run.state.is_main:  # a rerun must not train the collapsed checkpoint on
+                    record_stop(run.out_dir, step, "collapse", collapse.removeprefix("kltron: "))
             if stop or preempted or (t.stop_after is not None and step + 1 >= t.stop_after):
                 break
         if not stop and not preempted and records and records[-1]["step"] == t.steps - 1:
@@ -352,6 +376,7 @@ def run(cfg: RLConfig, stop_request: StopRequest | None = None) -> list[dict]:
     finally:
         dog.stop()
         run.close()
+        getattr(trainer.reward_fn, "close", lambda: None)()  # the reward plug-ins' worker process
         if trainer.monitor is not None:
             trainer.monitor.close()
     if stop:

@@ -17,6 +17,8 @@ from rl.config import RLConfig
 from rl.experience.rewards import build_reward
 from rl.experience.tasks import sft_text
 
+DATA_WAIT_S = 120.0  # how long ranks > 0 wait for rank 0's task corpus (no process group exists yet)
+
 
 def corrupt_answer(answer: str, rng: random.Random) -> str:
     """The answer with one character replaced by another of its kind (digit or letter)."""
@@ -50,7 +52,9 @@ def _is_checkpoint(path: str) -> bool:
     return os.path.isfile(os.path.join(path, "manifest.json"))
 
 
-def ensure_start_checkpoint(cfg: RLConfig, tokenizer, device) -> str:
+def ensure_start_checkpoint(cfg: RLConfig, tokenizer, device, stop_request=None) -> str:
+    """`init.start_checkpoint`, built first by SFT when absent. A SIGTERM / SIGUSR1 caught by `stop_request`
+    stops the SFT at its next step with its checkpoint (core.lifecycle.Preempted); the same command resumes it."""
     path = cfg.init.start_checkpoint
     if _is_checkpoint(path):
         return path
@@ -69,10 +73,13 @@ def ensure_start_checkpoint(cfg: RLConfig, tokenizer, device) -> str:
     else:  # the other ranks wait for rank 0's file (no process group exists yet)
         import time
 
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + DATA_WAIT_S
         while not os.path.exists(data_file):
             if time.monotonic() > deadline:
-                raise TimeoutError(f"rank {rank}: {data_file} did not appear")
+                raise ckpt.CheckpointError(
+                    f"rank {rank}: {data_file}, written by rank 0 for the supervised warm start, did not appear in "
+                    f"{DATA_WAIT_S:g} s: init.sft_dir={cfg.init.sft_dir} must be on a file system every rank sees "
+                    "(or set init.checkpoint to a checkpoint every rank sees)")
             time.sleep(0.2)
     sft = SFTConfig(model=cfg.model, parallel=cfg.parallel,
                     optim=type(cfg.optim)(lr=cfg.init.sft_lr, min_lr=cfg.init.sft_lr * 0.1, warmup_steps=20),
@@ -80,7 +87,7 @@ def ensure_start_checkpoint(cfg: RLConfig, tokenizer, device) -> str:
                                     micro_batch_size=cfg.init.sft_micro_batch_size),
                     train=TrainConfig(steps=cfg.init.sft_steps, seed=cfg.train.seed, out_dir=cfg.init.sft_dir,
                                       progress=cfg.train.progress, device=str(device.type), log_every=10))
-    sft_train(sft)
+    sft_train(sft, stop_request)
     if not _is_checkpoint(path):
         raise ckpt.CheckpointError(f"supervised warm start finished but wrote no checkpoint at {path}")
     return path

@@ -119,9 +119,11 @@ GRAPH = scan()
 # Problems in files owned by other work in progress when this test was written: each entry is the
 # problem text it excuses. When the file is fixed, test_known_problems_still_exist asks for the
 # entry's removal. rl/experience/rewards.py imports user reward plug-ins by name ("package.module:function"),
-# which needs importlib; that one stays.
+# which needs importlib; that one stays, as does its worker process's (rl/experience/reward_worker.py: the
+# same plug-ins imported in the child, without torch).
 KNOWN = {
     "rl.experience.rewards": ["imports importlib"],
+    "rl.experience.reward_worker": ["imports importlib"],
 }
 
 

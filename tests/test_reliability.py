@@ -119,7 +119,7 @@ def test_bad_plugin_through_the_config_is_named(spec):
     from rl.experience.rewards import RewardConfig, build_reward, score_responses
 
     _, fn, _ = build_reward(RewardConfig(task="arithmetic", fns=[spec]))
-    with pytest.raises(ValueError, match=r"reward for prompt 0, sample 0: .*plug-in plugin_(none|raises)"):
+    with pytest.raises(ValueError, match=r"prompt 0, sample 0: .*plug-in (tests.test_reliability:)?plugin_(none|ra)"):
         score_responses(fn, [{"prompt": "1+1=", "answer": "2"}], ["2"], group_size=1)
 
 

@@ -233,11 +233,32 @@ def tokenizer_fingerprint(folder: str) -> str | None:
 # import / export
 
 
+def _check_out(out: str, force: bool) -> None:
+    """Refuse to replace a checkpoint at `out`: a trained model (or, with `force`, only a model folder
+    may be replaced; a training checkpoint and its optimizer state never are)."""
+    if not os.path.isfile(os.path.join(out, "manifest.json")):
+        return
+    try:
+        m = read_manifest(out)
+        kind, step = m.get("kind"), m.get("step")
+    except CheckpointError:
+        kind, step = "unreadable", None
+    what = f"a kltron {kind} checkpoint of step {step}"
+    if kind == "train":
+        raise ConvertError(f"--out {out} holds {what} (weights and optimizer state); refusing to replace it: "
+                           "choose another --out")
+    if not force:
+        raise ConvertError(f"--out {out} already holds {what}; refusing to replace it: choose another --out, or "
+                           "pass --force to replace it")
+
+
 def import_hf(hf_dir: str, out: str, dtype: str = "keep", max_shard_bytes: int | None = None,
-              ignore_sliding_window: bool = False) -> str:
-    """Convert the HF checkpoint in `hf_dir` into a kltron model checkpoint folder `out`."""
+              ignore_sliding_window: bool = False, force: bool = False) -> str:
+    """Convert the HF checkpoint in `hf_dir` into a kltron model checkpoint folder `out`. An existing
+    checkpoint at `out` is refused by name (`force`: a model checkpoint is replaced; never a training one)."""
     if dtype not in DTYPES:
         raise ConvertError(f"--dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    _check_out(out, force)
     cpath = os.path.join(hf_dir, "config.json")
     source = _read_json(cpath)
     cfg, arch = model_config_from_hf(source, cpath, ignore_sliding_window)
@@ -318,7 +339,10 @@ def export_hf(ckpt: str, hf_dir: str, max_shard_bytes: int | None = None, tokeni
     dtypes = {dtype_name(dt) for dt, _ in specs.values()}
     config = hf_config_from_model(cfg, dtypes.pop() if len(dtypes) == 1 else "float32", src.get("config"))
     write_bytes_atomic(os.path.join(hf_dir, "config.json"), json.dumps(config, indent=2).encode("utf-8"))
-    copy_tokenizer_files(tokenizer_dir or ckpt, hf_dir)
+    if not copy_tokenizer_files(tokenizer_dir or ckpt, hf_dir):
+        print(f"kltron.convert_hf: warning: {tokenizer_dir or ckpt} holds no tokenizer files "
+              f"({', '.join(TOKENIZER_FILES)}), so {hf_dir} has none and transformers cannot load a tokenizer from "
+              "it; pass --tokenizer-dir (a run's model/ folder or the converted start checkpoint)", file=sys.stderr)
     return hf_dir
 
 
@@ -331,6 +355,8 @@ def main(argv=None) -> int:
     im.add_argument("--dtype", default="keep", choices=sorted(DTYPES))
     im.add_argument("--max-shard-bytes", type=int, default=None)
     im.add_argument("--ignore-sliding-window", action="store_true")
+    im.add_argument("--force", action="store_true",
+                    help="replace a model checkpoint already at --out (a training checkpoint is never replaced)")
     ex = sub.add_parser("export", help="kltron checkpoint -> Hugging Face folder")
     ex.add_argument("--ckpt", required=True)
     ex.add_argument("--hf-dir", required=True)
@@ -340,7 +366,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     try:
         if args.cmd == "import":
-            path = import_hf(args.hf_dir, args.out, args.dtype, args.max_shard_bytes, args.ignore_sliding_window)
+            path = import_hf(args.hf_dir, args.out, args.dtype, args.max_shard_bytes, args.ignore_sliding_window,
+                             args.force)
         else:
             path = export_hf(args.ckpt, args.hf_dir, args.max_shard_bytes, args.tokenizer_dir,
                              verify=not args.no_verify)

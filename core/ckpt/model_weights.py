@@ -220,6 +220,13 @@ def check_model_config(saved: dict, cfg: ModelConfig, where: str, strict: bool =
 # model checkpoints
 
 
+def sidecar_files(m: dict) -> list[str]:
+    """The files of manifest `m` beside the tensors that a run reads too: the tokenizer's and
+    generation_config.json (its eos ids end the sampled responses)."""
+    return sorted(n for n in m["files"] if n.endswith((".json", ".model")) and ".safetensors" not in n
+                  and n != "train_state.json")
+
+
 def load_model_weights(model: nn.Module, path: str, state, *, tokenizer_fingerprint: str | None = None,
                        what: str = "policy", strict_config: bool = True, verify: bool = True) -> dict:
     """Fill `model` (a Transformer or a Critic's `.body`, built for this rank's tp, on a real device
@@ -228,7 +235,8 @@ def load_model_weights(model: nn.Module, path: str, state, *, tokenizer_fingerpr
     a root whose latest complete checkpoint is used. Each rank reads only its slices.
 
     Checks, each failing with one CheckpointError on every rank (state.mesh None: one process):
-    `verify` (default on) hashes every model*.safetensors file (and index) against the manifest
+    `verify` (default on) hashes every model*.safetensors file (and index) and the sidecar files
+    (tokenizer, generation_config.json: `sidecar_files`) against the manifest
     before any tensor is read, the hashing split over the ranks (core/ckpt/manifest.verify_files);
     the manifest's model config against `model.cfg` (the field is named; strict_config=False compares
     only the architecture fields), the tokenizer fingerprint when both are known (`what` names the
@@ -243,7 +251,7 @@ def load_model_weights(model: nn.Module, path: str, state, *, tokenizer_fingerpr
     ckpt, m = raise_on_all_ranks(lambda: open_checkpoint(path), group)
     if verify:
         names = raise_on_all_ranks(lambda: tensor_files(ckpt, m, "model"), group)
-        verify_files(ckpt, m, names, group)
+        verify_files(ckpt, m, names + sidecar_files(m), group)
 
     def load() -> dict:
         where = f"{what} checkpoint {ckpt}"

@@ -19,6 +19,7 @@ its FSDP chunk. AdamW state is created directly in torch's layout ({"step": fp32
 from __future__ import annotations
 
 import os
+import shutil
 import sys
 
 import torch
@@ -116,10 +117,11 @@ def _rng_state(state) -> dict:
 
 def save_train_checkpoint(root: str, step: int, state, modules: dict, *, extra: dict | None = None,
                           keep_last: int | None = None, tokenizer_fingerprint: str | None = None,
-                          max_shard_bytes: int | None = None) -> str:
+                          max_shard_bytes: int | None = None, extra_files: list[str] | None = None) -> str:
     """Save `root/step-XXXXXXXX` (atomic; `latest` updated; the newest `keep_last` kept). Collective:
     every rank calls it with the same modules. `extra`: JSON state of the caller (controller,
-    data loader, ...), returned by `load_train_checkpoint`. Returns the folder on every rank."""
+    data loader, ...), returned by `load_train_checkpoint`. `extra_files`: paths (the tokenizer's files)
+    copied in under their own names and hashed in the manifest. Returns the folder on every rank."""
     _check_names(modules)
     if not modules:
         raise CheckpointError("save_train_checkpoint: no modules")
@@ -142,6 +144,8 @@ def save_train_checkpoint(root: str, step: int, state, modules: dict, *, extra: 
             schedule = {n: {"step_count": o.step_count, "skipped_total": o.skipped_total}
                         for n, (_, o) in modules.items() if o is not None}
             write_train_state(tmp, {"step": step, "schedule": schedule, "rng": rng, "extra": dict(extra or {})})
+            for f in extra_files or ():
+                shutil.copyfile(f, os.path.join(tmp, os.path.basename(f)))
 
     return save_checkpoint_dir(root, step, write, info=info, keep_last=keep_last, group=world_group(state),
                                all_ranks_write=True)

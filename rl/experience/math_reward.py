@@ -16,13 +16,16 @@ Equality (`answers_match`): the built-in normaliser first --
   otherwise strings with spaces, "\\left"/"\\right", "\\!"/"\\,", "^\\circ", "\\text{}" wrappers, outer
   "$" and a trailing "." removed ("dfrac"/"tfrac" read as "frac"; plain words compared lowercased) --
 then, only when that says "different" and `math-verify` is installed (optional extra), its symbolic
-`verify(parse(gold), parse(answer))` (e.g. "\\sqrt{8}" vs "2\\sqrt{2}"). A missing meta["answer"] raises
-KeyError naming the key: a reward is never silently 0 for bad data.
+`verify(parse(gold), parse(answer))` (e.g. "\\sqrt{8}" vs "2\\sqrt{2}"), each parse and the comparison
+limited to MV_TIMEOUT_S seconds in the main thread (past it: "not equal"; "\\boxed{10^{10^{10}}}" would
+otherwise compute for hours). A number of more digits than Python converts (4,300) is compared as text.
+A missing meta["answer"] raises KeyError naming the key: a reward is never silently 0 for bad data.
 """
 
 from __future__ import annotations
 
 import re
+import threading
 from fractions import Fraction
 
 try:  # optional: pip install math-verify
@@ -102,7 +105,7 @@ def parse_number(answer: str) -> tuple[Fraction, bool] | None:
         value = Fraction(m.group(1).replace(",", ""))
         if m.group(2) is not None:
             value /= Fraction(m.group(2))
-    except ZeroDivisionError:
+    except (ZeroDivisionError, ValueError):  # ValueError: more digits than int() converts (sys.int_info)
         return None
     return value, pct
 
@@ -113,13 +116,19 @@ def normalize_answer(answer: str) -> str:
     return s if "\\" in s else s.lower()
 
 
+MV_TIMEOUT_S = 5  # math-verify's own (SIGALRM) limit per parse and per comparison: past it, "not equal"
+
+
 def _math_verify_equal(gold: str, answer: str) -> bool:
     if _mv_parse is None:
         return False
-    try:  # no signal-based timeouts: rewards may run off the main thread
-        g = _mv_parse(f"${gold}$", parsing_timeout=None)
-        a = _mv_parse(f"${answer}$", parsing_timeout=None)
-        return bool(g and a and _mv_verify(g, a, timeout_seconds=None))
+    # math-verify's timeouts use SIGALRM, which only the main thread may set: on (a rank's reward worker,
+    # rl.experience.reward_worker, runs plug-ins in its main thread); off elsewhere (reward.timeout_s bounds it)
+    t = MV_TIMEOUT_S if threading.current_thread() is threading.main_thread() else None
+    try:
+        g = _mv_parse(f"${gold}$", parsing_timeout=t)
+        a = _mv_parse(f"${answer}$", parsing_timeout=t)
+        return bool(g and a and _mv_verify(g, a, timeout_seconds=t))
     except Exception:  # noqa: BLE001 - math-verify's parser raises many types on odd LaTeX: "not equal"
         return False
 

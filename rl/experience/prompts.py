@@ -22,6 +22,7 @@ Every bad input raises PromptDataError naming the file, the line (Parquet: the r
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from dataclasses import dataclass, field
@@ -145,6 +146,10 @@ def _prompt_input(cfg: PromptDataConfig, rec: dict, where: str) -> list[dict] | 
     if cfg.prompt_field not in rec:
         raise PromptDataError(f"{where}: missing field '{cfg.prompt_field}' (fields: {sorted(rec)})")
     value = rec[cfg.prompt_field]
+    if isinstance(value, str) and not value.strip():
+        raise PromptDataError(f"{where}: field '{cfg.prompt_field}' is empty")
+    if isinstance(value, list) and any(isinstance(m, dict) and m.get("content") == "" for m in value):
+        raise PromptDataError(f"{where}: field '{cfg.prompt_field}' holds a message with empty content")
     if cfg.apply_chat_template:
         return _messages(cfg, value, where)
     if not isinstance(value, str):
@@ -204,15 +209,35 @@ def load_prompt_data(cfg: PromptDataConfig, tokenizer) -> tuple[PromptSet, Promp
             load_prompt_set(cfg.train_file, cfg, tokenizer, evals))
 
 
+def file_sha256(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def data_hashes(cfg: PromptDataConfig) -> dict:
+    """{path: sha256 of its bytes} of the training (and eval) file: a resume compares them."""
+    paths = [cfg.train_file] + ([cfg.eval_file] if cfg.eval_file is not None else [])
+    try:
+        return {p: file_sha256(p) for p in paths}
+    except OSError as e:
+        raise PromptDataError(f"{e.filename}: cannot read ({e.strerror})") from e
+
+
 class PromptSampler:
-    """The global prompt order (see the module docstring) and each DP rank's slice of a step."""
+    """The global prompt order (see the module docstring) and each DP rank's slice of a step.
+    `files`: `data_hashes` of the data set, carried by the state so that a resume on a replaced file
+    (same number of records or not) is refused by name."""
 
     def __init__(self, n_prompts: int, prompts_per_step: int, *, seed: int = 0, shuffle: bool = True,
-                 epochs: int = 1):
+                 epochs: int = 1, files: dict | None = None):
         if n_prompts < 1 or prompts_per_step < 1:
             raise PromptDataError(f"PromptSampler: need prompts and prompts_per_step >= 1, got {n_prompts}, "
                                   f"{prompts_per_step}")
         self.n, self.B, self.seed, self.shuffle, self.epochs = n_prompts, prompts_per_step, seed, shuffle, epochs
+        self.files = dict(files or {})
         self._perms: dict[int, np.ndarray] = {}
 
     @property
@@ -242,12 +267,24 @@ class PromptSampler:
         return self.global_indices(step)[dp_rank * k:(dp_rank + 1) * k]
 
     def state_dict(self) -> dict:
-        return {"n": self.n, "prompts_per_step": self.B, "seed": self.seed, "shuffle": self.shuffle}
+        out = {"n": self.n, "prompts_per_step": self.B, "seed": self.seed, "shuffle": self.shuffle}
+        return {**out, "files": self.files} if self.files else out
 
     def check_state(self, state: dict) -> None:
-        """Refuse resuming with other data or order settings (the step alone then says where we are)."""
-        if state != self.state_dict():
-            raise PromptDataError(f"resume: the prompt order was {state}, now {self.state_dict()}; the data set, "
+        """Refuse resuming with other data or order settings (the step alone then says where we are):
+        a data file whose sha256 differs from the checkpoint's is named (by position: the training file
+        first, then the eval file; a moved but unchanged file is accepted)."""
+        state = dict(state)
+        old = state.pop("files", None)
+        if old is not None and self.files:
+            for (old_path, old_sha), (path, sha) in zip(old.items(), self.files.items()):
+                if old_sha != sha:
+                    raise PromptDataError(f"resume: {path} is not the file this run was trained on (sha256 "
+                                          f"{sha[:12]}..., the checkpoint's {old_path} had {old_sha[:12]}...); "
+                                          "restore that file, or start a new run with a new train.out_dir=...")
+        mine = {k: v for k, v in self.state_dict().items() if k != "files"}
+        if state != mine:
+            raise PromptDataError(f"resume: the prompt order was {state}, now {mine}; the data set, "
                                   f"prompts_per_step, seed or shuffle changed")
 
 

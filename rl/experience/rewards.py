@@ -6,6 +6,10 @@ Plug-ins are named "package.module:function" and imported with importlib, or by 
 mean, their min, or a weighted sum (`reward.weights`, one per function, task reward first).
 `score_responses` evaluates one function over a rollout of N prompts x G samples and refuses a
 NaN or infinite reward with a ValueError naming the prompt and the sample -- never zeroed silently.
+Plug-ins given by name run in a worker process per rank (rl.experience.reward_worker), each call bounded by
+`reward.timeout_s`: a response that sends a checker into an endless computation is named (plug-in,
+prompt, sample), or scored `reward.on_timeout`, instead of hanging the run. The task's own
+exact-match reward runs in the rank (it cannot hang; no round trip).
 `RunningRewardNorm` z-scores rewards with running statistics (global over DP given dp_group) and clips them.
 """
 
@@ -13,6 +17,7 @@ from __future__ import annotations
 
 import importlib
 import math
+import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -20,6 +25,7 @@ import torch
 import torch.distributed
 
 from parallel import comm
+from rl.experience.reward_worker import RemoteError, RewardTimeout, RewardWorker
 from rl.experience.tasks import make_task
 
 RewardFn = Callable[[dict, str], float]
@@ -47,8 +53,19 @@ class RewardConfig:
     normalize: bool | str = False
     clip: float | None = None  # clip (normalised) rewards to [-clip, clip]
     max_abs: float = 1e6  # a reward with |r| above this is refused by name (overflow guard)
+    # seconds one plug-in call (reward.fns) may take; it runs in a worker process that is killed past
+    # this (0: run plug-ins in the rank, unbounded)
+    timeout_s: float = 30.0
+    on_timeout: str | float = "error"  # "error": stop the run naming the culprit; a number: that score, warned
 
     def __post_init__(self):
+        if isinstance(self.timeout_s, bool) or not isinstance(self.timeout_s, (int, float)) or not (
+                math.isfinite(self.timeout_s) and self.timeout_s >= 0):
+            raise ValueError(f"reward.timeout_s must be a finite number of seconds >= 0 (0: unbounded), got "
+                             f"{self.timeout_s!r}")
+        if self.on_timeout != "error" and (isinstance(self.on_timeout, bool) or not isinstance(
+                self.on_timeout, (int, float)) or not math.isfinite(self.on_timeout)):
+            raise ValueError(f"reward.on_timeout must be 'error' or a finite score, got {self.on_timeout!r}")
         if not (isinstance(self.max_abs, (int, float)) and math.isfinite(self.max_abs) and self.max_abs > 0):
             raise ValueError(f"reward.max_abs must be a positive finite number, got {self.max_abs!r}")
         if self.combine not in ("mean", "min", "weighted"):
@@ -74,7 +91,8 @@ def build_reward(cfg: RewardConfig):
     """(task, reward_fn, RunningRewardNorm) from a `RewardConfig`; plug-ins are imported here."""
     task = None if cfg.task is None else make_task(cfg.task, **cfg.task_args)
     fns = ([task.reward] if cfg.uses_task_reward else []) + list(cfg.fns)
-    fn = fns[0] if len(fns) == 1 and not isinstance(fns[0], str) else CombinedReward(fns, cfg.combine, cfg.weights)
+    fn = fns[0] if len(fns) == 1 and not isinstance(fns[0], str) else CombinedReward(
+        fns, cfg.combine, cfg.weights, timeout_s=cfg.timeout_s, on_timeout=cfg.on_timeout)
     norm = RunningRewardNorm(clip=cfg.clip, normalize=cfg.normalize not in (False, None),
                              fixed=cfg.normalize == "fixed")
     return task, BoundedReward(fn, cfg.max_abs), norm
@@ -102,26 +120,52 @@ def load_reward_fn(spec: str) -> RewardFn:
 
 class CombinedReward:
     """Mean, min or weighted sum (`weights`, one per function) of several reward functions (each a
-    callable, a "module:function" spec or a SHORT_NAMES key)."""
+    callable, a "module:function" spec or a SHORT_NAMES key). With `timeout_s > 0` the functions given
+    by name run in a `RewardWorker` (killed past timeout_s: RewardTimeout, or the score `on_timeout`
+    with a warning on stderr); callables run here."""
 
-    def __init__(self, fns: Sequence[RewardFn | str], combine: str = "mean", weights: Sequence[float] = ()):
+    def __init__(self, fns: Sequence[RewardFn | str], combine: str = "mean", weights: Sequence[float] = (),
+                 timeout_s: float = 0.0, on_timeout: str | float = "error"):
         if not fns:
             raise ValueError("CombinedReward needs at least one reward function")
         if combine not in ("mean", "min", "weighted"):
             raise ValueError(f"CombinedReward: combine must be 'mean', 'min' or 'weighted', got {combine!r}")
         if combine == "weighted" and len(weights) != len(fns):
             raise ValueError(f"CombinedReward: {len(fns)} functions but {len(weights)} weights")
-        self.fns = [load_reward_fn(f) if isinstance(f, str) else f for f in fns]
+        self.fns = [load_reward_fn(f) if isinstance(f, str) else f for f in fns]  # imported here: errors by name
+        self.names = [SHORT_NAMES.get(f, f) if isinstance(f, str) else getattr(f, "__qualname__", repr(f))
+                      for f in fns]
         self.combine, self.weights = combine, [float(w) for w in weights]
+        specs = [SHORT_NAMES.get(f, f) for f in fns if isinstance(f, str)]
+        self.remote = {i: k for k, i in enumerate(i for i, f in enumerate(fns) if isinstance(f, str))}
+        self.worker = RewardWorker(specs, timeout_s) if timeout_s > 0 and specs else None
+        self.on_timeout = on_timeout
+
+    def _value(self, i: int, meta: dict, response: str):
+        if self.worker is None or i not in self.remote:
+            return self.fns[i](meta, response)
+        try:
+            return self.worker.call(self.remote[i], meta, response)
+        except RewardTimeout as e:
+            if self.on_timeout == "error":
+                raise
+            print(f"kltron: reward plug-in {self.names[i]}: {e}; scored reward.on_timeout={self.on_timeout} for "
+                  f"response {response[:80]!r}", file=sys.stderr, flush=True)
+            return float(self.on_timeout)
+
+    def close(self) -> None:
+        """Stop the worker process, if any."""
+        if self.worker is not None:
+            self.worker.close()
 
     def __call__(self, meta: dict, response: str) -> float:
         vals = []
-        for f in self.fns:
-            name = getattr(f, "__qualname__", repr(f))
+        for i, name in enumerate(self.names):
             try:
-                v = f(meta, response)
+                v = self._value(i, meta, response)
             except Exception as e:  # noqa: BLE001 - re-raised naming the plug-in
-                raise RuntimeError(f"plug-in {name} raised {type(e).__name__}: {e}") from e
+                kind = e.type_name if isinstance(e, RemoteError) else type(e).__name__
+                raise RuntimeError(f"plug-in {name} raised {kind}: {e}") from e
             if isinstance(v, bool) or not isinstance(v, (int, float)):
                 raise TypeError(f"plug-in {name} returned {v!r} ({type(v).__name__}), not a number")
             vals.append(float(v))
@@ -154,6 +198,10 @@ class BoundedReward:
 
     def __call__(self, meta: dict, response: str) -> float:
         return self.fn(meta, response)
+
+    def close(self) -> None:
+        """Stop the plug-ins' worker process, if any."""
+        getattr(self.fn, "close", lambda: None)()
 
 
 def checked_reward(reward_fn: RewardFn, meta: dict, response: str, i: int, j: int,

@@ -84,6 +84,14 @@ class WindowCorr:
         self.pairs.append((float(x), float(y)))
         return pearson([p[0] for p in self.pairs], [p[1] for p in self.pairs])
 
+    def state_dict(self) -> dict:
+        """The window's pairs (JSON floats round-trip exactly): a resumed run's correlation is bitwise the same."""
+        return {"pairs": [list(p) for p in self.pairs]}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.pairs.clear()
+        self.pairs.extend((float(x), float(y)) for x, y in state["pairs"])
+
 
 def loss_term_grad_norms(loss_cfg: PolicyLossConfig, kl_cfg: KLConfig, old_logp: torch.Tensor,
                          ref_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
