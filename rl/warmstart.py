@@ -54,7 +54,8 @@ def _is_checkpoint(path: str) -> bool:
 
 def ensure_start_checkpoint(cfg: RLConfig, tokenizer, device, stop_request=None) -> str:
     """`init.start_checkpoint`, built first by SFT when absent. A SIGTERM / SIGUSR1 caught by `stop_request`
-    stops the SFT at its next step with its checkpoint (core.lifecycle.Preempted); the same command resumes it."""
+    stops the SFT at its next step with its checkpoint (core.runtime.lifecycle.Preempted); the same command
+    resumes it."""
     path = cfg.init.start_checkpoint
     if _is_checkpoint(path):
         return path

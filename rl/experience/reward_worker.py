@@ -6,7 +6,7 @@ Python signal handler can stop it, and SIGTERM is only handled once it returns).
 evaluates its plug-ins in one child process (`python -m rl.experience.reward_worker`, started on the first call,
 light: no torch) and waits for each answer at most `reward.timeout_s` seconds. On a timeout the
 child is killed (SIGKILL) and restarted on the next call, and `RewardTimeout` names the plug-in; the
-caller (`rl.rewards.checked_reward`) adds the prompt and the sample.
+caller (`rl.experience.rewards.checked_reward`) adds the prompt and the sample.
 
 | step | parent (the rank) | child |
 |---|---|---|
