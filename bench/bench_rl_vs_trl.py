@@ -2,6 +2,7 @@
 prompts and work; and generation alone against transformers' `generate`. fp32, CPU, one process.
 
     python -m bench.bench_rl_vs_trl [--sizes tiny,60m] [--steps 3] [--warmup 1] [--threads 2] [--rounds 1] [--json OUT]
+        [--response-len N --prompts 8 --group 4] [--layers L] [--phases]
 
 Same weights: a seeded kltron model saved as a kltron checkpoint, exported with tools.convert_hf.export_hf.
 Same tokenizer: the shipped sentencepiece BPE model (256 pieces) rebuilt as one tokenizer.json (its ids,
@@ -20,6 +21,13 @@ Phases. kltron: RLTrainer's timers; other = step minus them. TRL, by wrapping it
 `_generate` + `_calculate_rewards`; ref / old = `_get_per_token_logps_and_entropies` on the reference /
 on the policy without grad; step = the 4 optimizer steps of one generation (TrainerCallback.on_step_end
 marks); update = step minus `_generate_and_score_completions`, other = the rest of that method.
+Long responses (`--response-len N`, 1..4096): every response runs to N tokens on both sides: EOS is
+never drawn before N (kltron `rollout.min_new_tokens=N`, TRL `generation_kwargs={"min_new_tokens": N}`,
+both setting the EOS logit to -inf, so both draw from the same distribution), and the model gets
+max_seq_len = 64 + N positions. `--prompts P --group G` set the rollout (default 32 x 8; the mini-batch
+is P x G / 2 rows on both sides); `--layers L` overrides the size's layer count (a smaller model of the
+same shape). `--phases`: a table per model of each phase's seconds on both sides, their ratio, and
+how far kltron's phase is from half of TRL's (the seconds it would have to lose for a 2x step).
 Generation alone: core.generation.generate.generate vs transformers' generate(do_sample=True, top_k=0, top_p=1),
 same model and 256-row batch, alternating; the two models' prompt logits are compared first.
 """
@@ -27,6 +35,7 @@ same model and 256-row batch, alternating; the two models' prompt logits are com
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.util
 import json
 import os
@@ -62,6 +71,19 @@ SIZES = {
                        max_seq_len=64, bos_id=1, eos_id=2, pad_id=0),
 }
 PHASES = ("rollout", "ref_logprobs", "old_logprobs", "update", "other")
+
+
+def work(a) -> dict:
+    """The rollout's shape: prompts, group, new tokens and the length under which EOS is not drawn."""
+    n = a.response_len or NEW_TOKENS
+    return {"prompts": a.prompts, "group": a.group, "new_tokens": n, "min_new_tokens": a.response_len or 0}
+
+
+def model_config(a, size: str | None = None) -> ModelConfig:
+    """The size's model, with --layers and room for --response-len (64 positions + N)."""
+    mc = SIZES[size or a.size]
+    return dataclasses.replace(mc, n_layers=a.layers or mc.n_layers,
+                               max_seq_len=mc.max_seq_len + (a.response_len or 0))
 
 
 def trl_available() -> bool:
@@ -100,13 +122,13 @@ def write_hf_tokenizer(folder: str, vocab_size: int) -> None:
                    "pad_token": "<pad>", "unk_token": "<unk>", "padding_side": "left"}, f)
 
 
-def all_prompts(n_steps: int) -> list[list[tuple[str, dict]]]:
+def all_prompts(n_steps: int, prompts: int = PROMPTS) -> list[list[tuple[str, dict]]]:
     """The arithmetic prompts of steps 0..n_steps-1, exactly as kltron's rollout draws them."""
     task = make_task("arithmetic", max_operand=9, ops="+", partial_credit=0.0)
-    return [step_prompts(task, PROMPTS, SEED, s, 0, 1)[1] for s in range(n_steps)]
+    return [step_prompts(task, prompts, SEED, s, 0, 1)[1] for s in range(n_steps)]
 
 
-def check_prompt_ids(hf_dir: str, n_steps: int) -> int:
+def check_prompt_ids(hf_dir: str, n_steps: int, prompts: int = PROMPTS) -> int:
     """Every prompt: sentencepiece ids (with bos) == kltron's load_tokenizer(hf_dir) == AutoTokenizer's."""
     sp, ours = load_tokenizer(None), load_tokenizer(hf_dir)
     try:
@@ -114,7 +136,7 @@ def check_prompt_ids(hf_dir: str, n_steps: int) -> int:
         hf = AutoTokenizer.from_pretrained(hf_dir)
     except ImportError:
         hf = None
-    texts = [p for step in all_prompts(n_steps) for p, _ in step]
+    texts = [p for step in all_prompts(n_steps, prompts) for p, _ in step]
     for t in texts:
         want = [sp.bos_id] + sp.encode(t)
         got = {"kltron tokenizer.json": [ours.bos_id] + ours.encode(t)}
@@ -126,11 +148,10 @@ def check_prompt_ids(hf_dir: str, n_steps: int) -> int:
     return len(texts)
 
 
-def prepare(size: str, folder: str, n_steps: int) -> dict:
+def prepare(mc: ModelConfig, folder: str, n_steps: int, prompts: int = PROMPTS) -> dict:
     """Seeded model -> kltron checkpoint -> HF export (weights, config, tokenizer) under `folder`."""
     from core.ckpt import save_model_weights  # core.ckpt costs ~44 MiB RSS: kept out of the TRL child
     from tools.convert_hf import export_hf
-    mc = SIZES[size]
     tok_dir, ckpt, hf_dir = (os.path.join(folder, n) for n in ("tokenizer", "ckpt", "hf"))
     write_hf_tokenizer(tok_dir, mc.vocab_size)
     state = init_parallel(ParallelDims(1, 1), "cpu", mc.n_heads, mc.n_kv_heads)
@@ -138,7 +159,7 @@ def prepare(size: str, folder: str, n_steps: int) -> dict:
     save_model_weights(model, ckpt, state, tokenizer_fingerprint=load_tokenizer(tok_dir).fingerprint)
     shutil.rmtree(hf_dir, ignore_errors=True)  # a previous run's export (export_hf wants an empty folder)
     export_hf(ckpt, hf_dir, tokenizer_dir=tok_dir)
-    n = check_prompt_ids(hf_dir, n_steps)
+    n = check_prompt_ids(hf_dir, n_steps, prompts)
     return {"ckpt": ckpt, "hf_dir": hf_dir, "params": sum(p.numel() for p in model.parameters()), "prompts_checked": n}
 
 
@@ -146,9 +167,10 @@ def prepare(size: str, folder: str, n_steps: int) -> dict:
 def kltron_side(a) -> dict:
     from core.ckpt import load_model_weights
     from rl.train import assemble
-    mc = SIZES[a.size]
-    over = [f"rollout.prompts_per_step={PROMPTS}", f"rollout.group_size={GROUP}", "rollout.temperature=1.0",
-            f"rollout.max_new_tokens={NEW_TOKENS}", f"algo.epochs={EPOCHS}", f"algo.mini_batches={MINI_BATCHES}",
+    mc, w = model_config(a), work(a)
+    over = [f"rollout.prompts_per_step={w['prompts']}", f"rollout.group_size={w['group']}", "rollout.temperature=1.0",
+            f"rollout.max_new_tokens={w['new_tokens']}", f"rollout.min_new_tokens={w['min_new_tokens']}",
+            f"algo.epochs={EPOCHS}", f"algo.mini_batches={MINI_BATCHES}",
             "algo.name=grpo", "kl.estimator=k3+", "kl.where=loss", "loss.agg=token-mean", "kl_ctl.mode=fixed",
             f"kl_ctl.beta={BETA}", f"optim.lr={LR}", f"optim.min_lr={LR}", "optim.schedule=constant", "rollout.top_k=0",
             "optim.warmup_steps=0", "optim.weight_decay=0.0", "optim.betas=[0.9, 0.999]", "optim.grad_clip=1.0",
@@ -167,6 +189,7 @@ def kltron_side(a) -> dict:
     row["other"] = [s - sum(row[p][i] for p in PHASES[:4]) for i, s in enumerate(row["step"])]
     return {"side": "kltron", **{k: statistics.median(v) for k, v in row.items()}, "steps_s": row["step"],
             "phases_s": {p: row[p] for p in PHASES}, "reward_mean": recs[-1]["reward_mean"],
+            "response_len_mean": recs[-1]["response_len"],
             "rss_after_setup": rss_setup, "peak_rss": peak_rss()}
 
 
@@ -187,13 +210,15 @@ def _timed(obj, name: str, sink):
 def _trl_args(a, out_dir: str):
     from trl import GRPOConfig
 
-    opt_steps = EPOCHS * MINI_BATCHES
+    opt_steps, w = EPOCHS * MINI_BATCHES, work(a)
+    gen_kw = {"min_new_tokens": w["min_new_tokens"]} if w["min_new_tokens"] else None
     return GRPOConfig(
         output_dir=out_dir, use_cpu=True, bf16=False, fp16=False, report_to="none", save_strategy="no",
         logging_steps=10**6, disable_tqdm=True, seed=SEED, dataloader_num_workers=0,
-        per_device_train_batch_size=PROMPTS * GROUP // MINI_BATCHES, gradient_accumulation_steps=1,
-        steps_per_generation=MINI_BATCHES, num_iterations=EPOCHS, num_generations=GROUP,
-        max_completion_length=NEW_TOKENS, temperature=1.0, top_k=0, top_p=1.0, shuffle_dataset=False,
+        per_device_train_batch_size=w["prompts"] * w["group"] // MINI_BATCHES, gradient_accumulation_steps=1,
+        steps_per_generation=MINI_BATCHES, num_iterations=EPOCHS, num_generations=w["group"],
+        max_completion_length=w["new_tokens"], generation_kwargs=gen_kw, temperature=1.0, top_k=0, top_p=1.0,
+        shuffle_dataset=False,
         beta=BETA, loss_type="dapo", learning_rate=LR, lr_scheduler_type="constant", warmup_steps=0,
         weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-8, max_grad_norm=1.0,
         max_steps=opt_steps * (a.warmup + a.steps), log_completions=False)
@@ -205,7 +230,8 @@ def trl_side(a) -> dict:
     from trl import GRPOTrainer
 
     task = make_task("arithmetic", max_operand=9, ops="+", partial_credit=0.0)
-    rows = [{"prompt": p, "answer": m["answer"]} for step in all_prompts(a.warmup + a.steps) for p, m in step]
+    rows = [{"prompt": p, "answer": m["answer"]} for step in all_prompts(a.warmup + a.steps, a.prompts)
+            for p, m in step]
 
     def reward(prompts, completions, answer, **kw):
         return [task.reward({"prompt": p, "answer": ans}, c) for p, c, ans in zip(prompts, completions, answer)]
@@ -269,33 +295,37 @@ def generate_side(a) -> dict:
     from transformers import AutoModelForCausalLM
 
     from core.ckpt import load_model_weights
-    mc = SIZES[a.size]
+    mc, w = model_config(a), work(a)
     state = init_parallel(ParallelDims(1, 1), "cpu", mc.n_heads, mc.n_kv_heads)
     tok = load_tokenizer(a.hf_dir)
     ours = Transformer(mc, state.tp_group, device="meta").to_empty(device="cpu")
     load_model_weights(ours, a.ckpt, state)
     hf = AutoModelForCausalLM.from_pretrained(a.hf_dir, dtype=torch.float32).eval()
-    ids, mask = left_pad([[tok.bos_id] + tok.encode(p) for p, _ in all_prompts(1)[0] for _ in range(GROUP)], tok.pad_id)
+    ids, mask = left_pad([[tok.bos_id] + tok.encode(p) for p, _ in all_prompts(1, w["prompts"])[0]
+                          for _ in range(w["group"])], tok.pad_id)
     with torch.no_grad():
         diff = (ours.eval()(ids, attention_mask=mask)[..., :mc.vocab_size]
                 - hf(input_ids=ids, attention_mask=mask).logits)[mask.bool()].abs().max().item()
-    k_tps, h_tps = [], []
+    k_tps, h_tps, counts = [], [], {}
     for rep in range(a.gen_reps + 1):
-        out = generate(ours, ids, mask, max_new_tokens=NEW_TOKENS, eos_id=tok.eos_id, eos_ids=tok.eos_ids,
-                       pad_id=tok.pad_id, vocab_limit=tok.vocab_size, seed=SEED, step=rep)
+        out = generate(ours, ids, mask, max_new_tokens=w["new_tokens"], eos_id=tok.eos_id, eos_ids=tok.eos_ids,
+                       pad_id=tok.pad_id, vocab_limit=tok.vocab_size, seed=SEED, step=rep,
+                       min_new_tokens=w["min_new_tokens"])
         t0 = time.perf_counter()
         with torch.no_grad():
-            seqs = hf.generate(input_ids=ids, attention_mask=mask, do_sample=True, max_new_tokens=NEW_TOKENS,
-                               temperature=1.0, top_k=0, top_p=1.0, pad_token_id=tok.pad_id,
+            seqs = hf.generate(input_ids=ids, attention_mask=mask, do_sample=True, max_new_tokens=w["new_tokens"],
+                               min_new_tokens=w["min_new_tokens"], temperature=1.0, top_k=0, top_p=1.0,
+                               pad_token_id=tok.pad_id,
                                eos_token_id=tok.eos_ids, disable_compile=True)
         dt = time.perf_counter() - t0
         resp = seqs[:, ids.shape[1]:]
         is_eos = torch.isin(resp, torch.tensor(tok.eos_ids, device="cpu")).long()
         n_hf = int((is_eos.cumsum(1) - is_eos == 0).sum())  # tokens up to and including the first EOS
+        counts = {"kltron_tokens": out.n_tokens, "hf_tokens": n_hf}
         if rep > 0:  # rep 0 warms up both
             k_tps.append(out.tokens_per_s)
             h_tps.append(n_hf / dt)
-    return {"side": "generate", "rows": ids.shape[0], "prompt_len": ids.shape[1], "max_logit_diff": diff,
+    return {"side": "generate", "rows": ids.shape[0], "prompt_len": ids.shape[1], "max_logit_diff": diff, **counts,
             "kltron_tokens_per_s": statistics.median(k_tps), "hf_tokens_per_s": statistics.median(h_tps)}
 
 
@@ -304,7 +334,8 @@ def run_side(side: str, size: str, setup: dict, a) -> dict:
     """One side in a fresh interpreter; its JSON is the last line of its stdout."""
     cmd = [sys.executable, "-m", "bench.bench_rl_vs_trl", "--side", side, "--size", size, "--ckpt", setup["ckpt"],
            "--hf-dir", setup["hf_dir"], "--steps", str(a.steps), "--warmup", str(a.warmup),
-           "--threads", str(a.threads), "--gen-reps", str(a.gen_reps)]
+           "--threads", str(a.threads), "--gen-reps", str(a.gen_reps), "--prompts", str(a.prompts),
+           "--group", str(a.group), "--layers", str(a.layers or 0), "--response-len", str(a.response_len or 0)]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")]),
                TOKENIZERS_PARALLELISM="false")
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=REPO)
@@ -326,9 +357,25 @@ def pool_rounds(runs: list[dict]) -> dict:
             "rss_after_setup": statistics.median(r["rss_after_setup"] for r in runs)}
 
 
+def phase_table(res: dict) -> list[str]:
+    """Each phase on both sides: seconds, TRL / kltron, and kltron's seconds above half of TRL's (what the
+    phase would have to lose for a 2x step; negative: time to spare)."""
+    k, t = res["kltron"], res["trl"]
+    out = ["", f"Phases, {res['size']} ({res['params'] / 1e6:.2f}M):", "",
+           "| phase | kltron s | TRL s | TRL / kltron | kltron - TRL/2 s |", "|---|---:|---:|---:|---:|"]
+    for p in PHASES + ("step",):
+        ratio = f"{t[p] / k[p]:.2f}x" if k[p] > 0 else "-"
+        out.append(f"| {p} | {k[p]:.3f} | {t[p]:.3f} | {ratio} | {k[p] - t[p] / 2:+.3f} |")
+    return out
+
+
 def table(results: list[dict], command: str, a, load: tuple) -> str:
-    out = [f"`{command}`", "", f"fp32, CPU, {a.threads} threads, one process per side; {PROMPTS} prompts x {GROUP} "
-           f"samples, {NEW_TOKENS} new tokens, {EPOCHS} epochs x {MINI_BATCHES} mini-batches, beta {BETA}; median of "
+    w = work(a)
+    length = (f"{w['new_tokens']} new tokens (EOS stops both)" if not w["min_new_tokens"] else
+              f"{w['new_tokens']}-token responses (EOS not drawn before, both sides)")
+    out = [f"`{command}`", "", f"fp32, CPU, {a.threads} threads, one process per side; {w['prompts']} prompts x "
+           f"{w['group']} samples, {length}" + (f", {a.layers} layers" if a.layers else "")
+           + f", {EPOCHS} epochs x {MINI_BATCHES} mini-batches, beta {BETA}; median of "
            f"{a.steps} steps after {a.warmup} warm-up" + (f", pooled over {a.rounds} rounds (a fresh process per side "
            "and round, the sides alternating, the order swapped each round)" if a.rounds > 1 else "")
            + f"; 1-min load average {load[0]:.2f} at start, {load[1]:.2f} at end ({os.cpu_count()} CPUs)", "",
@@ -349,12 +396,17 @@ def table(results: list[dict], command: str, a, load: tuple) -> str:
                        + f" | {t['peak_rss'] / k['peak_rss']:.2f}x |")
     per_round = [(r["size"], [t / k for k, t in zip(r["kltron"]["round_steps_s"], r["trl"]["round_steps_s"])])
                  for r in results if "trl" in r and len(r["kltron"]["round_steps_s"]) > 1]
+    if a.phases:
+        for res in results:
+            if "trl" in res:
+                out += phase_table(res)
     if per_round:
         out += ["", "TRL / kltron step, each round's medians: " + "; ".join(
             f"{size} " + ", ".join(f"{x:.2f}x" for x in ratios) for size, ratios in per_round)]
-    out += ["", f"Generation alone ({PROMPTS * GROUP} rows, {NEW_TOKENS} new tokens, full-vocabulary sampling, median "
-            f"of {a.gen_reps}):", "", "| model | kltron generate tok/s | transformers generate tok/s | kltron / HF "
-            "| max logit diff |", "|---|---:|---:|---:|---:|"]
+    out += ["", f"Generation alone ({w['prompts'] * w['group']} rows, {w['new_tokens']} new tokens, full-vocabulary "
+            f"sampling, median of {a.gen_reps}):", "",
+            "| model | kltron generate tok/s | transformers generate tok/s | kltron / HF | max logit diff |",
+            "|---|---:|---:|---:|---:|"]
     for res in results:
         g = res["generate"]
         out.append(f"| {res['size']} | {g['kltron_tokens_per_s']:.0f} | {g['hf_tokens_per_s']:.0f} | "
@@ -373,6 +425,12 @@ def parse(argv):
     ap.add_argument("--rounds", type=int, default=1,
                     help="fresh-process runs per side, alternating with the other side; steps pooled (noise)")
     ap.add_argument("--gen-reps", type=int, default=3, help="timed generations per side after one warm-up")
+    ap.add_argument("--response-len", type=int, default=0,
+                    help="every response runs to N tokens on both sides (EOS not drawn before N); 0: the 6-token task")
+    ap.add_argument("--prompts", type=int, default=PROMPTS, help="prompts per step")
+    ap.add_argument("--group", type=int, default=GROUP, help="samples per prompt")
+    ap.add_argument("--layers", type=int, default=0, help="override the size's layer count (0: the size's own)")
+    ap.add_argument("--phases", action="store_true", help="a per-phase table: both sides, ratio, gap to 2x")
     ap.add_argument("--json", default=None)
     ap.add_argument("--workdir", default=None, help="keep checkpoints and exports here (default: a temp folder)")
     for internal in ("--side", "--size", "--ckpt", "--hf-dir"):
@@ -381,6 +439,10 @@ def parse(argv):
     if a.steps < 1 or a.warmup < 0 or a.gen_reps < 1 or a.rounds < 1:
         ap.error(f"need --steps >= 1, --warmup >= 0, --gen-reps >= 1, --rounds >= 1; got {a.steps}, {a.warmup}, "
                  f"{a.gen_reps}, {a.rounds}")
+    if not 0 <= a.response_len <= 4096 or a.prompts < 1 or a.group < 2 or a.layers < 0 \
+            or a.prompts * a.group % MINI_BATCHES:
+        ap.error(f"need 0 <= --response-len <= 4096, --prompts >= 1, --group >= 2, --layers >= 0 and prompts x group "
+                 f"divisible by {MINI_BATCHES}; got {a.response_len}, {a.prompts}, {a.group}, {a.layers}")
     bad = [s for s in a.sizes.split(",") if s not in SIZES]
     if bad:
         ap.error(f"--sizes: unknown {bad}; choose from {list(SIZES)}")
@@ -401,7 +463,8 @@ def main(argv=None) -> list[dict]:
     load0, results = os.getloadavg()[0], []
     with tempfile.TemporaryDirectory() as tmp:
         for size in a.sizes.split(","):
-            setup = prepare(size, os.path.join(a.workdir or tmp, size), a.warmup + a.steps)
+            setup = prepare(model_config(a, size), os.path.join(a.workdir or tmp, size), a.warmup + a.steps,
+                            a.prompts)
             # the checkpoint and export just written: flushed now, not by the kernel's writeback during the
             # first timed side (which had run ~10% slower, always round 1's first side)
             os.sync()
@@ -425,7 +488,7 @@ def main(argv=None) -> list[dict]:
     if a.json:
         with open(a.json + ".tmp", "w") as f:
             json.dump({"command": command.strip(), "threads": a.threads, "steps": a.steps, "warmup": a.warmup,
-                       "rounds": a.rounds,
+                       "rounds": a.rounds, "work": work(a), "layers": a.layers,
                        "load_avg_1min": load, "trl": has_trl, "results": results}, f, indent=1)
         os.replace(a.json + ".tmp", a.json)
     return results

@@ -20,6 +20,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from core.causal_layout import left_pad_shift, roll_rows, single_piece_rows
 from core.config import ModelConfig
 from core.shards import full_param_shapes, kv_heads_per_rank, tp_slice
 from parallel.comm import copy_to_tp, group_rank, group_size
@@ -324,19 +325,28 @@ class Transformer(nn.Module):
                 position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)[:, past:past + S]
             else:
                 position_ids = torch.arange(past, past + S, device=input_ids.device).expand(B, S)
-        mask = None
-        if attention_mask is not None:
+        mask, shift = None, None
+        if attention_mask is not None and kv_cache is None and S > 1:  # causal in disguise: core/causal_layout.py
+            shift = left_pad_shift(attention_mask)
+        if attention_mask is not None and shift is None:
             mask = attention_mask_4d(attention_mask, S)
         elif kv_cache is not None and past > 0:
             mask = attention_mask_4d(torch.ones(B, past + S, dtype=torch.bool, device=input_ids.device), S)
-        if document_ids is not None:  # packed: block-diagonal causal attention
-            mask = document_mask_4d(document_ids, prefix_ids)
+        if document_ids is not None and not single_piece_rows(document_ids, prefix_ids if prefix_ids is not None
+                                                              else document_ids):
+            mask = document_mask_4d(document_ids, prefix_ids)  # packed: block-diagonal causal attention
+        if shift is not None and not bool(shift.any()):
+            shift = None  # no leading padding: the mask is causal as the rows stand
+        if shift is not None:  # each row's real tokens from position 0: causal attention is the mask
+            input_ids, position_ids = roll_rows(input_ids, shift), roll_rows(position_ids, shift)
         with self._autocast(input_ids.device):
             x = self.embed(input_ids)  # (B, S, H), replicated over tp
             cos, sin = rope_cos_sin(self.inv_freq, position_ids, self.compute_dtype or x.dtype)
             layers = self._compiled_layers if self._compiled_layers and kv_cache is None else self.layers
             for i, block in enumerate(layers):
                 x = block(x, cos, sin, mask, kv_cache, i)
+            if shift is not None:
+                x = roll_rows(x, shift, inverse=True)
             if kv_cache is not None:
                 kv_cache.length = past + S
             x = self.norm(x)

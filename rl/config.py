@@ -17,6 +17,7 @@ class RolloutConfig:
     prompts_per_step: int = 8  # global, over all DP ranks
     group_size: int = 4  # samples per prompt (G)
     max_new_tokens: int = 12
+    min_new_tokens: int = 0  # no EOS is sampled before a response has this many tokens (0: off)
     temperature: float = 1.0
     top_k: int = 0  # 0: off; else sample among the k largest logits (exact across vocabulary shards)
     top_p: float = 1.0  # nucleus: keep tokens while the mass of strictly larger logits is below top_p
@@ -34,6 +35,9 @@ class RolloutConfig:
         for k in ("prompts_per_step", "group_size", "max_new_tokens"):
             if getattr(self, k) < 1:
                 raise ValueError(f"rollout.{k} must be >= 1, got {getattr(self, k)}")
+        if not 0 <= self.min_new_tokens <= self.max_new_tokens:
+            raise ValueError(f"rollout.min_new_tokens must be in [0, max_new_tokens={self.max_new_tokens}], "
+                             f"got {self.min_new_tokens}")
         if self.temperature < 0:
             raise ValueError(f"rollout.temperature must be >= 0, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:

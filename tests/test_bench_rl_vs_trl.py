@@ -74,3 +74,22 @@ def test_rounds_pool_every_step():
     assert pooled["step"] == 3.5 and pooled["round_steps_s"] == [2.0, 4.0]  # median of 1, 2, 3, 4, 5, 9
     assert pooled["update"] == pytest.approx(0.7) and pooled["peak_rss"] == 70
     assert bench.pool_rounds([run([1.0], 5)])["round_steps_s"] == [1.0]
+
+
+def test_long_responses_run_to_the_limit_on_both_sides(tmp_path):
+    """--response-len: kltron's rollout and transformers' generate (TRL's generation, same kwargs) both
+    produce N tokens in every row (EOS is never drawn before N), on a model with 64 + N positions."""
+    out = tmp_path / "long.json"
+    threads = torch.get_num_threads()
+    try:
+        bench.main(["--sizes", "tiny", "--steps", "1", "--warmup", "0", "--gen-reps", "1", "--threads", "1",
+                    "--response-len", "70", "--prompts", "2", "--group", "2", "--layers", "1", "--phases",
+                    "--json", str(out)])
+    finally:
+        torch.set_num_threads(threads)
+    with open(out) as f:
+        result = json.load(f)
+    (res,) = result["results"]
+    assert result["work"] == {"prompts": 2, "group": 2, "new_tokens": 70, "min_new_tokens": 70}
+    assert res["kltron"]["response_len_mean"] == 70  # past the tiny size's own 64 positions
+    assert res["generate"]["kltron_tokens"] == res["generate"]["hf_tokens"] == 2 * 2 * 70

@@ -205,3 +205,26 @@ def test_generation_never_samples_past_vocab_limit():
     assert out.sequences[:, ids.shape[1]:].max() < 100
     free = generate(model, ids, mask, max_new_tokens=10, eos_id=None, pad_id=0, temperature=1.0, seed=1)
     assert free.sequences[:, ids.shape[1]:].max() >= 100  # without the limit they would be drawn
+
+
+def test_min_new_tokens_suppresses_eos_until_then():
+    """With the stop id the last vocabulary column, suppressing it equals never sampling past
+    vocab_limit = V - 1 (tested above): the same tokens up to min_new_tokens, no stop before it;
+    after it the (more likely) stop id ends rows again."""
+    cfg = ModelConfig(**CFG)
+    model = build_model(cfg, seed=3)
+    eos = cfg.vocab_size - 1
+    with torch.no_grad():
+        model.lm_head.weight[eos] *= 20  # the stop id is drawn often
+    ids, mask = _prompts()
+    P, kw = ids.shape[1], dict(max_new_tokens=10, pad_id=0, temperature=1.0, seed=1)
+    free = generate(model, ids, mask, eos_id=None, vocab_limit=eos, **kw)
+    assert generate(model, ids, mask, eos_id=eos, **kw).n_tokens < 10 * ids.shape[0]  # unsuppressed: stops early
+    full = generate(model, ids, mask, eos_id=eos, min_new_tokens=10, **kw)
+    assert torch.equal(full.sequences, free.sequences) and full.n_tokens == 10 * ids.shape[0]
+    part = generate(model, ids, mask, eos_id=eos, min_new_tokens=4, **kw)
+    assert torch.equal(part.sequences[:, P:P + 4], free.sequences[:, P:P + 4])
+    assert (part.sequences[:, P:P + 4] != eos).all()
+    lens = part.response_mask.sum(1).tolist()
+    assert min(lens) >= 4 and all(n == 10 or part.sequences[i, P + n - 1] == eos for i, n in enumerate(lens))
+    assert min(lens) < 10  # a stop after min_new_tokens still ends a row

@@ -10,6 +10,8 @@ The decode loop:
     token ids) is prefilled once and its KV cache and last logits copied to its rows (GRPO's G
     samples of a prompt): the noise is keyed by row id, so the same tokens are drawn;
   - the KV cache is preallocated for the batch and P + max_new_tokens positions;
+  - with `min_new_tokens`, the stop ids' logits are -inf until a row has that many tokens (as
+    transformers' MinNewTokensLengthLogitsProcessor), so no row ends earlier;
   - a row stops on any EOS id, on a stop token sequence, on `stop_check(response_ids)` (e.g. a
     decoded-text check for stop strings), or at max_new_tokens; the stop token is part of the
     response, nothing after it is;
@@ -31,7 +33,7 @@ import torch
 
 from core.generation.sampling import sample_from_sharded_logits
 from core.model import KVCache, Transformer
-from parallel.comm import all_reduce
+from parallel.comm import all_reduce, group_rank
 from parallel.layers import vocab_parallel_logits
 
 __all__ = ["GenerationOutput", "generate", "sample_from_sharded_logits"]
@@ -163,6 +165,16 @@ def _prefill(model, prompt_ids, prompt_mask, cache: KVCache, head, share: bool, 
     return logits[inv]
 
 
+def _no_stop_ids(logits: torch.Tensor, stop_ids: set[int], tp_group) -> torch.Tensor:
+    """logits [b, Vp/tp] (this rank's vocabulary shard) with the stop ids' columns set to -inf."""
+    start, Vl = group_rank(tp_group) * logits.shape[-1], logits.shape[-1]
+    local = [i - start for i in sorted(stop_ids) if start <= i < start + Vl]
+    if local:
+        logits = logits.clone()
+        logits[:, local] = float("-inf")
+    return logits
+
+
 def _check_lengths(cfg, P: int, max_new_tokens: int, vocab_limit: int | None) -> int:
     """Refuse a prompt plus response longer than the model's context, or a bad vocab_limit -> the
     number of ids that may be sampled."""
@@ -181,7 +193,7 @@ def generate(model: Transformer, prompt_ids: torch.Tensor, prompt_mask: torch.Te
              eos_ids: Sequence[int] | None = None, stop_sequences: Sequence[Sequence[int]] | None = None,
              stop_check: Callable[[list[int]], bool] | None = None, top_p: float = 1.0, min_p: float = 0.0,
              vocab_limit: int | None = None, compact: bool = True, compile_sampler: bool = False,
-             share_prefill: bool = False, prefill_tokens: int = 0) -> GenerationOutput:
+             share_prefill: bool = False, prefill_tokens: int = 0, min_new_tokens: int = 0) -> GenerationOutput:
     """Sample up to `max_new_tokens` after left-padded prompts.
 
     prompt_ids, prompt_mask: [B, P], left-padded (mask 1 on real tokens). row_ids [B]: a global id
@@ -190,7 +202,8 @@ def generate(model: Transformer, prompt_ids: torch.Tensor, prompt_mask: torch.Te
     vocab_limit: ids >= it (e.g. the tokenizer's vocabulary when the embedding is padded past it)
     are never sampled. `share_prefill`: prefill each distinct prompt once (see the module docstring).
     `prefill_tokens` > 0: the prefill runs in blocks of at most that many prompt tokens (whole rows),
-    bounding its activations; 0: all rows in one forward.
+    bounding its activations; 0: all rows in one forward. `min_new_tokens`: no stop id (EOS) is drawn
+    before a row has that many tokens (stop sequences and stop_check still apply).
     Returns tokens on every TP rank (identical).
     """
     t0 = time.perf_counter()
@@ -203,6 +216,8 @@ def generate(model: Transformer, prompt_ids: torch.Tensor, prompt_mask: torch.Te
     vocab = _check_lengths(cfg, P, max_new_tokens, vocab_limit)
     stops = set(eos_ids or []) | ({eos_id} if eos_id is not None else set())
     stopper = _Stopper(stops, stop_sequences, stop_check, dev)
+    if min_new_tokens < 0:
+        raise ValueError(f"generate: min_new_tokens must be >= 0, got {min_new_tokens}")
     sample_kw = dict(vocab_size=vocab, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed,
                      step=step, tp_group=tp_group, compile=compile_sampler)
     cache = KVCache.empty(cfg, B, total, model.tp, dev, model.activation_dtype)  # bf16 when computing in bf16
@@ -219,6 +234,8 @@ def generate(model: Transformer, prompt_ids: torch.Tensor, prompt_mask: torch.Te
         logits = _prefill(model, prompt_ids, mask[:, :P], cache, head, share_prefill, prefill_tokens,
                           dp_group)  # (B, Vp/tp)
         for t in range(max_new_tokens):
+            if t < min_new_tokens:
+                logits = _no_stop_ids(logits, stops, tp_group)
             tok = sample_from_sharded_logits(logits, row_ids=row_ids[rows], position=t, **sample_kw)
             at = rows[live]
             seqs[at, P + t] = tok[live]

@@ -178,7 +178,8 @@ def _generate(policy, tokenizer, prompt_ids: list[list[int]], G: int, cfg: Rollo
                    stop_check=stop_string_check(tokenizer, cfg.stop),
                    vocab_limit=getattr(tokenizer, "vocab_size", None), seed=seed, step=step,
                    row_ids=row_ids.to(device), tp_group=tp_group, dp_group=dp_group,
-                   share_prefill=cfg.share_prefill and G > 1, prefill_tokens=cfg.prefill_tokens, **sample)
+                   share_prefill=cfg.share_prefill and G > 1, prefill_tokens=cfg.prefill_tokens,
+                   min_new_tokens=cfg.min_new_tokens, **sample)
     return gen, decode_responses(tokenizer, gen.sequences[:, gen.prompt_len:].cpu(), gen.response_mask.cpu())
 
 

@@ -124,7 +124,9 @@ class LayoutCost:
     each token's projections and MLP (2 (2 H^2 + 2 H Hkv) + 6 H I multiply-adds) and each of the R W^2
     attention scores (4 H: Q K^T and P V). With a dense mask every score is computed (neither SDPA's CPU
     kernel nor its CUDA ones skip masked blocks), so the score term grows with the square of a row: a
-    group of G long responses in one row costs G^2 times one response's attention. tp divides both."""
+    group of G long responses in one row costs G^2 times one response's attention. tp divides both.
+    Rows of one prompt and one response run causal attention instead (core/causal_layout.py), about half
+    the modelled scores: the model overprices only the plan it already picks at long responses."""
 
     per_token: float
     per_score: float
