@@ -313,7 +313,8 @@ def _report(rec: dict, step: int, cfg: RLConfig, is_main: bool) -> str | None:
     """Warn on stderr above guard.kl_warn_per_token; the stop message when guard.kl_stop_per_token was passed."""
     if rec["kl_warning"] and is_main:
         print(f"kltron: step {step}: mean KL {rec['kl_mean']:.3f} nats per token is above guard.kl_warn_per_token="
-              f"{cfg.guard.kl_warn_per_token}", file=sys.stderr)
+              f"{cfg.guard.kl_warn_per_token}: the policy moved far from the reference (learning rate too high? "
+              f"optim.lr={cfg.optim.lr}; or kl_ctl.beta={rec['beta']:.3g} too small)", file=sys.stderr)
     if rec.get("kl_stop"):
         return (f"kltron: step {step}: mean KL {rec['kl_mean']:.3f} nats per token passed guard.kl_stop_per_token="
                 f"{cfg.guard.kl_stop_per_token}; stopping after this checkpoint (see python -m tools.diagnose)")

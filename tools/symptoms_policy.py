@@ -118,9 +118,14 @@ def check_ref_ratio_extreme(rows, window: int) -> Finding | None:
 
 def check_entropy_collapse(rows, window: int) -> Finding | None:
     ent = series(rows, "entropy")[-window:]
-    if len(ent) < 6:
+    if not ent:
         return None
-    last = sum(ent[-3:]) / 3
+    # a run a guard stopped within a few steps is judged too when its entropy is already gone (no noise
+    # reaches 0.05 nats/token from a healthy start)
+    if len(ent) < 6:
+        if len(ent) < 2 or ent[-1] >= ENTROPY_ZERO:
+            return None
+    last = sum(ent[-3:]) / 3 if len(ent) >= 6 else ent[-1]
     short = ent[-10:]
     fast = len(short) >= 6 and short[0] > 0.2 and last < 0.4 * short[0]
     if not (last < ENTROPY_ZERO or fast):
