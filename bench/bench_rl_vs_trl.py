@@ -403,11 +403,13 @@ def table(results: list[dict], command: str, a, load: tuple) -> str:
     if per_round:
         out += ["", "TRL / kltron step, each round's medians: " + "; ".join(
             f"{size} " + ", ".join(f"{x:.2f}x" for x in ratios) for size, ratios in per_round)]
-    out += ["", f"Generation alone ({w['prompts'] * w['group']} rows, {w['new_tokens']} new tokens, full-vocabulary "
+    gen = [r for r in results if "generate" in r]
+    out += [] if not gen else [
+        "", f"Generation alone ({w['prompts'] * w['group']} rows, {w['new_tokens']} new tokens, full-vocabulary "
             f"sampling, median of {a.gen_reps}):", "",
             "| model | kltron generate tok/s | transformers generate tok/s | kltron / HF | max logit diff |",
             "|---|---:|---:|---:|---:|"]
-    for res in results:
+    for res in gen:
         g = res["generate"]
         out.append(f"| {res['size']} | {g['kltron_tokens_per_s']:.0f} | {g['hf_tokens_per_s']:.0f} | "
                    f"{g['kltron_tokens_per_s'] / g['hf_tokens_per_s']:.2f}x | {g['max_logit_diff']:.1e} |")
@@ -424,7 +426,8 @@ def parse(argv):
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=1,
                     help="fresh-process runs per side, alternating with the other side; steps pooled (noise)")
-    ap.add_argument("--gen-reps", type=int, default=3, help="timed generations per side after one warm-up")
+    ap.add_argument("--gen-reps", type=int, default=3,
+                    help="timed generations per side after one warm-up (0: no generation-alone comparison)")
     ap.add_argument("--response-len", type=int, default=0,
                     help="every response runs to N tokens on both sides (EOS not drawn before N); 0: the 6-token task")
     ap.add_argument("--prompts", type=int, default=PROMPTS, help="prompts per step")
@@ -436,8 +439,8 @@ def parse(argv):
     for internal in ("--side", "--size", "--ckpt", "--hf-dir"):
         ap.add_argument(internal, default=None, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
-    if a.steps < 1 or a.warmup < 0 or a.gen_reps < 1 or a.rounds < 1:
-        ap.error(f"need --steps >= 1, --warmup >= 0, --gen-reps >= 1, --rounds >= 1; got {a.steps}, {a.warmup}, "
+    if a.steps < 1 or a.warmup < 0 or a.gen_reps < 0 or a.rounds < 1:
+        ap.error(f"need --steps >= 1, --warmup >= 0, --gen-reps >= 0, --rounds >= 1; got {a.steps}, {a.warmup}, "
                  f"{a.gen_reps}, {a.rounds}")
     if not 0 <= a.response_len <= 4096 or a.prompts < 1 or a.group < 2 or a.layers < 0 \
             or a.prompts * a.group % MINI_BATCHES:
@@ -478,9 +481,10 @@ def main(argv=None) -> list[dict]:
             for side, got in runs.items():
                 if got:
                     res[side] = pool_rounds(got)
-            res["generate"] = run_side("generate", size, setup, a)
-            g = res["generate"]
-            log(f"  {size} generate: {g['kltron_tokens_per_s']:.0f} vs {g['hf_tokens_per_s']:.0f} tok/s")
+            if a.gen_reps:  # 0: no generation-alone comparison
+                res["generate"] = run_side("generate", size, setup, a)
+                g = res["generate"]
+                log(f"  {size} generate: {g['kltron_tokens_per_s']:.0f} vs {g['hf_tokens_per_s']:.0f} tok/s")
             results.append(res)
     load = (load0, os.getloadavg()[0])
     command = "python -m bench.bench_rl_vs_trl " + " ".join(argv if argv is not None else sys.argv[1:])
