@@ -19,15 +19,13 @@ from dataclasses import replace
 
 import torch
 import torch.distributed as dist
-import yaml
 
 import core.ckpt as ckpt
 from core.ckpt import raise_on_all_ranks, world_group
-from core.config import ConfigError, ModelConfig, check_train, from_dict, load_config, to_dict
+from core.config import ConfigError, ModelConfig, from_dict, load_config
 from core.model import Transformer
-from core.model_shapes import PRESETS, preset, shape_from_hf_config
+from core.model_shapes import PRESETS
 from core.optim import build_optimizer
-from core.runtime.budget import param_counts, projected_peak_bytes
 from core.runtime.lifecycle import (
     PREEMPTED_EXIT,
     RankStalled,
@@ -40,7 +38,7 @@ from core.runtime.lifecycle import (
 from core.runtime.metrics import ProgressBar
 from core.runtime.run import Run, check_not_stopped, record_stop, saving, start_run
 from core.tokenizer import TOKENIZER_FILES, load_tokenizer
-from parallel.dims import ParallelDims, launch_world_size, resolve_device
+from parallel.dims import launch_world_size, resolve_device
 from parallel.fsdp import FSDPOptions, freeze, parallelize
 from rl.config import RLConfig
 from rl.experience.prompts import PromptSampler, data_hashes, load_prompt_data
@@ -48,23 +46,9 @@ from rl.experience.rewards import build_reward
 from rl.experience.rollout import DataPrompts, TaskPrompts
 from rl.health.guards import CollapseGuard, Preempted
 from rl.models.critic import Critic
+from rl.preflight import check_memory, check_rl_config, dry_run
 from rl.trainer import RLTrainer
 from rl.warmstart import ensure_start_checkpoint
-
-
-def check_rl_config(cfg: RLConfig, world: int) -> ParallelDims:
-    """Arithmetic checks, identical on every rank, before any collective or file."""
-    check_train(cfg.train)
-    dp = cfg.parallel.resolve_dp(world)
-    dims = ParallelDims(dp=dp, tp=cfg.parallel.tp).validate(world)
-    if cfg.rollout.prompts_per_step % dims.dp:
-        raise ConfigError(f"rollout.prompts_per_step={cfg.rollout.prompts_per_step} must be a multiple of "
-                          f"dp={dims.dp}")
-    rows = cfg.rollout.prompts_per_step // dims.dp * cfg.rollout.group_size
-    if rows % cfg.algo.mini_batches:
-        raise ConfigError(f"algo.mini_batches={cfg.algo.mini_batches} must divide the {rows} rows per DP rank "
-                          f"(prompts_per_step / dp * group_size)")
-    return dims
 
 
 def _load(module_cls, model_cfg, path, state, kv_group, device, tokenizer_fp, what, verify=True, **kw):
@@ -145,83 +129,6 @@ def assemble(cfg: RLConfig, state, model_cfg, tokenizer, policy, ref, critic=Non
     source, evals = prompt_sources(cfg, tokenizer, task, data, model_cfg.max_seq_len)
     return RLTrainer(cfg, state, policy, ref, opt, tokenizer, source, reward_fn, reward_norm, critic, critic_opt,
                      eval_prompts=evals)
-
-
-def memory_plan(cfg: RLConfig, model_cfg: ModelConfig, world_size: int, device: torch.device) -> dict:
-    """core.runtime.budget's projected peak bytes per rank of one step of this exact config, model and layout."""
-    return projected_peak_bytes(replace(cfg, model=model_cfg), world_size, device.type)
-
-
-def check_memory(cfg: RLConfig, model_cfg: ModelConfig, world_size: int, device: torch.device) -> None:
-    """On CUDA, refuse (ConfigError, before any model is built) a run whose projected peak per rank
-    exceeds the GPU's memory, with the numbers; `train.memory_check=false` overrides."""
-    if device.type != "cuda" or not cfg.train.memory_check:
-        return
-    plan = memory_plan(cfg, model_cfg, world_size, device)
-    cap = torch.cuda.get_device_properties(device).total_memory
-    if plan["peak"] > cap:
-        parts = ", ".join(f"{k} {v / 2**30:.1f}" for k, v in plan["parts"].items() if v)
-        raise ConfigError(f"projected peak {plan['peak'] / 2**30:.1f} GiB per rank exceeds the "
-                          f"{cap / 2**30:.1f} GiB of {torch.cuda.get_device_name(device)} (GiB: {parts}); raise "
-                          "parallel.tp or the number of ranks, shard or offload the reference, lower the batch, or "
-                          "set train.memory_check=false to try anyway")
-
-
-def planned_model(cfg: RLConfig, hf_config: str | None = None, preset_name: str | None = None) -> tuple:
-    """(ModelConfig, where its shape came from) for a plan made before any weights are loaded: `hf_config`
-    (a Hugging Face config.json or its folder), else the preset `preset_name` (core.model_shapes), else
-    the start checkpoint's manifest, else init.checkpoint's config.json (an HF folder not converted yet),
-    else the model section when the warm start builds the checkpoint. A named init.checkpoint holding
-    neither file is refused (ConfigError): a guessed shape would give a meaningless plan."""
-    if hf_config is not None and preset_name is not None:
-        raise ConfigError("--dry-run: give --hf-config or --model, not both")
-    if hf_config is not None:
-        return shape_from_hf_config(hf_config), f"the Hugging Face config {hf_config}"
-    if preset_name is not None:
-        return preset(preset_name), f"the preset {preset_name}"
-    start = cfg.init.start_checkpoint
-    if os.path.isfile(os.path.join(start, "manifest.json")):
-        return from_dict(ModelConfig, ckpt.read_manifest(start)["model_config"]), f"the manifest of {start}"
-    if os.path.isfile(os.path.join(start, "config.json")):
-        return shape_from_hf_config(start), f"the Hugging Face config.json in {start} (not converted yet)"
-    if cfg.init.checkpoint is not None:
-        raise ConfigError(f"--dry-run: init.checkpoint={start} holds no converted checkpoint (manifest.json) nor a "
-                          f"Hugging Face config.json, so the model's shape is unknown; give --hf-config "
-                          f"PATH/config.json or --model one of {', '.join(sorted(PRESETS))}")
-    return cfg.model, f"the model section (the warm start builds {start} from it)"
-
-
-def describe_model(m: ModelConfig) -> str:
-    """One line: the shape and the parameter count (core.runtime.budget's count at tp=1)."""
-    n = param_counts(m, 1)["total"]
-    return (f"{m.n_layers} layers, hidden {m.hidden_size}, heads {m.n_heads}/{m.n_kv_heads} kv, MLP "
-            f"{m.intermediate_size}, vocab {m.vocab_size}{', tied' if m.tie_embeddings else ''}"
-            f"{', qkv bias' if m.qkv_bias else ''}: {n / 1e9:.2f}e9 parameters")
-
-
-def dry_run(cfg: RLConfig, world_size: int | None = None, hf_config: str | None = None,
-            preset_name: str | None = None) -> dict:
-    """`--dry-run`: the resolved config and the projected peak memory per rank for this exact config,
-    layout (`world_size` ranks: default the launch's), device and model (`planned_model`), printed;
-    nothing is built, loaded or launched, so it runs on a login node without the GPUs it plans for."""
-    world = world_size or launch_world_size()
-    label = "cuda" if cfg.train.device == "cuda" else None
-    if label and not torch.cuda.is_available():  # plan for the GPUs from a machine without them
-        cfg = replace(cfg, train=replace(cfg.train, device="cpu"))
-    dims = check_rl_config(cfg, world)
-    model_cfg, src = planned_model(cfg, hf_config, preset_name)
-    device = torch.device(label) if label else resolve_device(cfg.train.device)
-    plan = memory_plan(cfg, model_cfg, world, device)
-    print(yaml.safe_dump(to_dict(cfg), sort_keys=False), end="")
-    print(f"# model: {src}: {describe_model(model_cfg)}")
-    print(f"# sequence: {plan['batch'].seq_len} tokens, precision {plan['layout'].compute_dtype}")
-    print(f"# projected peak per rank ({world} ranks: tp={dims.tp} x dp={dims.dp}, {device.type}, reference "
-          f"{plan['placement']}): {plan['peak'] / 2**30:.3f} GiB")
-    for phase in ("rollout_peak", "experience_peak", "update_peak"):
-        print(f"#   {phase}: {plan[phase] / 2**30:.3f} GiB")
-    for k, v in plan["parts"].items():
-        print(f"#   {k}: {v / 2**30:.3f} GiB")
-    return plan
 
 
 def build(cfg: RLConfig, stop_request: StopRequest | None = None) -> tuple[RLTrainer, Run, object]:

@@ -7,6 +7,7 @@ import torch
 
 from core.config import ConfigError, ModelConfig, load_config
 from core.runtime.budget import projected_peak_bytes
+from rl import preflight
 from rl import train as rl_train
 from rl.config import RLConfig
 from tests.dist import REPO
@@ -44,11 +45,11 @@ def test_start_up_refuses_a_run_that_cannot_fit(monkeypatch):
 
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: Props)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda d: "an 80 GB GPU")
-    peak = rl_train.memory_plan(cfg, mc, 1, torch.device("cuda"))["peak"]
+    peak = preflight.memory_plan(cfg, mc, 1, torch.device("cuda"))["peak"]
     assert peak > Props.total_memory  # 8B with fp32 AdamW on one GPU
     with pytest.raises(ConfigError, match="train.memory_check=false") as e:
-        rl_train.check_memory(cfg, mc, 1, torch.device("cuda"))
+        preflight.check_memory(cfg, mc, 1, torch.device("cuda"))
     assert f"{peak / 2**30:.1f} GiB" in str(e.value) and "an 80 GB GPU" in str(e.value)
     off = load_config(RLConfig, CFG, ["train.memory_check=false"])
-    rl_train.check_memory(off, mc, 1, torch.device("cuda"))  # overridden: no error
-    rl_train.check_memory(cfg, mc, 1, torch.device("cpu"))  # CPU runs are not checked
+    preflight.check_memory(off, mc, 1, torch.device("cuda"))  # overridden: no error
+    preflight.check_memory(cfg, mc, 1, torch.device("cpu"))  # CPU runs are not checked

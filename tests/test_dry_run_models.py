@@ -16,6 +16,7 @@ import torch
 from core.config import ConfigError, load_config
 from core.model_shapes import PRESETS, shape_from_hf_config
 from core.runtime.budget import param_counts
+from rl import preflight
 from rl import train as rl_train
 from rl.config import RLConfig
 from rl.experience.prompts import PromptDataError, load_prompt_data
@@ -138,7 +139,7 @@ def test_precision_auto_is_bf16_on_cuda_only(capsys):
     # the sequence the rows can reach: max_prompt_tokens 512 + max_new_tokens 512, not the 32768 positions
     assert "# sequence: 1024 tokens" in cpu
     with pytest.raises(ConfigError, match="parallel.mixed_precision must be fp32, bf16 or auto"):
-        rl_train.check_rl_config(load_config(RLConfig, QWEN, ["parallel.mixed_precision=fp16"]), 2)
+        preflight.check_rl_config(load_config(RLConfig, QWEN, ["parallel.mixed_precision=fp16"]), 2)
 
 
 def test_missing_data_files_are_named_by_key(tmp_path):

@@ -42,7 +42,7 @@ def test_rl_train_config_values_are_named_before_any_work(case, tmp_path):
     """rl.train's checks (pure: the same on every rank, before any collective, file or warm start)."""
     from core.config import ConfigError, load_config
     from rl.config import RLConfig
-    from rl.train import check_rl_config
+    from rl.preflight import check_rl_config
 
     overrides, message = RL_BAD[case]
     cfg = load_config(RLConfig, os.path.join(os.path.dirname(__file__), "..", "configs", "grpo_tiny.yaml"),
