@@ -326,14 +326,15 @@ class Transformer(nn.Module):
             else:
                 position_ids = torch.arange(past, past + S, device=input_ids.device).expand(B, S)
         mask, shift = None, None
-        if attention_mask is not None and kv_cache is None and S > 1:  # causal in disguise: core/causal_layout.py
+        real = input_ids.device.type != "meta"  # the causal-layout checks read values (a host sync); meta has none
+        if real and attention_mask is not None and kv_cache is None and S > 1:  # causal in disguise: causal_layout
             shift = left_pad_shift(attention_mask)
         if attention_mask is not None and shift is None:
             mask = attention_mask_4d(attention_mask, S)
         elif kv_cache is not None and past > 0:
             mask = attention_mask_4d(torch.ones(B, past + S, dtype=torch.bool, device=input_ids.device), S)
-        if document_ids is not None and not single_piece_rows(document_ids, prefix_ids if prefix_ids is not None
-                                                              else document_ids):
+        if document_ids is not None and not (real and single_piece_rows(
+                document_ids, prefix_ids if prefix_ids is not None else document_ids)):
             mask = document_mask_4d(document_ids, prefix_ids)  # packed: block-diagonal causal attention
         if shift is not None and not bool(shift.any()):
             shift = None  # no leading padding: the mask is causal as the rows stand
