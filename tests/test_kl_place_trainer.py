@@ -66,6 +66,7 @@ def test_sequence_gradient_hands_each_token_its_future_kl(monkeypatch):
         torch.testing.assert_close(fn.adv.double(), want, atol=1e-6, rtol=1e-6)
 
 
+@pytest.mark.slow  # ~9 s a case on 2 cores
 @pytest.mark.parametrize("ov", [["algo.name=ppo", "kl.exact=true"], ["kl.gradient=sequence", "algo.mini_batches=2"],
                                 ["kl.gradient=sequence", "kl.exact=true"],
                                 ["kl.where=reward", "kl.exact=true"],  # GRPO: shared prompts, packed groups
