@@ -28,7 +28,7 @@ from core.model import build_model
 from core.optim import OptimConfigError, build_optimizer, check_optim_config
 from core.runtime.lifecycle import PREEMPTED_EXIT, Preempted, RankMismatchError, StopRequest, exit_process, shutdown
 from core.runtime.metrics import PhaseTimer, ProgressBar, Throughput, peak_memory, reset_peak_memory
-from core.runtime.run import Run, start_run
+from core.runtime.run import Run, saving, start_run
 from core.sft_data import DataError, SequenceLoader, tokenize_text_file
 from core.tokenizer import TokenizerError, load_tokenizer
 from parallel.comm import all_reduce
@@ -188,9 +188,10 @@ def train(cfg: SFTConfig, stop_request: StopRequest | None = None) -> dict:
         norms.append(stats.grad_norm)
         tps = meter.update(n_tokens)
         if step % t.log_every == 0 or step == t.steps:
-            writer.write({"step": step, "loss": loss, "grad_norm": stats.grad_norm, "lr": stats.lr,
-                          "skipped": stats.skipped, "skipped_total": stats.skipped_total, "tokens": n_tokens,
-                          "tokens_per_s": tps, **peak_memory(run.device), **timer.pop()})
+            with saving(f"the metrics of step {step}"):  # a full disk: the file and the step named
+                writer.write({"step": step, "loss": loss, "grad_norm": stats.grad_norm, "lr": stats.lr,
+                              "skipped": stats.skipped, "skipped_total": stats.skipped_total, "tokens": n_tokens,
+                              "tokens_per_s": tps, **peak_memory(run.device), **timer.pop()})
         bar.update(step, loss=loss, lr=stats.lr, gnorm=stats.grad_norm, tok_s=tps)
         preempted = stop_request is not None and stop_request.agree(run.device)  # every rank stops together
         stop = (t.stop_after is not None and step >= t.stop_after) or preempted

@@ -261,7 +261,8 @@ def run(cfg: RLConfig, stop_request: StopRequest | None = None) -> list[dict]:
             dog.beat("step", step)
             rec = trainer.step(step)
             records.append(rec)
-            writer.write(rec)
+            with saving(f"the metrics of step {step}"):  # a full disk: the file and the step named
+                writer.write(rec)
             bar.update(step + 1, reward=rec["reward_mean"], kl=rec["kl_mean"], beta=rec["beta"],
                        ent=rec["entropy"], tok_s=rec["tokens_per_s"])
             collapse = guard.check(rec)  # named before the KL limits a collapse also trips

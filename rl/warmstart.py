@@ -9,15 +9,21 @@ from __future__ import annotations
 
 import os
 import random
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
 
 import core.ckpt as ckpt
 from core.config import ConfigError, DataConfig, SFTConfig, TrainConfig
 from core.sft import train as sft_train
+from parallel.dims import backend_for, launch_world_size
 from rl.config import RLConfig
 from rl.experience.rewards import build_reward
 from rl.experience.tasks import sft_text
 
-DATA_WAIT_S = 120.0  # how long ranks > 0 wait for rank 0's task corpus (no process group exists yet)
+VISIBLE_GRACE_S = 10.0  # how long a rank retries seeing a file another rank sees (a network file system's lag)
 
 
 def corrupt_answer(answer: str, rng: random.Random) -> str:
@@ -52,12 +58,52 @@ def _is_checkpoint(path: str) -> bool:
     return os.path.isfile(os.path.join(path, "manifest.json"))
 
 
+def _launch_group(cfg: RLConfig, device) -> None:
+    """The launch's process group (torchrun's env://), created here when none exists, as SFT or the
+    RL run would a moment later, so that the ranks can agree on what they see."""
+    device = torch.device(device)
+    if not dist.is_initialized():
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        dist.init_process_group(backend=backend_for(device), timeout=timedelta(seconds=cfg.parallel.timeout_s))
+
+
+def _all_see(test, what: str, fix: str) -> bool:
+    """`test()` on every rank, retried for VISIBLE_GRACE_S where it fails (a network file system's cache
+    lag) once some rank has passed; True when all pass, False when none does, else a CheckpointError on
+    every rank naming the ranks that do not see `what` (a file system not shared by all ranks)."""
+    world = dist.get_world_size()
+    seen = [None] * world
+    dist.all_gather_object(seen, test())
+    if any(seen) and not all(seen):
+        deadline = time.monotonic() + VISIBLE_GRACE_S
+        ok = test()
+        while not ok and time.monotonic() < deadline:
+            time.sleep(0.2)
+            ok = test()
+        dist.all_gather_object(seen, ok)
+    if all(seen) or not any(seen):
+        return bool(seen[0])
+    blind = [r for r, ok in enumerate(seen) if not ok]
+    raise ckpt.CheckpointError(f"rank{'s' if len(blind) > 1 else ''} {', '.join(map(str, blind))} cannot see "
+                               f"{what}, which rank{'s' if world - len(blind) > 1 else ''} "
+                               f"{', '.join(str(r) for r in range(world) if r not in blind)} "
+                               f"see{'' if world - len(blind) > 1 else 's'}: {fix} must be on "
+                               "a file system every rank sees")
+
+
 def ensure_start_checkpoint(cfg: RLConfig, tokenizer, device, stop_request=None) -> str:
     """`init.start_checkpoint`, built first by SFT when absent. A SIGTERM / SIGUSR1 caught by `stop_request`
     stops the SFT at its next step with its checkpoint (core.runtime.lifecycle.Preempted); the same command
     resumes it."""
     path = cfg.init.start_checkpoint
-    if _is_checkpoint(path):
+    world = launch_world_size()
+    if world > 1:
+        _launch_group(cfg, device)
+        key = f"init.checkpoint={path}" if cfg.init.checkpoint is not None else f"init.sft_dir={cfg.init.sft_dir}"
+        if _all_see(lambda: _is_checkpoint(path), f"the start checkpoint {path}", key):
+            return path
+    elif _is_checkpoint(path):
         return path
     if cfg.init.checkpoint is not None:
         raise ckpt.CheckpointError(f"init.checkpoint={path}: no kltron checkpoint there (manifest.json missing); "
@@ -68,20 +114,12 @@ def ensure_start_checkpoint(cfg: RLConfig, tokenizer, device, stop_request=None)
                           f"{tokenizer.vocab_size} pieces")
     os.makedirs(cfg.init.sft_dir, exist_ok=True)
     data_file = os.path.join(cfg.init.sft_dir, "task_data.txt")
-    rank = int(os.environ.get("RANK", "0"))
-    if rank == 0:
+    if world == 1 or dist.get_rank() == 0:
         write_task_corpus(cfg, data_file)
-    else:  # the other ranks wait for rank 0's file (no process group exists yet)
-        import time
-
-        deadline = time.monotonic() + DATA_WAIT_S
-        while not os.path.exists(data_file):
-            if time.monotonic() > deadline:
-                raise ckpt.CheckpointError(
-                    f"rank {rank}: {data_file}, written by rank 0 for the supervised warm start, did not appear in "
-                    f"{DATA_WAIT_S:g} s: init.sft_dir={cfg.init.sft_dir} must be on a file system every rank sees "
-                    "(or set init.checkpoint to a checkpoint every rank sees)")
-            time.sleep(0.2)
+    if world > 1:
+        dist.all_gather_object([None] * world, None)  # a barrier: the corpus is complete before anyone looks
+        _all_see(lambda: os.path.exists(data_file), f"{data_file}, written by rank 0 for the supervised warm start",
+                 f"init.sft_dir={cfg.init.sft_dir}")
     sft = SFTConfig(model=cfg.model, parallel=cfg.parallel,
                     optim=type(cfg.optim)(lr=cfg.init.sft_lr, min_lr=cfg.init.sft_lr * 0.1, warmup_steps=20),
                     data=DataConfig(text_file=data_file, tokenizer=cfg.tokenizer, seq_len=cfg.init.sft_seq_len,

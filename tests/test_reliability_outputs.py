@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -253,6 +254,38 @@ def test_a_full_disk_names_the_step_and_folder(tmp_path, monkeypatch):
     assert not os.path.exists(tmp_path / "checkpoints" / "step-00000007")  # nothing half-written
 
 
+def test_a_full_disk_in_the_metrics_names_the_file_and_step_and_tears_no_line(tmp_path):
+    """The disk fills in the middle of a metrics line: the error names the file and the step (as the
+    training loops wrap the write), and the file keeps only whole lines, so `read_metrics` and a
+    resume still accept it."""
+    import errno
+
+    from core.ckpt import CheckpointError
+    from core.runtime.metrics import MetricsWriter, read_metrics
+    from core.runtime.run import saving
+
+    path = str(tmp_path / "metrics.jsonl")
+    writer = MetricsWriter(path)
+    writer.write({"step": 0, "loss": 1.0})
+    real = writer._f
+
+    class FillsUp:  # the disk holds 10 more bytes of the next line
+        def write(self, text):
+            real.write(text[:10])
+            real.flush()
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+    writer._f = FillsUp()
+    with pytest.raises(CheckpointError, match=rf"writing the metrics of step 1 \({path}\): .*No space left on device"):
+        with saving("the metrics of step 1"):
+            writer.write({"step": 1, "loss": 0.5})
+    writer.close()
+    assert open(path).read().endswith("}\n") and [r["step"] for r in read_metrics(path)] == [0]
+
+
 def test_generation_config_is_hash_checked(tmp_path):
     from core.ckpt import CheckpointError, load_model_weights, save_model_weights
     from core.config import ModelConfig
@@ -271,19 +304,44 @@ def test_generation_config_is_hash_checked(tmp_path):
         load_model_weights(Transformer(cfg, None, device="cpu"), ck, None)
 
 
-def test_a_rank_that_cannot_see_the_warm_start_data_is_named(tmp_path, monkeypatch):
+def _warm_start_views(sft_dirs: list[str], start_on: list[int]):
+    """On each rank: init.sft_dir is that rank's entry of `sft_dirs` (two folders stand for a file
+    system rank 1 does not share); ranks in `start_on` hold a start checkpoint there. -> the error."""
+    import torch.distributed as dist
+
     import rl.warmstart as ws
-    from core.ckpt import CheckpointError
     from core.config import load_config
     from core.tokenizer import load_tokenizer
     from rl.config import RLConfig
 
-    monkeypatch.setattr(ws, "DATA_WAIT_S", 0.5)
-    monkeypatch.setenv("RANK", "1")
-    cfg = load_config(RLConfig, CONFIG, [*SMALL, f"init.sft_dir={tmp_path / 'sft'}"])
-    with pytest.raises(CheckpointError, match=rf"rank 1: {tmp_path / 'sft'}/task_data.txt, written by rank 0 .* "
-                                              r"must be on a file system every rank sees"):
+    ws.VISIBLE_GRACE_S = 0.3
+    rank = dist.get_rank()
+    cfg = load_config(RLConfig, CONFIG, [*SMALL, f"init.sft_dir={sft_dirs[rank]}"])
+    if rank in start_on:
+        os.makedirs(cfg.init.start_checkpoint, exist_ok=True)
+        open(os.path.join(cfg.init.start_checkpoint, "manifest.json"), "w").write("{}")
+    try:
         ws.ensure_start_checkpoint(cfg, load_tokenizer(None), "cpu")
+    except ws.ckpt.CheckpointError as e:
+        return str(e)
+    return None
+
+
+def test_a_rank_that_cannot_see_the_warm_start_files_is_named_at_once(dist_pools, tmp_path):
+    """Every rank raises, naming the rank that cannot see rank 0's files, without the SFT running or a
+    long wait: first the task corpus rank 0 writes, then a start checkpoint only rank 0 sees."""
+    dirs = [str(tmp_path / "shared"), str(tmp_path / "rank1-local")]
+    t0 = time.monotonic()
+    msgs = dist_pools.run(2, _warm_start_views, dirs, [], timeout=60)
+    assert time.monotonic() - t0 < 20
+    for d, m in zip(dirs, msgs):  # each rank names the folder its config gives (the same on a real launch)
+        assert m is not None and re.search(rf"rank 1 cannot see {d}/task_data.txt, written by rank 0 .*which rank 0 "
+                                           rf"sees: init.sft_dir={d} must be on a file system every rank sees", m), m
+    dirs = [str(tmp_path / "a"), str(tmp_path / "b")]
+    msgs = dist_pools.run(2, _warm_start_views, dirs, [0], timeout=60)
+    for d, m in zip(dirs, msgs):
+        assert m is not None and re.search(rf"rank 1 cannot see the start checkpoint {d}/model, .*init.sft_dir={d} ",
+                                           m), m
 
 
 @pytest.mark.slow

@@ -45,10 +45,30 @@ class MetricsWriter:
             self._f = open(path, mode, encoding="utf-8")
 
     def write(self, record: dict) -> None:
+        """Append one line. A failed write (a full disk) is cut back to the last whole line before the
+        error is raised, so the file never holds a torn record that readers and resumes would refuse."""
         if self._f is None:
             return
-        self._f.write(json.dumps({k: _jsonable(v) for k, v in record.items()}) + "\n")
-        self._f.flush()
+        line = json.dumps({k: _jsonable(v) for k, v in record.items()}) + "\n"
+        end = self._f.tell()
+        try:
+            self._f.write(line)
+            self._f.flush()
+        except OSError as e:
+            old, self._f = self._f, None
+            try:
+                old.close()  # first: closing flushes what the handle still buffers
+            except OSError:
+                pass
+            try:
+                with open(self.path, "r+", encoding="utf-8") as f:
+                    f.truncate(end)
+                self._f = open(self.path, "a", encoding="utf-8")
+            except OSError:
+                pass
+            if e.filename is None:
+                e.filename = self.path
+            raise
 
     def close(self) -> None:
         if self._f is not None:
