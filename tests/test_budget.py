@@ -21,6 +21,7 @@ SHAPES = {  # one where the parameters dominate, one where the activations do
 
 
 @pytest.mark.parametrize("shape", sorted(SHAPES))
+@pytest.mark.slow
 def test_budget_adds_up_to_the_measured_peak(shape):
     spec = SHAPES[shape]
     tr = bench.build_trainer(spec, "grpo")
@@ -39,6 +40,7 @@ def test_budget_adds_up_to_the_measured_peak(shape):
 
 
 @pytest.mark.parametrize("shape", sorted(SHAPES))
+@pytest.mark.slow
 def test_rollout_budget_matches_the_allocator_peak(shape):
     """The rollout phase (MemTracker refuses generation's repeated module calls): what one rollout
     allocates above the resident weights, read from the CPU allocator's events, against the budget's

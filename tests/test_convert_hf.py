@@ -52,6 +52,7 @@ def converted(tmp_path_factory):
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "mistral"])
+@pytest.mark.slow
 def test_logits_match_transformers(dist_pools, converted, kind):
     _, ckpt, want, seq = converted[kind]
     assert want.abs().max() > 1.0

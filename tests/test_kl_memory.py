@@ -114,6 +114,7 @@ def test_every_method_agrees_with_float64(tmp_path):
 
 
 @pytest.mark.parametrize("name", ["gather", "vp_chunked", "fused_exact", "fused_exact_loss", "fused_k3_loss"])
+@pytest.mark.slow
 def test_projection_matches_measurement_tp1(name):
     from tools.klcost.measure import measure
 
@@ -140,6 +141,7 @@ def test_projected_rows_at_llama_scale_allocate_nothing(tmp_path):
 
 
 @pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.slow
 def test_projection_extrapolated_in_tokens_equals_the_direct_one(tp):
     """13 chunks of 64 tokens and a short one of 5, extrapolated from 4 and 8 chunks (+ 5): the same
     peak, bytes and calls as running them all (the chunked loops repeat the same work; the O(T)

@@ -40,6 +40,7 @@ def test_ppo_default_is_k1_in_the_reward():
         _trainer(["algo.name=ppo", "kl.estimator=k3+"])
 
 
+@pytest.mark.slow
 def test_exact_kl_in_the_reward_enters_the_loss(monkeypatch):
     spy = _Spy(monkeypatch)
     tr = _trainer(["algo.name=ppo", "kl.exact=true", "kl_ctl.beta=0.5"])
@@ -49,6 +50,7 @@ def test_exact_kl_in_the_reward_enters_the_loss(monkeypatch):
     assert rec["kl_loss"] > 0 and rec["kl_mean"] > 0  # policy and reference differ (seeds 11, 12)
 
 
+@pytest.mark.slow
 def test_sequence_gradient_hands_each_token_its_future_kl(monkeypatch):
     spy = _Spy(monkeypatch)
     tr = _trainer(["kl.gradient=sequence", "kl_ctl.beta=0.5"])

@@ -226,6 +226,7 @@ def _same(ref, got, tol=1e-12):
 
 @pytest.mark.parametrize("algo", [GRPO, EXACT, PPO, GRPO + ["algo.fused_loss=false"]], ids=["grpo", "exact", "ppo",
                                                                                             "unfused"])
+@pytest.mark.slow
 def test_budget_and_packed_updates_equal_padded(algo):
     """dp=1, float64: the same gradient at every optimizer step (policy and critic) and the same
     statistics as the padded update, with rows grouped by a 40-token budget, trimmed, packed or in the

@@ -108,6 +108,7 @@ def test_bf16_sft_run_is_close_to_fp32(tmp_path):
     assert losses["bf16"][-1] < losses["bf16"][0] - 0.2
 
 
+@pytest.mark.slow
 def test_bf16_grpo_steps_with_bf16_reference_close_to_fp32():
     torch.set_num_threads(1)
     recs = {}

@@ -41,6 +41,7 @@ def _trainer(overrides):
     return assemble(cfg, state, mc, load_tokenizer(None), policy, ref, critic)
 
 
+@pytest.mark.slow
 def test_grad_ratio_and_entropy_target_through_the_trainer(capsys):
     tr = _trainer(["kl_ctl.preset=grad_ratio", "loss.entropy_target=3.0", "loss.entropy_lr=0.01",
                    "loss.entropy_coef_max=0.5"])
@@ -57,6 +58,7 @@ def test_grad_ratio_and_entropy_target_through_the_trainer(capsys):
     assert tr.ent_ctl.coef == pytest.approx(coef)
 
 
+@pytest.mark.slow
 def test_ppo_auto_puts_the_kl_in_the_reward():
     tr = _trainer(["algo.name=ppo", "kl_ctl.beta=0.5"])
     assert tr.cfg.kl.where == "reward"

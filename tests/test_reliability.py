@@ -271,6 +271,7 @@ def _stall():
     return found
 
 
+@pytest.mark.slow
 def test_watchdog_names_the_stalled_rank_and_phase(dist_pools):
     found = dist_pools.run(2, _stall, timeout=60)[0]
     assert len(found) == 1 and found[0].startswith("rank 1 has not advanced in"), found

@@ -102,12 +102,14 @@ def test_exact_kl_and_two_epochs(singles):
     assert recs[1]["kl_p99"] >= recs[1]["kl_p50"] >= 0.0  # the exact KL is never negative
 
 
+@pytest.mark.slow
 def test_layouts_match_single_process_tp2(dist_pools, singles):
     for name, ov in (("grpo", GRPO), ("ppo", PPO), ("exact", EXACT)):
         res = dist_pools.run(2, _steps_and_logits, 2, 1, ov)
         _compare(singles[name], res[0])
 
 
+@pytest.mark.slow
 def test_layouts_match_single_process_dp2(dist_pools, singles):
     for name, ov in (("grpo", GRPO), ("ppo", PPO)):
         res = dist_pools.run(2, _steps_and_logits, 1, 2, ov)
@@ -133,12 +135,14 @@ def _nan_reward_everywhere():
     return "no error"
 
 
+@pytest.mark.slow
 def test_nan_reward_stops_every_rank(dist_pools):
     msgs = dist_pools.run(2, _nan_reward_everywhere)
     assert all("is nan" in m or "another rank failed" in m for m in msgs), msgs
     assert any("for prompt" in m and "sample" in m for m in msgs), msgs
 
 
+@pytest.mark.slow
 def test_early_stop_of_update_epochs():
     torch.set_num_threads(1)
     trainer, _ = _trainer(1, 1, GRPO + ["algo.epochs=4", "algo.mini_batches=2", "algo.early_stop_kl=1e-12",
@@ -150,6 +154,7 @@ def test_early_stop_of_update_epochs():
     assert not rec["early_stopped"] and rec["optimizer_steps"] == 8
 
 
+@pytest.mark.slow
 def test_fused_loss_equals_recomputing_head(singles):
     """The default update (policy loss inside the fused head, gradient formed in forward) takes the
     same steps as autograd through the recomputing fused head and rl.objectives.losses.policy_loss."""
@@ -183,6 +188,7 @@ def _with_padding(data, garbage: bool):
 
 
 @pytest.mark.parametrize("ov", [["kl.estimator=k3"], ["algo.fused_loss=false"]])
+@pytest.mark.slow
 def test_update_ignores_garbage_at_padding(ov):
     """Through RLTrainer.update (two epochs x two mini-batches, so old log-probs matter): NaN, -inf
     and a log-ratio of -200 at padded positions leave the step finite, not skipped, and equal to
@@ -201,6 +207,7 @@ def test_update_ignores_garbage_at_padding(ov):
         assert float((p - q).abs().max()) < 1e-4, n
 
 
+@pytest.mark.slow
 def test_adaptive_controller_clock_through_the_trainer():
     """KL held at 10x the target: each step multiplies beta by 1 + 0.2 * n / horizon with n the
     step's samples (prompts_per_step x group_size = 16), Ziegler et al.'s clock."""

@@ -370,6 +370,7 @@ def digit_reward(meta, response):
 @pytest.mark.parametrize("algo", [["kl.estimator=k3+"], ["kl.exact=true", "loss.agg=seq-mean-token-mean"],
                                   ["kl.estimator=k3+", "algo.group_mini_batches=true"]],
                          ids=["k3", "exact", "group_mini_batches"])
+@pytest.mark.slow
 def test_trainer_step_shared_equals_unshared(algo):
     a, ra = _trainer_params(algo + ["algo.share_prompts=false"])
     b, rb = _trainer_params(algo + ["algo.share_prompts=true"])
@@ -380,6 +381,7 @@ def test_trainer_step_shared_equals_unshared(algo):
 
 
 @pytest.mark.parametrize("budget", [14, 34])
+@pytest.mark.slow
 def test_trainer_step_shared_budget_equals_padded_rows(budget):
     """A whole step (2 epochs x 2 mini-batches, exact KL, seq-mean-token-mean) with share_prompts and
     micro-batches by token budget equals share_prompts=false with row micro-batches, in float64. The
@@ -426,6 +428,7 @@ def test_shared_prefill_samples_the_same_tokens():
                                   ["kl.exact=true", "algo.micro_batch_size=0", "algo.micro_batch_tokens=14"],
                                   ["kl.exact=true", "algo.fused_loss=false", "algo.share_prompts=false"]],
                          ids=["k3", "exact", "padded", "one_mini_batch", "token_budget", "unfused"])
+@pytest.mark.slow
 def test_old_values_from_the_on_policy_update_equal_the_old_pass(algo):
     """algo.old_from_update: epoch 0's first mini-batch takes its old log-probs, entropy and exact KL from
     its own update forward, the old-log-prob pass computes the other rows only (none with one mini-batch).
