@@ -1,0 +1,107 @@
+"""The rollout-vs-training mismatch metrics against hand formulas, the exact KL(rollout || train) head
+against float64 enumeration, and the KL the controller reads under a truncated sampler (top-p) against
+the exact KL(pi || ref) enumerated in float64."""
+
+import copy
+import math
+
+import torch
+
+from rl.health.mismatch import logp_mismatch
+from rl.update.logprobs import policy_token_stats
+
+
+def test_logp_mismatch_matches_hand_formulas():
+    a = torch.tensor([[-1.0, -2.0, -0.5], [-3.0, -0.1, -7.0]])
+    b = torch.tensor([[-1.05, -2.3, -0.5], [-2.0, -0.1, 99.0]])  # the last token is padding
+    mask = torch.tensor([[True, True, True], [True, True, False]])
+    pairs = [(-1.0, -1.05), (-2.0, -2.3), (-0.5, -0.5), (-3.0, -2.0), (-0.1, -0.1)]  # (rollout, train), unmasked
+    d = [abs(r - t) for r, t in pairs]
+    out_band = [not 0.9 <= math.exp(t - r) <= 1.1 for r, t in pairs]  # ratio pi_train / pi_rollout
+    got = logp_mismatch(a, b, mask)
+    assert math.isclose(got["rollout_logp_diff_max"], 1.0, rel_tol=1e-6)
+    assert math.isclose(got["rollout_logp_diff_mean"], sum(d) / 5, rel_tol=1e-6)
+    assert math.isclose(got["rollout_ratio_out_share"], sum(out_band) / 5)
+    assert sum(out_band) == 2  # exp(-0.3) = 0.74 and exp(1) = 2.7 leave the band; exp(-0.05) = 0.95 does not
+    assert math.isclose(got["token_mult_prob_error"], sum(math.exp(x) for x in d) / 5, rel_tol=1e-6)
+    empty = logp_mismatch(a, b, torch.zeros_like(mask))
+    assert empty["token_mult_prob_error"] == 1.0 and empty["rollout_logp_diff_max"] == 0.0
+
+
+def test_rollout_kl_head_matches_float64_enumeration():
+    """`rollout_hidden` through the policy's head: KL(softmax(h_r W / T) || softmax(h W / T)) per token."""
+    from core.config import ModelConfig
+    from core.model import build_model
+    cfg = ModelConfig(vocab_size=67, hidden_size=16, n_layers=1, n_heads=2, n_kv_heads=1, intermediate_size=32,
+                      max_seq_len=32)
+    model = build_model(cfg, seed=2)
+    with torch.no_grad():
+        model.head_weight.mul_(10)
+    g = torch.Generator().manual_seed(1)
+    seq = torch.randint(3, 67, (3, 9), generator=g)
+    am = torch.ones_like(seq)
+    P, T = 4, 0.8
+    with torch.no_grad():
+        h, w = model(seq, attention_mask=am, head=lambda h, w: (h[:, P - 1:-1], w))
+    hr = h + 0.05 * torch.randn(h.shape, generator=g)  # a rollout whose hidden states differ a little
+    mask = torch.ones(3, 5, dtype=torch.bool)
+    mask[2, 3:] = False
+    with torch.no_grad():
+        st = policy_token_stats(model, seq, am, P, vocab_size=67, temperature=T, mask=mask, rollout_hidden=hr)
+    lq = torch.log_softmax((hr.double() @ w.double().T)[..., :67] / T, -1)
+    lp = torch.log_softmax((h.double() @ w.double().T)[..., :67] / T, -1)
+    ref = (lq.exp() * (lq - lp)).sum(-1).masked_fill(~mask, 0.0)
+    assert ref[mask].min() > 1e-4
+    torch.testing.assert_close(st.rollout_kl.double(), ref, atol=1e-6, rtol=1e-4)
+
+
+def _exact_kl(policy, ref, ro, T):
+    """float64 KL(pi_T || ref_T) at every response position, by enumeration of the whole vocabulary."""
+    P = ro.prompt_len
+    out = []
+    for m in (policy, ref):
+        with torch.no_grad():
+            h, w = m(ro.sequences, attention_mask=ro.attention_mask, head=lambda h, w: (h[:, P - 1:-1], w))
+        out.append(torch.log_softmax((h.double() @ w.double().T)[..., :256] / T, -1))
+    lp, lr = out
+    return (lp.exp() * (lp - lr)).sum(-1)
+
+
+def test_truncated_sampler_kl_metric_is_the_exact_kl():
+    """top_p=0.9: the samples come from mu (the nucleus), not pi, so the sampled estimate of KL(pi||ref)
+    reads low. The KL the controller and guards read (the record's kl_mean) is the exact one."""
+    from rl.objectives.kl import masked_mean
+    from tests.test_rl_trainer import _trainer
+    tr, _ = _trainer(1, 1, ["rollout.top_p=0.9", "rollout.temperature=0.8", "rollout.max_new_tokens=8",
+                            "kl.estimator=k3+"], dtype=torch.float64)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        tr.policy.head_weight.mul_(6)
+        tr.ref.head_weight.mul_(6)
+        for p in tr.policy.parameters():
+            p.add_(0.3 * p.abs().mean() * torch.randn(p.shape, generator=g, dtype=p.dtype))
+    policy0 = copy.deepcopy(tr.policy)  # the policy the rollout sampled from, before the update
+    seen = {}
+    make = tr.make_experience
+    tr.make_experience = lambda step: seen.setdefault("data", make(step))
+    rec = tr.step(0)
+    data = seen["data"]
+    truth = float(masked_mean(_exact_kl(policy0, tr.ref, data.ro, 0.8), data.mask))
+    sampled = float(masked_mean(data.kl, data.mask))
+    assert truth > 0.05
+    assert abs(sampled - truth) > 0.1 * truth  # the estimate off mu's samples is not the KL
+    assert math.isclose(rec["kl_mean"], truth, rel_tol=1e-4)
+    assert rec["sampler_trunc_kl"] > 0.0
+
+
+def test_bf16_step_records_a_small_mismatch():
+    """A bf16 step: every mismatch metric present, the rollout's log-probs within bf16 noise of the
+    old pass's and far inside the ratio band."""
+    from tests.test_rl_trainer import _trainer
+    tr, _ = _trainer(1, 1, ["parallel.mixed_precision=bf16", "algo.old_from_update=false"])
+    rec = tr.step(0)
+    for k in ("rollout_logp_diff_max", "rollout_logp_diff_mean", "rollout_ratio_out_share", "token_mult_prob_error",
+              "rollout_kl_mean", "rollout_kl_p50", "rollout_kl_p99", "rollout_kl_max", "sampler_trunc_kl"):
+        assert k in rec and math.isfinite(rec[k]), k
+    assert rec["rollout_logp_diff_max"] < 0.05 and rec["rollout_ratio_out_share"] == 0.0
+    assert 1.0 <= rec["token_mult_prob_error"] < 1.01 and abs(rec["rollout_kl_max"]) < 1e-3
