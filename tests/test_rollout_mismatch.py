@@ -105,3 +105,28 @@ def test_bf16_step_records_a_small_mismatch():
         assert k in rec and math.isfinite(rec[k]), k
     assert rec["rollout_logp_diff_max"] < 0.05 and rec["rollout_ratio_out_share"] == 0.0
     assert 1.0 <= rec["token_mult_prob_error"] < 1.01 and abs(rec["rollout_kl_max"]) < 1e-3
+
+
+def test_monitor_draws_the_rollout_kl_quantiles(tmp_path):
+    """The TensorBoard writer (a recording stand-in: the optional extra may be absent) gets the mismatch
+    scalars under their metrics.jsonl names and the rollout KL's quantiles as one histogram."""
+    from core.runtime.monitor import Monitor
+    calls = []
+
+    class Writer:
+        def add_scalar(self, k, v, step):
+            calls.append(("scalar", k, v))
+
+        def add_histogram(self, k, v, step):
+            calls.append(("hist", k, [float(x) for x in v]))
+
+        def flush(self):
+            pass
+    mon = Monitor(str(tmp_path))
+    mon.tb = Writer()
+    rec = {"step": 3, "rollout_kl_p50": 1e-7, "rollout_kl_p99": 2e-6, "rollout_kl_max": 5e-6,
+           "token_mult_prob_error": 1.0001, "rollout_ratio_out_share": 0.0}
+    mon.log(rec, 3)
+    assert ("hist", "rollout_kl_quantiles", [1e-7, 2e-6, 5e-6]) in calls
+    assert ("scalar", "token_mult_prob_error", 1.0001) in calls and ("scalar", "rollout_ratio_out_share", 0.0) in calls
+    assert not any(c[1] == "kl_quantiles" for c in calls)  # no KL quantiles in this record: no empty histogram
