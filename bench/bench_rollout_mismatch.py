@@ -1,0 +1,68 @@
+"""The rollout-vs-training mismatch of a real job, per precision, from its metrics.jsonl.
+
+    python -m bench.bench_rollout_mismatch [--config configs/grpo_tiny.yaml --steps 20 --out /tmp/mismatch]
+                                           [--precisions fp32 bf16] [-- extra overrides]
+
+Runs `python -m rl.train --config CONFIG train.steps=STEPS parallel.mixed_precision=P` once per precision
+(and per `algo.old_from_update` true / false: with it, one mini-batch's old log-probs come from the update's
+first forward; without, every row's from the old-log-prob pass) and prints, over all steps, the mean and the
+largest of each mismatch metric (rl/health/mismatch.py) as a markdown table (token_mult_prob_error as its excess
+over 1).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+
+KEYS = ("rollout_logp_diff_max", "rollout_logp_diff_mean", "rollout_ratio_out_share", "token_mult_prob_error",
+        "rollout_kl_mean", "rollout_kl_p99", "rollout_kl_max")
+
+
+def run(config: str, steps: int, out: str, precision: str, old_from_update: bool, extra: list[str]) -> list[dict]:
+    """The job's metrics records (runs it unless `out`/metrics.jsonl already holds `steps` of them)."""
+    path = os.path.join(out, "metrics.jsonl")
+    if not (os.path.exists(path) and sum(1 for _ in open(path, encoding="utf-8")) >= steps):
+        cmd = [sys.executable, "-m", "rl.train", "--config", config, f"train.steps={steps}", f"train.out_dir={out}",
+               "train.save_every=0", f"parallel.mixed_precision={precision}",
+               f"algo.old_from_update={str(old_from_update).lower()}", "train.progress=false", *extra]
+        subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(line) for line in f]
+
+
+def summary(rows: list[dict]) -> dict[str, tuple[float, float]]:
+    """(mean over steps, max over steps) of each of KEYS that the records hold."""
+    out = {}
+    for k in KEYS:
+        xs = [float(r[k]) - (k == "token_mult_prob_error") for r in rows if isinstance(r.get(k), (int, float))]
+        if xs:
+            out[k] = (sum(xs) / len(xs), max(xs))
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--config", default="configs/grpo_tiny.yaml")
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--out", default="/tmp/mismatch")
+    ap.add_argument("--precisions", nargs="+", default=["fp32", "bf16"])
+    ap.add_argument("extra", nargs="*", help="more config overrides")
+    a = ap.parse_args(argv)
+    names = [k + (" - 1" if k == "token_mult_prob_error" else "") for k in KEYS]
+    print("| precision | old_from_update | " + " | ".join(names) + " |")
+    print("|---|---|" + "---|" * len(KEYS))
+    for p in a.precisions:
+        for ofu in (True, False):
+            rows = run(a.config, a.steps, os.path.join(a.out, f"{p}_{ofu}"), p, ofu, a.extra)
+            s = summary(rows)
+            cells = [f"{s[k][0]:.3g} / {s[k][1]:.3g}" if k in s else "-" for k in KEYS]
+            print(f"| {p} | {ofu} | " + " | ".join(cells) + " |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
