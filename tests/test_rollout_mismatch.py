@@ -5,6 +5,7 @@ the exact KL(pi || ref) enumerated in float64."""
 import copy
 import math
 
+import pytest
 import torch
 
 from rl.health.mismatch import logp_mismatch
@@ -92,6 +93,37 @@ def test_truncated_sampler_kl_metric_is_the_exact_kl():
     assert abs(sampled - truth) > 0.1 * truth  # the estimate off mu's samples is not the KL
     assert math.isclose(rec["kl_mean"], truth, rel_tol=1e-4)
     assert rec["sampler_trunc_kl"] > 0.0
+
+
+@pytest.mark.parametrize("over", [["algo.old_from_update=true", "algo.mini_batches=2"],
+                                  ["algo.old_from_update=true", "algo.fused_loss=false"],
+                                  ["algo.old_from_update=false", "algo.micro_batch_tokens=64"]],
+                         ids=["deferred-fused", "all-deferred-unfused", "old-pass-token-budget"])
+def test_step_rollout_kl_equals_float64_enumeration(over):
+    """Every row's exact KL(rollout || train), whether the old pass or the update's on-policy forward computed it,
+    against float64 enumeration from the rollout's hidden states (perturbed, so the KL is not 0) and the hidden
+    states of a full forward of the policy before the update."""
+    from rl.experience.rollout import collect_rollout
+    from tests.test_rl_trainer import _trainer
+    tr, st = _trainer(1, 1, over, dtype=torch.float64)
+    c = tr.cfg
+    ro = collect_rollout(tr.policy, tr.tok, tr.task, tr.reward_fn, c.rollout, seed=c.train.seed, step=0,
+                         device=st.device)
+    g = torch.Generator().manual_seed(3)
+    ro.rollout_hidden = ro.rollout_hidden + 0.3 * torch.randn(ro.rollout_hidden.shape, generator=g,
+                                                               dtype=ro.rollout_hidden.dtype)
+    policy0 = copy.deepcopy(tr.policy)
+    data = tr.experience.make_experience(ro, 0)
+    assert (data.deferred is not None) == ("algo.old_from_update=true" in over)
+    tr.update(data, 0)
+    P, T = ro.prompt_len, tr.heads.temperature
+    with torch.no_grad():
+        h, w = policy0(ro.sequences, attention_mask=ro.attention_mask, head=lambda h, w: (h[:, P - 1:-1], w))
+        lq = torch.log_softmax((ro.rollout_hidden.double() @ w.double().T)[..., :256] / T, -1)
+        lp = torch.log_softmax((h.double() @ w.double().T)[..., :256] / T, -1)
+    ref = (lq.exp() * (lq - lp)).sum(-1).masked_fill(~data.mask, 0.0)
+    assert ref[data.mask].min() > 1e-6 and ref[data.mask].mean() > 1e-4
+    torch.testing.assert_close(data.rollout_kl.double(), ref, atol=1e-6, rtol=1e-5)
 
 
 def test_bf16_step_records_a_small_mismatch():

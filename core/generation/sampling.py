@@ -265,20 +265,21 @@ def _winner_over_tp(best: torch.Tensor, gid: torch.Tensor, tp_group) -> tuple[to
     return top[:, 0].float(), gid
 
 
-def sharded_token_logprob(zt: torch.Tensor, gid: torch.Tensor, tp_group=None) -> torch.Tensor:
-    """zt [B, Vl] (scaled float32 logits, -inf where excluded) sharded on the vocabulary, gid [B] global
-    ids -> log softmax(zt)[gid] [B] float32, identical on every rank. As the fused head: s = zt - max,
-    log p = s_y - log sum exp(s); one max and one [B, 2] sum all-reduce (the normaliser, and s_y from
-    the one rank that holds y)."""
-    B, Vl = zt.shape
+def sharded_token_logprob(z: torch.Tensor, gid: torch.Tensor, temperature: float = 1.0, tp_group=None) -> torch.Tensor:
+    """z [B, Vl] (float32 logits, -inf where excluded) sharded on the vocabulary, gid [B] global ids ->
+    log softmax(z / temperature)[gid] [B] float32, identical on every rank. As the fused head: s = z / T
+    - max, log p = s_y - log sum exp(s); one max and one [B, 2] sum all-reduce (the normaliser, and s_y
+    from the one rank that holds y). One [B, Vl] temporary, worked in place; z is not changed."""
+    B, Vl = z.shape
     start = group_rank(tp_group) * Vl
-    m = zt.max(dim=-1).values
+    s = z / temperature if temperature != 1.0 else z.clone()
+    m = s.max(dim=-1).values
     all_reduce(m, "max", tp_group)  # the global max per row
-    s = zt - m[:, None]
-    local = gid.to(zt.device) - start
+    s.sub_(m[:, None])
+    local = gid.to(z.device) - start
     held = (local >= 0) & (local < Vl)
     s_y = s.gather(1, local.clamp(0, Vl - 1)[:, None])[:, 0]
-    sums = torch.stack([s.exp().sum(-1), torch.where(held, s_y, torch.zeros_like(s_y))], dim=-1)
+    sums = torch.stack([s.exp_().sum(-1), torch.where(held, s_y, torch.zeros_like(s_y))], dim=-1)
     all_reduce(sums, "sum", tp_group)  # normaliser over every shard; s_y from its owning rank
     return sums[:, 1] - sums[:, 0].log()
 
@@ -299,9 +300,7 @@ def tempered_logprob(logits_local: torch.Tensor, gid: torch.Tensor, *, vocab_siz
     """log pi_T(gid) [B]: the untruncated log-softmax of logits_local / T over the ids < vocab_size,
     what the trainer's fused head computes for the same logits (temperature <= 0 reads as 1)."""
     z = _vocab_limited(logits_local, vocab_size, tp_group)
-    if temperature > 0 and temperature != 1.0:
-        z = z / temperature
-    return sharded_token_logprob(z, gid, tp_group)
+    return sharded_token_logprob(z, gid, temperature if temperature > 0 else 1.0, tp_group)
 
 
 def sample_from_sharded_logits(logits_local: torch.Tensor, *, vocab_size: int, temperature: float, top_k: int = 0,
@@ -363,4 +362,4 @@ def sample_from_sharded_logits(logits_local: torch.Tensor, *, vocab_size: int, t
         return gid
     if greedy:
         return gid, torch.zeros(B, dtype=torch.float32, device=z.device)
-    return gid, sharded_token_logprob(z / temperature, gid, tp_group)
+    return gid, sharded_token_logprob(z, gid, temperature, tp_group)

@@ -11,8 +11,8 @@ vocabulary: `StepData.rollout_logprobs` and `StepData.old_logp`), global over DP
                                  ClippedPGLossFn: masked mean of exp(|generation_logprobs - prev_logprobs|));
                                  1 when the two agree, 1.01 is a 1% probability error on the average token
   rollout_kl_mean/_p50/_p99/_max exact full-vocabulary KL(rollout || train) per token, from the rollout's
-                                 hidden states through the policy head (`rollout.record_hidden`); only the
-                                 rows the old pass computed (`algo.old_from_update` defers one mini-batch)
+                                 hidden states through the policy head (`rollout.record_hidden`); the rows
+                                 `algo.old_from_update` defers get theirs from the update's first forward
   sampler_trunc_kl               mean of log mu(y) - log pi_T(y) = -log(kept mass): the exact KL(mu || pi_T)
                                  per position of the top-k / top-p / min-p truncation (0 without one)
 """
@@ -60,10 +60,7 @@ def mismatch_metrics(data, dp_group=None) -> dict[str, float]:
         gap = data.rollout_sampled_logprobs - data.rollout_logprobs
         out["sampler_trunc_kl"] = float(masked_mean(gap, mask, dp_group=dp_group))
     if data.rollout_kl is not None:
-        kmask = mask.clone()
-        if data.deferred is not None:
-            kmask[data.deferred] = False  # the old pass skipped them: no KL was computed there
-        q = kl_quantiles(data.rollout_kl, kmask, qs=(0.5, 0.99), dp_group=dp_group)
-        out.update(rollout_kl_mean=float(masked_mean(data.rollout_kl, kmask, dp_group=dp_group)),
+        q = kl_quantiles(data.rollout_kl, mask, qs=(0.5, 0.99), dp_group=dp_group)
+        out.update(rollout_kl_mean=float(masked_mean(data.rollout_kl, mask, dp_group=dp_group)),
                    rollout_kl_p50=q["p50"], rollout_kl_p99=q["p99"], rollout_kl_max=q["max"])
     return out

@@ -104,12 +104,12 @@ def policy_token_stats(model, sequences, attention_mask, prompt_len: int, *, tp_
 def packed_token_stats(model, packed, *, tp_group=None, vocab_size: int, temperature: float = 1.0,
                        chunk_size: int | None = None, entropy: bool = True, kl: str | None = None,
                        ref_hidden: torch.Tensor | None = None, ref_weight: torch.Tensor | None = None,
-                       mask: torch.Tensor | None = None) -> TokenStats:
+                       mask: torch.Tensor | None = None, rollout_hidden: torch.Tensor | None = None) -> TokenStats:
     """`policy_token_stats` of the M response tokens of a packed sequence (rl/update/micro_batches.py's
     PackedRows: several rows in one, block-diagonal causal attention, per-row positions): [1, M]
-    each; ref_hidden [1, M, H], mask [1, M]."""
+    each; ref_hidden and rollout_hidden [1, M, H], mask [1, M]."""
     fn = _stats_head(tp_group, vocab_size, temperature, chunk_size, entropy, kl, ref_weight)
-    return _stats(*_through_head_packed(model, packed, tp_group, ref_hidden, mask, fn))
+    return _stats(*_through_head_packed(model, packed, tp_group, ref_hidden, mask, fn, rollout_hidden))
 
 
 def _stats_head(tp_group, vocab_size, temperature, chunk_size, entropy, kl, ref_weight):
@@ -118,11 +118,18 @@ def _stats_head(tp_group, vocab_size, temperature, chunk_size, entropy, kl, ref_
                          temperature=temperature, chunk_size=chunk_size, entropy=entropy, kl=kl, mask=m)
         if rollout_h is None:
             return out
-        # KL(q || p) with q the rollout's logits (its hidden states through this same head weight)
-        mis = fused_head(h, w, None, tp_group, vocab_size=vocab_size, ref_hidden=rollout_h, ref_weight_local=w.detach(),
-                         temperature=temperature, chunk_size=chunk_size, entropy=False, kl="reverse", mask=m)
-        return TokenStats(out.logprobs, out.entropy, out.kl, mis.kl)
+        return TokenStats(out.logprobs, out.entropy, out.kl, _rollout_kl(h, w, rollout_h, m, tp_group, vocab_size,
+                                                                         temperature, chunk_size))
     return fn
+
+
+@torch.no_grad()
+def _rollout_kl(h, w, rollout_h, m, tp_group, vocab_size, temperature, chunk_size) -> torch.Tensor:
+    """KL(q || p) per token, q the rollout's logits (its hidden states through this same head weight), p
+    this forward's: a metric, no gradient."""
+    return fused_head(h.detach(), w.detach(), None, tp_group, vocab_size=vocab_size, ref_hidden=rollout_h,
+                      ref_weight_local=w.detach(), temperature=temperature, chunk_size=chunk_size, entropy=False,
+                      kl="reverse", mask=m).kl
 
 
 @torch.no_grad()
@@ -161,32 +168,40 @@ def critic_values(critic, sequences, attention_mask, prompt_len: int) -> torch.T
 def policy_fused_loss(model, sequences, attention_mask, prompt_len: int, token_loss, *, tp_group=None,
                       vocab_size: int, temperature: float = 1.0, chunk_size: int | None = None, entropy: bool = False,
                       kl: str | None = None, ref_hidden: torch.Tensor | None = None,
-                      ref_weight: torch.Tensor | None = None,
-                      mask: torch.Tensor | None = None) -> tuple[torch.Tensor, TokenStats]:
+                      ref_weight: torch.Tensor | None = None, mask: torch.Tensor | None = None,
+                      rollout_hidden: torch.Tensor | None = None) -> tuple[torch.Tensor, TokenStats]:
     """The policy loss over the response tokens through `parallel.fused_loss.fused_head_loss`
     (gradient formed in forward, no logits recomputed in backward). Returns (loss, detached
-    per-token stats [B, N]). Positions where `mask` [B, N] is False are dropped inside the head."""
+    per-token stats [B, N]). Positions where `mask` [B, N] is False are dropped inside the head.
+    `rollout_hidden` [B, N, H]: also the exact KL(rollout || model) per token (no gradient)."""
     fn = _loss_head(token_loss, tp_group, vocab_size, temperature, chunk_size, entropy, kl, ref_weight)
-    (loss, out), shape = _through_head(model, sequences, attention_mask, prompt_len, tp_group, ref_hidden, mask, fn)
+    (loss, out), shape = _through_head(model, sequences, attention_mask, prompt_len, tp_group, ref_hidden, mask, fn,
+                                       rollout_hidden)
     return loss, _stats(out, shape)
 
 
 def packed_fused_loss(model, packed, token_loss, *, tp_group=None, vocab_size: int, temperature: float = 1.0,
                       chunk_size: int | None = None, entropy: bool = False, kl: str | None = None,
                       ref_hidden: torch.Tensor | None = None, ref_weight: torch.Tensor | None = None,
-                      mask: torch.Tensor | None = None) -> tuple[torch.Tensor, TokenStats]:
+                      mask: torch.Tensor | None = None,
+                      rollout_hidden: torch.Tensor | None = None) -> tuple[torch.Tensor, TokenStats]:
     """`policy_fused_loss` over the M response tokens of a packed sequence (see `packed_token_stats`):
     (loss, detached per-token stats [1, M]); `token_loss` is bound to [1, M] tensors."""
     fn = _loss_head(token_loss, tp_group, vocab_size, temperature, chunk_size, entropy, kl, ref_weight)
-    (loss, out), shape = _through_head_packed(model, packed, tp_group, ref_hidden, mask, fn)
+    (loss, out), shape = _through_head_packed(model, packed, tp_group, ref_hidden, mask, fn, rollout_hidden)
     return loss, _stats(out, shape)
 
 
 def _loss_head(token_loss, tp_group, vocab_size, temperature, chunk_size, entropy, kl, ref_weight):
-    return lambda h, w, t, rh, m: fused_head_loss(h, w, t, tp_group, token_loss=token_loss, vocab_size=vocab_size,
-                                                  ref_hidden=rh, ref_weight_local=ref_weight,
-                                                  temperature=temperature, chunk_size=chunk_size, entropy=entropy,
-                                                  kl=kl, mask=m)
+    def fn(h, w, t, rh, m, rollout_h=None):
+        loss, out = fused_head_loss(h, w, t, tp_group, token_loss=token_loss, vocab_size=vocab_size, ref_hidden=rh,
+                                    ref_weight_local=ref_weight, temperature=temperature, chunk_size=chunk_size,
+                                    entropy=entropy, kl=kl, mask=m)
+        if rollout_h is None:
+            return loss, out
+        return loss, TokenStats(out.logprobs, out.entropy, out.kl, _rollout_kl(h, w, rollout_h, m, tp_group,
+                                                                               vocab_size, temperature, chunk_size))
+    return fn
 
 
 @dataclass

@@ -13,7 +13,7 @@
 
 Deferred rows (`algo.old_from_update`): epoch 0's first mini-batch is on-policy, so its update forward
 computes the very log-probs, entropy (and exact KL) the old pass would; the old pass skips those rows
-and the update writes them in (`fill_deferred`).
+and the update writes them in (`fill_deferred`), with the exact KL(rollout || train) of those rows.
 """
 
 from __future__ import annotations
@@ -56,7 +56,8 @@ class StepData:
     # log pi_T (tempered, full vocabulary: what old_logp estimates) and log mu (what was drawn from)
     rollout_logprobs: torch.Tensor | None = None
     rollout_sampled_logprobs: torch.Tensor | None = None
-    rollout_kl: torch.Tensor | None = None  # exact KL(rollout || old pass) per token; 0 on deferred rows
+    # exact KL(rollout || train) per token: the old pass's, the deferred rows' from the update's first forward
+    rollout_kl: torch.Tensor | None = None
     kl_exact_metric: torch.Tensor | None = None  # exact KL(pi||ref) when `kl` is a sampled estimate off mu
 
     @property
@@ -103,10 +104,13 @@ class ExperienceMaker:
         if self.reward_norm is not None:
             scores = self.reward_norm.normalize_(scores.clone(), self.dp_group)
         opt = lambda t: None if t is None else sanitize(t.float(), mask)
+        rollout_kl = opt(old.rollout_kl)
+        if rollout_kl is None and ro.rollout_hidden is not None:  # every row deferred: the update fills it in
+            rollout_kl = torch.zeros_like(old_logp, dtype=torch.float32)
         data = StepData(ro, mask, old_logp, ref_logp, ref_h if exact else None, ref_w if exact else None,
                         kl, sanitize(old.entropy, mask), advantages=None, deferred=deferred,
                         rollout_logprobs=opt(ro.rollout_logprobs),
-                        rollout_sampled_logprobs=opt(ro.rollout_sampled_logprobs), rollout_kl=opt(old.rollout_kl),
+                        rollout_sampled_logprobs=opt(ro.rollout_sampled_logprobs), rollout_kl=rollout_kl,
                         kl_exact_metric=sanitize(old.kl.float(), mask) if kl_dir and not exact else None)
         if cfg.algo.name == "grpo":
             if cfg.kl.where == "reward":  # the response's summed KL penalty enters its reward
@@ -188,3 +192,5 @@ def fill_deferred(data: StepData, mb: MicroBatch, cur: TokenStats, mask: torch.T
     put(data.entropy, cur.entropy)
     if exact:
         put(data.kl, cur.kl.float())
+    if data.rollout_kl is not None and cur.rollout_kl is not None:
+        put(data.rollout_kl, cur.rollout_kl.float())
