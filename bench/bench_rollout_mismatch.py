@@ -1,7 +1,13 @@
-"""The rollout-vs-training mismatch of a real job, per precision, from its metrics.jsonl.
+"""The rollout-vs-training mismatch of a real job, per precision, from its metrics.jsonl; and what recording
+the rollout's log-probs and hidden states costs the generation.
 
     python -m bench.bench_rollout_mismatch [--config configs/grpo_tiny.yaml --steps 20 --out /tmp/mismatch]
                                            [--precisions fp32 bf16] [-- extra overrides]
+    python -m bench.bench_rollout_mismatch --cost [--repeats 3]
+
+`--cost`: `generate` with record=False, record=True, and record=True with record_hidden=True (medians of
+`--repeats`, interleaved) on the tiny model (256 rows x 6 tokens) and a 32000-vocabulary one (H=512, 8
+layers; 32 rows x 16 tokens), top_p 0.9.
 
 Runs `python -m rl.train --config CONFIG train.steps=STEPS parallel.mixed_precision=P` once per precision
 (and per `algo.old_from_update` true / false: with it, one mini-batch's old log-probs come from the update's
@@ -44,14 +50,51 @@ def summary(rows: list[dict]) -> dict[str, tuple[float, float]]:
     return out
 
 
+def cost(repeats: int) -> None:
+    """Prints the generation time with and without the records (module docstring)."""
+    import statistics
+    import time
+
+    import torch
+
+    from core.config import ModelConfig
+    from core.generation.generate import generate
+    from core.model import build_model
+    shapes = {"tiny (V=256, H=64)": (dict(vocab_size=256, hidden_size=64, n_layers=2, n_heads=4, n_kv_heads=2,
+                                          intermediate_size=176, max_seq_len=64), 256, 6),
+              "V=32000, H=512, 8 layers": (dict(vocab_size=32000, hidden_size=512, n_layers=8, n_heads=8,
+                                                n_kv_heads=4, intermediate_size=1376, max_seq_len=64), 32, 16)}
+    print("| model | rows x tokens | plain s | + log-probs | + log-probs and hidden |")
+    print("|---|---|---:|---:|---:|")
+    for name, (mc, rows, n) in shapes.items():
+        model = build_model(ModelConfig(**mc), seed=0)
+        ids = torch.randint(3, mc["vocab_size"], (rows, 8), generator=torch.Generator().manual_seed(0))
+        kw = dict(max_new_tokens=n, eos_id=None, pad_id=0, temperature=1.0, top_p=0.9, seed=1, compact=False)
+        modes = [dict(), dict(record=True), dict(record=True, record_hidden=True)]
+        times = [[] for _ in modes]
+        for _ in range(repeats):
+            for i, m in enumerate(modes):
+                t0 = time.perf_counter()
+                generate(model, ids, torch.ones_like(ids), **kw, **m)
+                times[i].append(time.perf_counter() - t0)
+        med = [statistics.median(t) for t in times]
+        print(f"| {name} | {rows} x {n} | {med[0]:.3f} | {med[1]:.3f} ({med[1] / med[0]:.2f}x) | "
+              f"{med[2]:.3f} ({med[2] / med[0]:.2f}x) |")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--config", default="configs/grpo_tiny.yaml")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--out", default="/tmp/mismatch")
     ap.add_argument("--precisions", nargs="+", default=["fp32", "bf16"])
+    ap.add_argument("--cost", action="store_true", help="time generate with and without the records")
+    ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("extra", nargs="*", help="more config overrides")
     a = ap.parse_args(argv)
+    if a.cost:
+        cost(a.repeats)
+        return 0
     names = [k + (" - 1" if k == "token_mult_prob_error" else "") for k in KEYS]
     print("| precision | old_from_update | " + " | ".join(names) + " |")
     print("|---|---|" + "---|" * len(KEYS))

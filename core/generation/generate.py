@@ -262,8 +262,9 @@ def generate(model: Transformer, prompt_ids: torch.Tensor, prompt_mask: torch.Te
             raw = logits
             if t < min_new_tokens:
                 logits = _no_stop_ids(logits, stops, tp_group)
-            tok, lp = sample_from_sharded_logits(logits, row_ids=row_ids[rows], position=t, return_logprobs=True,
-                                                 **sample_kw)
+            tok = sample_from_sharded_logits(logits, row_ids=row_ids[rows], position=t, return_logprobs=rec.on,
+                                             **sample_kw)
+            tok, lp = tok if rec.on else (tok, None)
             at = rows[live]
             rec.add(at, t, live, tok, lp, raw, hid)
             seqs[at, P + t] = tok[live]
