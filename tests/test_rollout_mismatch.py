@@ -95,10 +95,12 @@ def test_truncated_sampler_kl_metric_is_the_exact_kl():
     assert rec["sampler_trunc_kl"] > 0.0
 
 
-@pytest.mark.parametrize("over", [["algo.old_from_update=true", "algo.mini_batches=2"],
-                                  ["algo.old_from_update=true", "algo.fused_loss=false"],
-                                  ["algo.old_from_update=false", "algo.micro_batch_tokens=64"]],
-                         ids=["deferred-fused", "all-deferred-unfused", "old-pass-token-budget"])
+@pytest.mark.parametrize("over", [
+    pytest.param(["algo.old_from_update=true", "algo.mini_batches=2"], id="deferred-fused"),
+    pytest.param(["algo.old_from_update=true", "algo.fused_loss=false"], id="all-deferred-unfused",
+                 marks=pytest.mark.slow),
+    pytest.param(["algo.old_from_update=false", "algo.micro_batch_tokens=64"], id="old-pass-token-budget",
+                 marks=pytest.mark.slow)])
 def test_step_rollout_kl_equals_float64_enumeration(over):
     """Every row's exact KL(rollout || train), whether the old pass or the update's on-policy forward computed it,
     against float64 enumeration from the rollout's hidden states (perturbed, so the KL is not 0) and the hidden
@@ -126,6 +128,7 @@ def test_step_rollout_kl_equals_float64_enumeration(over):
     torch.testing.assert_close(data.rollout_kl.double(), ref, atol=1e-6, rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_bf16_step_records_a_small_mismatch():
     """A bf16 step: every mismatch metric present, the rollout's log-probs within bf16 noise of the
     old pass's and far inside the ratio band."""
