@@ -5,9 +5,11 @@ the rollout's log-probs and hidden states costs the generation.
                                            [--precisions fp32 bf16] [-- extra overrides]
     python -m bench.bench_rollout_mismatch --cost [--repeats 3]
 
-`--cost`: `generate` with record=False, record=True, and record=True with record_hidden=True (medians of
-`--repeats`, interleaved) on the tiny model (256 rows x 6 tokens) and a 32000-vocabulary one (H=512, 8
-layers; 32 rows x 16 tokens), top_p 0.9.
+`--cost`: the sampler alone at [256, 32000] float32 logits, top_p 0.9, with and without the drawn tokens'
+two log-probs (the fastest of 5 x `--repeats` calls each, interleaved: robust on a loaded machine); then
+`generate` with record=False, record=True, and record=True with record_hidden=True (medians of `--repeats`,
+interleaved) on the tiny model (256 rows x 6 tokens) and a 32000-vocabulary one (H=512, 8 layers; 32 rows
+x 16 tokens), top_p 0.9.
 
 Runs `python -m rl.train --config CONFIG train.steps=STEPS parallel.mixed_precision=P` once per precision
 (and per `algo.old_from_update` true / false: with it, one mini-batch's old log-probs come from the update's
@@ -59,7 +61,21 @@ def cost(repeats: int) -> None:
 
     from core.config import ModelConfig
     from core.generation.generate import generate
+    from core.generation.sampling import sample_from_sharded_logits, tempered_logprob
     from core.model import build_model
+
+    z = torch.randn(256, 32000, generator=torch.Generator().manual_seed(0)) * 3
+    kw = dict(vocab_size=32000, temperature=1.0, top_p=0.9, seed=1, step=0, row_ids=torch.arange(256), position=0)
+    best = [float("inf"), float("inf")]
+    for _ in range(5 * repeats):
+        for i in (0, 1):
+            t0 = time.perf_counter()
+            out = sample_from_sharded_logits(z, return_logprobs=bool(i), **kw)
+            if i:
+                tempered_logprob(z, out[0], vocab_size=32000, temperature=1.0)
+            best[i] = min(best[i], time.perf_counter() - t0)
+    print(f"sampler [256, 32000] top_p 0.9: {best[0] * 1e3:.1f} ms, with both log-probs {best[1] * 1e3:.1f} ms "
+          f"({best[1] / best[0]:.2f}x)\n")
     shapes = {"tiny (V=256, H=64)": (dict(vocab_size=256, hidden_size=64, n_layers=2, n_heads=4, n_kv_heads=2,
                                           intermediate_size=176, max_seq_len=64), 256, 6),
               "V=32000, H=512, 8 layers": (dict(vocab_size=32000, hidden_size=512, n_layers=8, n_heads=8,
