@@ -29,6 +29,50 @@ def test_logp_mismatch_matches_hand_formulas():
     assert empty["token_mult_prob_error"] == 1.0 and empty["rollout_logp_diff_max"] == 0.0
 
 
+def _step_data(rank=None):
+    """A stand-in StepData (the fields mismatch_metrics reads) of 6 rows; `rank` 0/1: its half of the rows."""
+    from types import SimpleNamespace
+    g = torch.Generator().manual_seed(5)
+    old = -torch.rand(6, 4, generator=g, dtype=torch.float64) * 3
+    d = torch.randn(6, 4, generator=g, dtype=torch.float64) * 0.08
+    mask = torch.rand(6, 4, generator=g) < 0.8
+    trunc = torch.rand(6, 4, generator=g, dtype=torch.float64) * 0.1
+    kl = torch.rand(6, 4, generator=g, dtype=torch.float64) * 1e-3
+    rows = slice(None) if rank is None else slice(3 * rank, 3 * rank + 3)
+    return SimpleNamespace(mask=mask[rows], old_logp=old[rows], rollout_logprobs=(old + d)[rows],
+                           rollout_sampled_logprobs=(old + d + trunc)[rows], rollout_kl=kl[rows], deferred=None)
+
+
+def _metrics_on_half():
+    import torch.distributed as dist
+
+    from rl.health.mismatch import mismatch_metrics
+    return mismatch_metrics(_step_data(dist.get_rank()), dist.group.WORLD)
+
+
+def test_mismatch_metrics_are_global_over_dp(dist_pools):
+    """Each DP rank holds half the rows: every metric equals the one-process value over all rows, and that one
+    its hand formula."""
+    from rl.health.mismatch import mismatch_metrics
+    data = _step_data()
+    one = mismatch_metrics(data)
+    m = data.mask
+    d = (data.rollout_logprobs - data.old_logp)[m]
+    kl = data.rollout_kl[m].sort().values
+    want = {"rollout_logp_diff_max": d.abs().max(), "rollout_logp_diff_mean": d.abs().mean(),
+            "rollout_ratio_out_share": ((-d).exp().lt(0.9) | (-d).exp().gt(1.1)).double().mean(),
+            "token_mult_prob_error": d.abs().exp().mean(),
+            "sampler_trunc_kl": (data.rollout_sampled_logprobs - data.rollout_logprobs)[m].mean(),
+            "rollout_kl_mean": kl.mean(), "rollout_kl_max": kl[-1], "rollout_kl_p50": kl.quantile(0.5),
+            "rollout_kl_p99": kl.quantile(0.99)}
+    assert 0 < want["rollout_ratio_out_share"] < 1
+    for k, v in want.items():
+        assert one[k] == pytest.approx(float(v), rel=1e-5, abs=1e-9), k
+    for got in dist_pools.run(2, _metrics_on_half):
+        for k, v in one.items():
+            assert got[k] == pytest.approx(v, rel=1e-5, abs=1e-9), k
+
+
 def test_rollout_kl_head_matches_float64_enumeration():
     """`rollout_hidden` through the policy's head: KL(softmax(h_r W / T) || softmax(h W / T)) per token."""
     from core.config import ModelConfig
@@ -165,3 +209,18 @@ def test_monitor_draws_the_rollout_kl_quantiles(tmp_path):
     assert ("hist", "rollout_kl_quantiles", [1e-7, 2e-6, 5e-6]) in calls
     assert ("scalar", "token_mult_prob_error", 1.0001) in calls and ("scalar", "rollout_ratio_out_share", 0.0) in calls
     assert not any(c[1] == "kl_quantiles" for c in calls)  # no KL quantiles in this record: no empty histogram
+
+
+def test_rollout_select_keeps_the_records_of_its_rows():
+    from rl.experience.rollout import Rollout
+    B, P, N, H = 4, 2, 3, 5
+    lp, lmu, hid = torch.randn(B, N), torch.randn(B, N), torch.randn(B, N, H)
+    ro = Rollout(torch.zeros(B, P + N, dtype=torch.long), torch.ones(B, P + N), torch.ones(B, N, dtype=torch.bool),
+                 P, torch.zeros(B), torch.arange(B), [{}], [], lp, lmu, hid)
+    rows = torch.tensor([2, 0])
+    sub = ro.select(rows)
+    assert torch.equal(sub.rollout_logprobs, lp[rows]) and torch.equal(sub.rollout_sampled_logprobs, lmu[rows])
+    assert torch.equal(sub.rollout_hidden, hid[rows])
+    bare = Rollout(*[getattr(ro, f) for f in ("sequences", "attention_mask", "response_mask", "prompt_len", "scores",
+                                              "row_ids", "metas", "responses")])
+    assert bare.select(rows).rollout_logprobs is None
