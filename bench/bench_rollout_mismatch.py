@@ -15,7 +15,8 @@ Runs `python -m rl.train --config CONFIG train.steps=STEPS parallel.mixed_precis
 (and per `algo.old_from_update` true / false: with it, one mini-batch's old log-probs come from the update's
 first forward; without, every row's from the old-log-prob pass) and prints, over all steps, the mean and the
 largest of each mismatch metric (rl/health/mismatch.py) as a markdown table (token_mult_prob_error as its excess
-over 1).
+over 1). With bf16 a last row runs the same job with the rollout's head as it was before it computed the
+trainer's float32 logits (a bf16 `F.linear`, patched in for this run only: `--train-bf16-head`).
 """
 
 from __future__ import annotations
@@ -30,11 +31,13 @@ KEYS = ("rollout_logp_diff_max", "rollout_logp_diff_mean", "rollout_ratio_out_sh
         "rollout_kl_mean", "rollout_kl_p99", "rollout_kl_max")
 
 
-def run(config: str, steps: int, out: str, precision: str, old_from_update: bool, extra: list[str]) -> list[dict]:
+def run(config: str, steps: int, out: str, precision: str, old_from_update: bool, extra: list[str],
+        bf16_head: bool = False) -> list[dict]:
     """The job's metrics records (runs it unless `out`/metrics.jsonl already holds `steps` of them)."""
     path = os.path.join(out, "metrics.jsonl")
     if not (os.path.exists(path) and sum(1 for _ in open(path, encoding="utf-8")) >= steps):
-        cmd = [sys.executable, "-m", "rl.train", "--config", config, f"train.steps={steps}", f"train.out_dir={out}",
+        entry = ["bench.bench_rollout_mismatch", "--train-bf16-head", "--"] if bf16_head else ["rl.train"]
+        cmd = [sys.executable, "-m", *entry, "--config", config, f"train.steps={steps}", f"train.out_dir={out}",
                "train.save_every=0", f"parallel.mixed_precision={precision}",
                f"algo.old_from_update={str(old_from_update).lower()}", "train.progress=false", *extra]
         subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
@@ -98,7 +101,27 @@ def cost(repeats: int) -> None:
               f"{med[2]:.3f} ({med[2] / med[0]:.2f}x) |")
 
 
+def train_with_bf16_head(argv: list[str]) -> int:
+    """`rl.train` with the rollout head of before: logits = F.linear(hidden, weight) in the compute dtype (bf16
+    under parallel.mixed_precision=bf16), upcast only for the sampler."""
+    import torch.nn.functional as F
+
+    import core.generation.generate as gen
+    from parallel.comm import copy_to_tp
+    from rl.train import main as train
+
+    def bf16_head(tp_group):
+        def head(hidden, weight_local):
+            return F.linear(copy_to_tp(hidden[:, -1], tp_group), weight_local).float(), hidden[:, -1]
+        return head
+    gen._last_position_head = bf16_head
+    return train(argv)
+
+
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["--train-bf16-head"]:
+        return train_with_bf16_head(argv[2:] if argv[1:2] == ["--"] else argv[1:])
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--config", default="configs/grpo_tiny.yaml")
     ap.add_argument("--steps", type=int, default=20)
@@ -120,6 +143,11 @@ def main(argv=None) -> int:
             s = summary(rows)
             cells = [f"{s[k][0]:.3g} / {s[k][1]:.3g}" if k in s else "-" for k in KEYS]
             print(f"| {p} | {ofu} | " + " | ".join(cells) + " |")
+    if "bf16" in a.precisions:
+        rows = run(a.config, a.steps, os.path.join(a.out, "bf16_head_False"), "bf16", False, a.extra, bf16_head=True)
+        s = summary(rows)
+        cells = [f"{s[k][0]:.3g} / {s[k][1]:.3g}" if k in s else "-" for k in KEYS]
+        print("| bf16, the rollout head before (bf16 logits) | False | " + " | ".join(cells) + " |")
     return 0
 
 
