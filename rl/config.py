@@ -24,6 +24,9 @@ class RolloutConfig:
     min_p: float = 0.0  # keep tokens with p >= min_p * max p
     stop: list[str] = field(default_factory=list)  # stop strings (beside the tokenizer's EOS ids)
     share_prefill: bool = True  # prefill each distinct prompt once, its KV cache copied to its G rows
+    # keep the rollout's final hidden state of every response token ([B, N, H], 2H bytes a token in bf16,
+    # 4H in fp32): the old-log-prob pass then measures the exact KL(rollout || train) per token
+    record_hidden: bool = True
     # prompt tokens per prefill forward (whole rows, at least one; 0: all rows at once): bounds the
     # prefill's activations (its MLP's [rows x P, I/tp] tensors) as chunked prefill does in vLLM
     prefill_tokens: int = 16384

@@ -15,6 +15,7 @@ import torch
 from core.runtime.metrics import PhaseTimer, peak_memory
 from parallel import comm
 from rl.config import RLConfig
+from rl.health.mismatch import mismatch_metrics
 from rl.health.signals import WindowCorr, loss_term_grad_norms, repetition_rate
 from rl.objectives.controller import KLController
 from rl.objectives.kl import kl_by_position, kl_quantiles, masked_mean
@@ -48,9 +49,9 @@ class StepRecorder:
         `t0` (perf_counter): the control values passed in (`beta` the update ran with, `new_beta` the
         next, `ent_coef`, `grads` from `balance_beta`, `synced` the reference), `evals` merged in."""
         cfg, mask, dpg = self.cfg, data.mask, self.dp_group
-        q = kl_quantiles(data.kl, mask, dp_group=dpg)
+        q = kl_quantiles(data.kl_for_control, mask, dp_group=dpg)
         ref_lo, ref_hi = masked_range(data.old_logp - data.ref_logp, mask, dpg)  # log(pi/ref) at the samples
-        pos_mean, _ = kl_by_position(data.kl, mask, n_buckets=min(8, cfg.rollout.max_new_tokens),
+        pos_mean, _ = kl_by_position(data.kl_for_control, mask, n_buckets=min(8, cfg.rollout.max_new_tokens),
                                      max_len=cfg.rollout.max_new_tokens, dp_group=dpg)
         scores = data.ro.scores.double()  # float64: sums of squares of large (bounded) rewards stay finite
         stats = torch.stack([scores.sum(), (scores ** 2).sum(), scores.new_tensor(float(scores.numel())),
@@ -81,6 +82,7 @@ class StepRecorder:
                "logp_drift": upd["logp_drift"], "ref_synced": synced, "step_time_s": elapsed,
                "ref_log_ratio_min": ref_lo, "ref_log_ratio_max": ref_hi, "beta_min": cfg.kl_ctl.beta_min,
                **times, **peak_memory(self.device)}
+        rec.update(mismatch_metrics(data, dpg))  # rollout vs the old-log-prob pass (rl/health/mismatch.py)
         if "critic_grad_norm" in upd:
             rec["critic_grad_norm"] = upd["critic_grad_norm"]
         rec.update(evals)

@@ -130,7 +130,8 @@ class RLTrainer:
         ent_coef = self.ent_ctl.coef
         with self.timer("update"):
             upd = self.update(data, step)
-        kl_mean = float(masked_mean(data.kl, data.mask, dp_group=self.dp_group))
+        # the exact KL where a truncated sampler makes the sampled estimate misread KL(pi||ref) (StepData)
+        kl_mean = float(masked_mean(data.kl_for_control, data.mask, dp_group=self.dp_group))
         beta = self.controller.beta
         # Ziegler et al.'s clock: the KL was measured on this many samples (global); horizon is in samples
         new_beta = self.controller.update(kl_mean, n_samples=cfg.rollout.prompts_per_step * cfg.rollout.group_size)

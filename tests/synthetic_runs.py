@@ -129,7 +129,10 @@ def sample(rng: np.random.Generator, truth: dict, samples: int = SAMPLES) -> lis
             "ref_log_ratio_min": -(1.4 + 6.0 * kl_i) * math.exp(0.2 * e[5]),
             "ref_log_ratio_max": 4.4 + 4.5 * kl_i + 1.6 * e[6],
             "grad_norm": float(truth["grad_norm"][i] * math.exp(0.2 * e[7])), "skipped": 0,
-            "lr": 1e-4, "pg_loss": float(0.01 * e[8]), "ref_synced": False})
+            "lr": 1e-4, "pg_loss": float(0.01 * e[8]), "ref_synced": False,
+            # the rollout-vs-training mismatch of kltron's default job in bf16 (docs/benchmarks.md)
+            "rollout_ratio_out_share": 0.0, "token_mult_prob_error": 1.0 + 2e-4 * (1 + i % 3),
+            "rollout_kl_mean": 1e-6, "rollout_logp_diff_max": 0.02})
         if truth["beta_fixed"] is None:  # Ziegler et al.: e = clip(KL/target - 1, +-0.2), 1/horizon per step
             err = min(max(kl_mean / truth["target"] - 1, -0.2), 0.2)
             beta = min(max(beta * (1 + err / truth["horizon_steps"]), truth["beta_min"]), 1.0)
@@ -172,6 +175,14 @@ def _nan_strings(rows):
     rows[32]["pg_loss"] = "inf"
 
 
+def _bf16_mismatch(rows):
+    """From step 20 a rollout that samples another distribution, as the peers' bf16 stacks: 5-10% of the
+    tokens outside [0.9, 1.1] (verl #6280, TRL #6789), NeMo-RL's error ~1.03."""
+    for i, r in enumerate(rows[20:]):
+        r.update(rollout_ratio_out_share=0.05 + 0.05 * (i % 2), token_mult_prob_error=1.03 + 0.005 * (i % 3),
+                 rollout_kl_mean=2e-3, rollout_logp_diff_max=0.9)
+
+
 def _grad_zero(rows):
     for r in rows[10:]:
         r["grad_norm"] = 0.0
@@ -199,6 +210,7 @@ FAULTS = {
     "ref_follows_policy": (100, _set(kl=lambda n: _with_startup(np.full(n, 2e-4)))),
     "kl_negative": (60, _set(kl=lambda n: _with_startup(np.full(n, -0.05)), k1=True)),
     "kl_adv_spike": (100, _set(), _adv_spikes),
+    "rollout_mismatch": (60, _set(), _bf16_mismatch),
     "non_finite": (60, _set(), _nan_strings),
     "collapse": (40, _set(), _grad_zero),
     "entropy_collapse": (80, _set(entropy=lambda n: _ramp(n, 40, 0.9, 0.01, 60))),

@@ -92,7 +92,8 @@ def test_prefix_mask_reduces_to_document_mask():
 
 
 def _stats_and_grads(shared: bool, fused: bool, cost=None, **rollout_kw):
-    """float64: log-probs, entropy, exact KL [B, N] and every policy gradient of a weighted sum of them."""
+    """float64: log-probs, entropy, exact KL [B, N] and every policy gradient of a weighted sum of them; without
+    `fused` also the exact KL(rollout || policy) of the reference's hidden states read as a rollout's."""
     torch.manual_seed(0)
     policy, ref = _models()
     ro = _rollout(**rollout_kw)
@@ -116,7 +117,9 @@ def _stats_and_grads(shared: bool, fused: bool, cost=None, **rollout_kw):
             loss, _ = policy_fused_loss(policy, ro.sequences, ro.attention_mask, ro.prompt_len, token_loss, **kw)
         stats = None
     else:
-        stats = policy_token_stats(policy, ro.sequences, ro.attention_mask, ro.prompt_len, packed=sh, **kw)
+        stats = policy_token_stats(policy, ro.sequences, ro.attention_mask, ro.prompt_len, packed=sh,
+                                   rollout_hidden=ref_h, **kw)
+        assert stats.rollout_kl is not None
         m = ro.response_mask
         loss = sum((x * wi).where(m, 0.0).sum() for x, wi in zip(stats, w))
     loss.backward()

@@ -17,6 +17,13 @@ The decode loop:
     response, nothing after it is;
   - finished rows leave the batch: when the live rows fall to 3/4 of the batch, the batch and its
     cache are compacted to the live rows, so they stop costing compute;
+  - the LM head of the sampled positions computes its logits as the trainer's fused head does
+    (parallel/fused.py's HeadMatmul: float32 output from bf16 operands), so under bf16 compute the
+    sampler draws from the distribution the trainer scores, not from bf16-rounded logits;
+  - `record=True` keeps, per response token, log mu(y) (the distribution actually drawn from:
+    tempered, truncated by top-k / top-p / min-p and renormalised) and log pi_T(y) (tempered, full
+    vocabulary); `record_hidden=True` also the final hidden state [H] that produced the token's
+    logits. They are written at the rows' places, so they follow compaction and the shared prefill;
   - DP ranks run the same number of decode steps (an all-reduce of "anyone still generating" per
     step), because under FSDP each forward is a collective over the DP group; a rank with no live
     rows keeps one finished row as a placeholder.
@@ -31,10 +38,11 @@ from typing import Callable, Sequence
 
 import torch
 
-from core.generation.sampling import sample_from_sharded_logits
+from core.generation.sampling import sample_from_sharded_logits, tempered_logprob
 from core.model import KVCache, Transformer
-from parallel.comm import all_reduce, group_rank
-from parallel.layers import vocab_parallel_logits
+from parallel.comm import all_reduce, copy_to_tp, group_rank
+from parallel.fused import HeadMatmul
+from parallel.vocab_stats import vocab_shard
 
 __all__ = ["GenerationOutput", "generate", "sample_from_sharded_logits"]
 
@@ -49,6 +57,11 @@ class GenerationOutput:
     prompt_len: int  # P
     n_tokens: int = 0  # response tokens generated on this rank
     seconds: float = 0.0  # wall time of the whole generation (prefill + decode) on this rank
+    # `record`: [B, N] float32, 0 off the response mask: log mu(token) (the sampled distribution:
+    # tempered, truncated, renormalised) and log pi_T(token) (tempered, full vocabulary)
+    logprobs: torch.Tensor | None = None
+    tempered_logprobs: torch.Tensor | None = None
+    hidden: torch.Tensor | None = None  # `record_hidden`: [B, N, H] final hidden states (compute dtype), 0 off the mask
 
     @property
     def tokens_per_s(self) -> float:
@@ -76,10 +89,19 @@ def _keep_unsharded(model):
 
 
 def _last_position_head(tp_group):
-    """A forward `head` projecting only the last position: hidden [B, S, H] -> [B, 1, Vp/tp]."""
+    """A forward `head` projecting only the last position: hidden [B, S, H] -> (logits [B, Vp/tp]
+    float32, hidden [B, H]). The logits are those of the trainer's fused head (HeadMatmul with float32
+    reductions): float32 output of the bf16 operands under bf16 compute, never rounded to bf16."""
     def head(hidden, weight_local):
-        return vocab_parallel_logits(hidden[:, -1:], weight_local, tp_group)
+        h = copy_to_tp(hidden[:, -1], tp_group)
+        sh = vocab_shard(weight_local.shape[0], tp_group, None, 1.0, weight_local.dtype, True)
+        return HeadMatmul(weight_local, sh)(h), hidden[:, -1]
     return head
+
+
+def _cat(outs: list[tuple]) -> tuple:
+    """The blocks' (logits, hidden) pairs joined on rows."""
+    return outs[0] if len(outs) == 1 else tuple(torch.cat(x) for x in zip(*outs))
 
 
 class _Stopper:
@@ -121,14 +143,14 @@ def distinct_prompts(ids: torch.Tensor, mask: torch.Tensor) -> tuple[list[int], 
 
 def _prefill_blocks(model, ids, mask, cache: KVCache, head, rows_per_block: int, dp_group) -> torch.Tensor:
     """Prompts [n, P] into cache rows [:n], at most `rows_per_block` rows per forward -> last-position
-    logits [n, Vp/tp]. Each block writes its own slice of the cache (views), so the forward's
+    (logits [n, Vp/tp], hidden [n, H]). Each block writes its own slice of the cache (views), so the forward's
     transients (the MLP's [rows x P, I/tp] tensors, the attention mask) stay those of one block.
     Every DP rank runs the same number of forwards (FSDP keeps them in step): the count is agreed
     (a max over DP), and a rank with fewer blocks runs one-row fillers into a scratch cache."""
     n, P = ids.shape
     if n <= rows_per_block and dp_group is None:
         part = KVCache([k[:n] for k in cache.k], [v[:n] for v in cache.v])
-        return model(ids, attention_mask=mask, kv_cache=part, head=head)[:, -1]
+        return model(ids, attention_mask=mask, kv_cache=part, head=head)
     local = -(-n // rows_per_block)
     # one max over DP: the number of prefill forwards every rank takes
     blocks = int(all_reduce(torch.tensor([float(local)], device=ids.device), "max", dp_group).item())
@@ -136,16 +158,16 @@ def _prefill_blocks(model, ids, mask, cache: KVCache, head, rows_per_block: int,
     out = []
     for s in range(0, n, per):
         part = KVCache([k[s:s + per] for k in cache.k], [v[s:s + per] for v in cache.v])
-        out.append(model(ids[s:s + per], attention_mask=mask[s:s + per], kv_cache=part, head=head)[:, -1])
+        out.append(model(ids[s:s + per], attention_mask=mask[s:s + per], kv_cache=part, head=head))
     for _ in range(blocks - len(out)):  # fillers: results dropped
         scratch = KVCache([k[:1].clone() for k in cache.k], [v[:1].clone() for v in cache.v])
         model(ids[:1], attention_mask=mask[:1], kv_cache=scratch, head=head)
-    return torch.cat(out) if len(out) > 1 else out[0]
+    return _cat(out)
 
 
 def _prefill(model, prompt_ids, prompt_mask, cache: KVCache, head, share: bool, prefill_tokens: int = 0,
-             dp_group=None) -> torch.Tensor:
-    """Run the prompts [B, P] into `cache` -> last-position logits [B, Vp/tp]. `share`: each distinct
+             dp_group=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Run the prompts [B, P] into `cache` -> last-position (logits [B, Vp/tp], hidden [B, H]). `share`: each distinct
     prompt once ([U, P]), its cache rows and logits then copied to the B rows that hold it.
     `prefill_tokens` > 0: at most that many prompt tokens (rows x P, at least one row) per forward."""
     B, P = prompt_ids.shape
@@ -158,11 +180,11 @@ def _prefill(model, prompt_ids, prompt_mask, cache: KVCache, head, share: bool, 
     inv_l, first_l = distinct_prompts(prompt_ids, prompt_mask)
     inv = torch.tensor(inv_l, dtype=torch.long, device=prompt_ids.device)
     first = torch.tensor(first_l, dtype=torch.long, device=prompt_ids.device)
-    logits = _prefill_blocks(model, prompt_ids[first], prompt_mask[first], cache, head, per, group)
+    logits, hidden = _prefill_blocks(model, prompt_ids[first], prompt_mask[first], cache, head, per, group)
     for k in cache.k + cache.v:  # rows [:U] hold the distinct prompts; k[inv] is a copy, read before the write
         k[:, :, :P] = k[inv, :, :P]
     cache.length = P
-    return logits[inv]
+    return logits[inv], hidden[inv]
 
 
 def _no_stop_ids(logits: torch.Tensor, stop_ids: set[int], tp_group) -> torch.Tensor:
@@ -193,7 +215,8 @@ def generate(model: Transformer, prompt_ids: torch.Tensor, prompt_mask: torch.Te
              eos_ids: Sequence[int] | None = None, stop_sequences: Sequence[Sequence[int]] | None = None,
              stop_check: Callable[[list[int]], bool] | None = None, top_p: float = 1.0, min_p: float = 0.0,
              vocab_limit: int | None = None, compact: bool = True, compile_sampler: bool = False,
-             share_prefill: bool = False, prefill_tokens: int = 0, min_new_tokens: int = 0) -> GenerationOutput:
+             share_prefill: bool = False, prefill_tokens: int = 0, min_new_tokens: int = 0,
+             record: bool = False, record_hidden: bool = False) -> GenerationOutput:
     """Sample up to `max_new_tokens` after left-padded prompts.
 
     prompt_ids, prompt_mask: [B, P], left-padded (mask 1 on real tokens). row_ids [B]: a global id
@@ -203,8 +226,9 @@ def generate(model: Transformer, prompt_ids: torch.Tensor, prompt_mask: torch.Te
     are never sampled. `share_prefill`: prefill each distinct prompt once (see the module docstring).
     `prefill_tokens` > 0: the prefill runs in blocks of at most that many prompt tokens (whole rows),
     bounding its activations; 0: all rows in one forward. `min_new_tokens`: no stop id (EOS) is drawn
-    before a row has that many tokens (stop sequences and stop_check still apply).
-    Returns tokens on every TP rank (identical).
+    before a row has that many tokens (stop sequences and stop_check still apply). `record`: the
+    drawn tokens' log-probs (see GenerationOutput); `record_hidden`: their final hidden states too.
+    Returns tokens (and what was recorded) on every TP rank (identical).
     """
     t0 = time.perf_counter()
     cfg = model.cfg
@@ -230,14 +254,19 @@ def generate(model: Transformer, prompt_ids: torch.Tensor, prompt_mask: torch.Te
     head = _last_position_head(tp_group)
     was_training = model.training
     model.eval()
+    rec = _Record(B, max_new_tokens, dev, record, record_hidden, temperature, vocab, tp_group)
     with _keep_unsharded(model):
-        logits = _prefill(model, prompt_ids, mask[:, :P], cache, head, share_prefill, prefill_tokens,
-                          dp_group)  # (B, Vp/tp)
+        logits, hid = _prefill(model, prompt_ids, mask[:, :P], cache, head, share_prefill, prefill_tokens,
+                               dp_group)  # (B, Vp/tp), (B, H)
         for t in range(max_new_tokens):
+            raw = logits
             if t < min_new_tokens:
                 logits = _no_stop_ids(logits, stops, tp_group)
-            tok = sample_from_sharded_logits(logits, row_ids=row_ids[rows], position=t, **sample_kw)
+            tok = sample_from_sharded_logits(logits, row_ids=row_ids[rows], position=t, return_logprobs=rec.on,
+                                             **sample_kw)
+            tok, lp = tok if rec.on else (tok, None)
             at = rows[live]
+            rec.add(at, t, live, tok, lp, raw, hid)
             seqs[at, P + t] = tok[live]
             mask[at, P + t] = 1
             fin = stopper(tok[live], seqs[at, P:P + t + 1])
@@ -251,8 +280,31 @@ def generate(model: Transformer, prompt_ids: torch.Tensor, prompt_mask: torch.Te
                 keep = live.nonzero()[:, 0] if n_live > 0 else live.new_zeros(1, dtype=torch.long)
                 cache.keep_rows(keep)
                 rows, live = rows[keep], live[keep]
-            logits = model(seqs[rows, P + t:P + t + 1], attention_mask=mask[rows, :P + t + 1], kv_cache=cache,
-                           head=head)[:, -1]
+            logits, hid = model(seqs[rows, P + t:P + t + 1], attention_mask=mask[rows, :P + t + 1], kv_cache=cache,
+                                head=head)
     model.train(was_training)
     response_mask = mask[:, P:].clone()
-    return GenerationOutput(seqs, mask, response_mask, P, int(response_mask.sum()), time.perf_counter() - t0)
+    return GenerationOutput(seqs, mask, response_mask, P, int(response_mask.sum()), time.perf_counter() - t0,
+                            rec.logprobs, rec.tempered, rec.hidden)
+
+
+class _Record:
+    """What `generate(record=..., record_hidden=...)` keeps per response token, at the rows' places."""
+
+    def __init__(self, B: int, N: int, device, on: bool, hidden: bool, temperature: float, vocab: int, tp_group):
+        self.on, self.keep_hidden = on or hidden, hidden
+        self.kw = dict(vocab_size=vocab, temperature=temperature, tp_group=tp_group)
+        z = (lambda: torch.zeros(B, N, dtype=torch.float32, device=device)) if self.on else (lambda: None)
+        self.logprobs, self.tempered, self.hidden = z(), z(), None
+        self.B, self.N = B, N
+
+    def add(self, at, t: int, live, tok, lp, raw, hid) -> None:
+        """Token t of the live rows `at` (seqs rows): tok, lp [b] of the batch rows; raw logits and hid of them."""
+        if not self.on:
+            return
+        self.logprobs[at, t] = lp[live]
+        self.tempered[at, t] = tempered_logprob(raw, tok, **self.kw)[live]
+        if self.keep_hidden:
+            if self.hidden is None:
+                self.hidden = hid.new_zeros(self.B, self.N, hid.shape[-1])
+            self.hidden[at, t] = hid[live]

@@ -18,6 +18,12 @@ per row and rank, picks the winner. Filters, each exact over the shards (applied
   top_p        nucleus: keep v iff the mass of tokens with larger logit is < top_p; the threshold is
                a radix select over float32 keys, 4 passes, each one [B, 256] all-reduce
   min_p        keep v iff p_v >= min_p * max p: needs only the global max (one [B] all-reduce)
+
+Log-probs of the drawn token (`return_logprobs=True`, `sharded_token_logprob`): log mu(y) under the
+distribution the race actually drew from, softmax(z / T) renormalised over the columns the filters
+kept, and `tempered_logprob`: log pi_T(y) = log softmax(z / T)[y] over the whole vocabulary (the
+trainer's quantity). Each is one max and one [B, 2] sum all-reduce over the shards, no logits
+gathered; z / T is a division, as in the trainer's fused head, and the sums are float32, as there.
 """
 
 from __future__ import annotations
@@ -259,19 +265,56 @@ def _winner_over_tp(best: torch.Tensor, gid: torch.Tensor, tp_group) -> tuple[to
     return top[:, 0].float(), gid
 
 
-def sample_from_sharded_logits(logits_local: torch.Tensor, *, vocab_size: int, temperature: float, top_k: int = 0,
-                               seed: int, step: int, row_ids: torch.Tensor, position: int, tp_group=None,
-                               top_p: float = 1.0, min_p: float = 0.0, compile: bool = False) -> torch.Tensor:
-    """logits_local [B, Vp/tp] sharded on the vocabulary over tp_group -> sampled global ids [B],
-    identical on every TP rank. temperature 0 means greedy. Columns with global id >= vocab_size
-    (the model's padding, or past the tokenizer's vocabulary) are never drawn."""
-    B, Vl = logits_local.shape
+def sharded_token_logprob(z: torch.Tensor, gid: torch.Tensor, temperature: float = 1.0, tp_group=None) -> torch.Tensor:
+    """z [B, Vl] (float32 logits, -inf where excluded) sharded on the vocabulary, gid [B] global ids ->
+    log softmax(z / temperature)[gid] [B] float32, identical on every rank. As the fused head: s = z / T
+    - max, log p = s_y - log sum exp(s); one max and one [B, 2] sum all-reduce (the normaliser, and s_y
+    from the one rank that holds y). One [B, Vl] temporary, worked in place; z is not changed."""
+    B, Vl = z.shape
     start = group_rank(tp_group) * Vl
+    s = z / temperature if temperature != 1.0 else z.clone()
+    m = s.max(dim=-1).values
+    all_reduce(m, "max", tp_group)  # the global max per row
+    s.sub_(m[:, None])
+    local = gid.to(z.device) - start
+    held = (local >= 0) & (local < Vl)
+    s_y = s.gather(1, local.clamp(0, Vl - 1)[:, None])[:, 0]
+    sums = torch.stack([s.exp_().sum(-1), torch.where(held, s_y, torch.zeros_like(s_y))], dim=-1)
+    all_reduce(sums, "sum", tp_group)  # normaliser over every shard; s_y from its owning rank
+    return sums[:, 1] - sums[:, 0].log()
+
+
+def _vocab_limited(logits_local: torch.Tensor, vocab_size: int, tp_group) -> torch.Tensor:
+    """float32 logits with the columns of global id >= vocab_size at -inf (a copy only when needed)."""
+    Vl = logits_local.shape[1]
     z = logits_local.float()
-    n_valid = min(max(vocab_size - start, 0), Vl)
+    n_valid = min(max(vocab_size - group_rank(tp_group) * Vl, 0), Vl)
     if n_valid < Vl:
         z = z.clone()
         z[:, n_valid:] = float("-inf")
+    return z
+
+
+def tempered_logprob(logits_local: torch.Tensor, gid: torch.Tensor, *, vocab_size: int, temperature: float,
+                     tp_group=None) -> torch.Tensor:
+    """log pi_T(gid) [B]: the untruncated log-softmax of logits_local / T over the ids < vocab_size,
+    what the trainer's fused head computes for the same logits (temperature <= 0 reads as 1)."""
+    z = _vocab_limited(logits_local, vocab_size, tp_group)
+    return sharded_token_logprob(z, gid, temperature if temperature > 0 else 1.0, tp_group)
+
+
+def sample_from_sharded_logits(logits_local: torch.Tensor, *, vocab_size: int, temperature: float, top_k: int = 0,
+                               seed: int, step: int, row_ids: torch.Tensor, position: int, tp_group=None,
+                               top_p: float = 1.0, min_p: float = 0.0, compile: bool = False,
+                               return_logprobs: bool = False):
+    """logits_local [B, Vp/tp] sharded on the vocabulary over tp_group -> sampled global ids [B],
+    identical on every TP rank. temperature 0 means greedy. Columns with global id >= vocab_size
+    (the model's padding, or past the tokenizer's vocabulary) are never drawn. `return_logprobs`:
+    (ids, log mu(ids) [B] float32), mu the distribution drawn from: softmax(z / T) over the columns
+    the filters kept, renormalised (0 for greedy: a point mass)."""
+    B, Vl = logits_local.shape
+    start = group_rank(tp_group) * Vl
+    z = _vocab_limited(logits_local, vocab_size, tp_group)
     if not 0.0 < top_p <= 1.0:
         raise ValueError(f"top_p must be in (0, 1], got {top_p}")
     if not 0.0 <= min_p <= 1.0:
@@ -315,4 +358,8 @@ def sample_from_sharded_logits(logits_local: torch.Tensor, *, vocab_size: int, t
         fallback = sample_from_sharded_logits(logits_local, vocab_size=vocab_size, temperature=0.0, seed=seed,
                                               step=step, row_ids=row_ids, position=position, tp_group=tp_group)
         gid = torch.where(torch.isinf(best), fallback, gid)
-    return gid
+    if not return_logprobs:
+        return gid
+    if greedy:
+        return gid, torch.zeros(B, dtype=torch.float32, device=z.device)
+    return gid, sharded_token_logprob(z, gid, temperature, tp_group)

@@ -14,8 +14,11 @@
 |                  | fused with bf16 compute: + the fp32 accumulator of the head's weight gradient       |
 |                  | [Vp/tp, H] (parallel/fused.py's GradAccumulator; the gradient keeps its storage)    |
 | rollout KV cache | 2 x L x rows x S x kv_local x hd in the compute dtype (alive in the rollout phase)  |
+| rollout hidden   | rollout.record_hidden: rows x N x H in the compute dtype, from the rollout to the    |
+|                  | end of the update (the old pass's exact KL(rollout || train) reads it)              |
 | rollout work     | the larger of one prefill block's forward transients (rollout.prefill_tokens, whole  |
-|                  | rows) and a decode position's [rows, Vp/tp] logits + one fp32 sampler temporary plus |
+|                  | rows) and a decode position's [rows, Vp/tp] logits + two fp32 temporaries (sampler, |
+|                  | recorded log-prob) plus                                                              |
 |                  | one layer's K (or V) copy when finished rows are compacted                           |
 | reference        | by placement: replicated P, tp P_tp, tp_fsdp P_tp / dp + 2 gathered layers,          |
 |                  | cpu_offload 2 layers on the device (+ a host->device copy of P_tp per forward);     |
@@ -62,6 +65,7 @@ class Batch:
     kl_chunk: int | None = None  # tokens per fused-head chunk; None: "auto" (parallel/vocab_stats.py's rule)
     prefill_tokens: int = 16384  # rollout.prefill_tokens: prompt tokens per prefill forward (0: all rows)
     rows_per_prompt: int = 1  # rows sharing one prefill (rollout.share_prefill: the group size G)
+    rollout_hidden: bool = False  # rollout.record_hidden: the sampled tokens' final hidden states are kept
 
 
 def param_counts(cfg: ModelConfig, tp: int) -> dict[str, int]:
@@ -146,8 +150,11 @@ def step_budget(cfg: ModelConfig, lay: Layout, batch: Batch, placement: str = "t
     head = kl_head_bytes(kl_method, batch.update_rows * batch.response_len, cfg, lay.tp, batch.kl_chunk, act_b)
     parts = {"policy weights": master + gathered, "gradients": master, "AdamW state": 2 * master,
              "activations": acts, "KL head": head, "rollout KV cache": kv_cache,
-             "rollout work": rollout_work(cfg, lay.tp, batch, act_b, kv_cache), "reference": ref}
-    rollout = parts["policy weights"] + parts["AdamW state"] + ref + kv_cache + parts["rollout work"]
+             "rollout work": rollout_work(cfg, lay.tp, batch, act_b, kv_cache), "reference": ref,
+             "rollout hidden": batch.rollout_rows * batch.response_len * cfg.hidden_size * act_b
+             if batch.rollout_hidden else 0}
+    kept = parts["rollout hidden"]  # alive in every phase from the rollout's end
+    rollout = parts["policy weights"] + parts["AdamW state"] + ref + kv_cache + parts["rollout work"] + kept
     # backward frees activations as it makes gradients: the head's transients meet the head's gradient
     # only (the first made), the full gradients meet no activations; the larger of the two is the top
     head_grad = -(-pc["vocab"] // shard) * 4 // (1 if cfg.tie_embeddings else 2)
@@ -155,7 +162,7 @@ def step_budget(cfg: ModelConfig, lay: Layout, batch: Batch, placement: str = "t
     # meets the head's, already in the shared .grad, and autograd adds the two out of place: two
     # more vocabulary-table gradients (measured: MemTracker's Temp = 3 of them at the peak)
     tied_extra = 2 * head_grad if cfg.tie_embeddings else 0
-    update = master + gathered + 2 * master + ref + max(acts + head + head_grad, master + tied_extra)
+    update = master + gathered + 2 * master + ref + kept + max(acts + head + head_grad, master + tied_extra)
     vp_local = cfg.padded_vocab_size(lay.tp) // lay.tp
     # the reference's no-grad pass (experience phase): the copy of its head weight [Vp/tp, H] that
     # rl/update/logprobs.py's reference_hidden keeps, plus the larger of one layer's forward transients and
@@ -166,7 +173,7 @@ def step_budget(cfg: ModelConfig, lay: Layout, batch: Batch, placement: str = "t
     ref_logits *= vp_local * 4
     ref_fwd = ref + ref_head_copy + max(forward_transient(cfg, lay.tp, batch.update_rows * batch.seq_len, act_b),
                                         ref_logits)
-    experience = parts["policy weights"] + parts["AdamW state"] + ref_fwd
+    experience = parts["policy weights"] + parts["AdamW state"] + ref_fwd + kept
     return {"parts": parts, "rollout_peak": rollout, "update_peak": update, "experience_peak": experience,
             "reference_forward_peak": ref_fwd, "peak": max(rollout, update, experience),
             "offload_s_per_forward": offload_s}
@@ -180,22 +187,27 @@ def forward_transient(cfg: ModelConfig, tp: int, tokens: int, act_bytes: int) ->
 
 def rollout_fields(ro) -> dict:
     """The Batch fields a rollout config (rl/config.py's RolloutConfig, duck-typed) sets: prompt tokens
-    per prefill forward, and the rows sharing one prefill (the group size with share_prefill)."""
-    return {"prefill_tokens": ro.prefill_tokens, "rows_per_prompt": ro.group_size if ro.share_prefill else 1}
+    per prefill forward, the rows sharing one prefill (the group size with share_prefill), and whether
+    the rollout's hidden states are kept."""
+    return {"prefill_tokens": ro.prefill_tokens, "rows_per_prompt": ro.group_size if ro.share_prefill else 1,
+            "rollout_hidden": bool(getattr(ro, "record_hidden", False))}
 
 
 def rollout_work(cfg: ModelConfig, tp: int, batch: Batch, act_bytes: int, kv_cache: int) -> int:
     """Bytes the rollout allocates beside its KV cache (core/generation/generate.py): the larger of a prefill
     block's forward transients (rows_per_block x P tokens; `prefill_tokens` 0 runs every row at once;
     with a shared prefill only one row per prompt runs)
-    and a decode position's logits [rows, Vp/tp] (compute dtype) with one fp32 [rows, Vp/tp] sampler
-    temporary, plus one layer's K (or V) copy when compaction drops finished rows."""
+    and a decode position's logits [rows, Vp/tp] (float32: the rollout head computes the trainer's logits)
+    with one float32 [rows, Vp/tp] sampler temporary and one for the recorded log-prob, plus one layer's K
+    (or V) copy when compaction drops finished rows."""
     P = max(batch.seq_len - batch.response_len, 1)
     prompts = -(-batch.rollout_rows // max(batch.rows_per_prompt, 1))  # rows the prefill runs
     per = prompts if batch.prefill_tokens <= 0 else max(1, batch.prefill_tokens // P)
     prefill = forward_transient(cfg, tp, min(per, prompts) * P, act_bytes)
     vp_local = cfg.padded_vocab_size(tp) // tp
-    decode = batch.rollout_rows * vp_local * (act_bytes + 4) + kv_cache // (2 * cfg.n_layers)
+    # the logits (float32 from the rollout head in any compute dtype), the sampler's float32 temporary and
+    # the recorded log-prob's one
+    decode = batch.rollout_rows * vp_local * 12 + kv_cache // (2 * cfg.n_layers)
     return max(prefill, decode)
 
 

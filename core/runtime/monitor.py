@@ -3,8 +3,9 @@ beside metrics.jsonl, under the same names.
 
 `Monitor(out_dir, tensorboard=True, wandb="offline")` on rank 0; `log(rec, step)` writes every
 finite number of the metrics record `rec` as a scalar named by its key, and the listed vector
-metrics as histograms: `kl_quantiles` (kl_p50/p90/p99/max of the step) and `kl_by_position` (the mean
-KL of each response-position bucket, as a histogram over bucket index weighted by that KL). Both
+metrics as histograms: `kl_quantiles` (kl_p50/p90/p99/max of the step), `rollout_kl_quantiles` (the
+exact KL(rollout || train) per token's p50/p99/max, rl/health/mismatch.py) and `kl_by_position` (the
+mean KL of each response-position bucket, as a histogram over bucket index weighted by that KL). Both
 backends are optional extras (`pip install tensorboard`, `pip install wandb`): a missing one is
 skipped with one note on stderr, never an error.
 """
@@ -17,6 +18,8 @@ import sys
 
 HIST_KEYS = ("kl_by_position",)
 QUANTILE_KEYS = ("kl_p50", "kl_p90", "kl_p99", "kl_max")
+QUANTILE_GROUPS = {"kl_quantiles": QUANTILE_KEYS,
+                   "rollout_kl_quantiles": ("rollout_kl_p50", "rollout_kl_p99", "rollout_kl_max")}
 
 
 def scalars(rec: dict) -> dict[str, float]:
@@ -63,14 +66,16 @@ class Monitor:
 
     def log(self, rec: dict, step: int) -> None:
         vals = scalars(rec)
-        quant = [rec[k] for k in QUANTILE_KEYS if isinstance(rec.get(k), (int, float))]
+        quants = {name: [rec[k] for k in keys if isinstance(rec.get(k), (int, float))]
+                  for name, keys in QUANTILE_GROUPS.items()}
         if self.tb is not None:
             import numpy as np
 
             for k, v in vals.items():
                 self.tb.add_scalar(k, v, step)
-            if quant:
-                self.tb.add_histogram("kl_quantiles", np.asarray(quant, dtype=np.float64), step)
+            for name, quant in quants.items():
+                if quant:
+                    self.tb.add_histogram(name, np.asarray(quant, dtype=np.float64), step)
             for k in HIST_KEYS:
                 h = rec.get(k)
                 if isinstance(h, list) and h and all(isinstance(x, (int, float)) for x in h):
@@ -86,8 +91,9 @@ class Monitor:
             import wandb as wb
 
             data = dict(vals)
-            if quant:
-                data["kl_quantiles"] = wb.Histogram(quant)
+            for name, quant in quants.items():
+                if quant:
+                    data[name] = wb.Histogram(quant)
             for k in HIST_KEYS:
                 if isinstance(rec.get(k), list) and rec[k]:
                     data[k] = wb.Histogram(np_histogram=_position_hist(rec[k]))

@@ -34,6 +34,12 @@ class Rollout:
     row_ids: torch.Tensor  # [B] global row ids
     metas: list  # one per local prompt
     responses: list  # B decoded strings
+    # what the sampler recorded (core/generation/generate.py), [B, N] float32, 0 off the response mask:
+    # log pi_T(token), the tempered full-vocabulary log-prob (what the trainer's old log-probs estimate),
+    # and log mu(token), the distribution actually drawn from (top-k / top-p / min-p truncated, renormalised)
+    rollout_logprobs: torch.Tensor | None = None
+    rollout_sampled_logprobs: torch.Tensor | None = None
+    rollout_hidden: torch.Tensor | None = None  # [B, N, H] final hidden states (`rollout.record_hidden`)
 
     @property
     def responses_ids(self) -> torch.Tensor:
@@ -44,9 +50,11 @@ class Rollout:
         """The rollout of the local rows `rows` ([k] indices, in that order): every per-row field
         indexed, `prompt_len` and the per-prompt `metas` kept whole, `responses` ([] stays [])."""
         idx = rows.tolist()
+        pick = lambda t: None if t is None else t[rows]
         return Rollout(self.sequences[rows], self.attention_mask[rows], self.response_mask[rows], self.prompt_len,
                        self.scores[rows], self.row_ids[rows], self.metas,
-                       [self.responses[i] for i in idx] if self.responses else [])
+                       [self.responses[i] for i in idx] if self.responses else [], pick(self.rollout_logprobs),
+                       pick(self.rollout_sampled_logprobs), pick(self.rollout_hidden))
 
 
 def raise_everywhere(error: str | None, group=None) -> None:
@@ -167,7 +175,7 @@ def decode_responses(tokenizer, gen_tokens: torch.Tensor, response_mask: torch.T
 
 
 def _generate(policy, tokenizer, prompt_ids: list[list[int]], G: int, cfg: RolloutConfig, *, greedy: bool,
-              seed: int, step: int, row_ids: torch.Tensor, tp_group, dp_group, device):
+              seed: int, step: int, row_ids: torch.Tensor, tp_group, dp_group, device, record: bool = False):
     """G responses for each prompt of `prompt_ids` (rows prompt-major) -> (GenerationOutput, decoded)."""
     pad = pad_id_of(tokenizer)
     ids, mask = left_pad([r for r in prompt_ids for _ in range(G)], pad)
@@ -179,7 +187,8 @@ def _generate(policy, tokenizer, prompt_ids: list[list[int]], G: int, cfg: Rollo
                    vocab_limit=getattr(tokenizer, "vocab_size", None), seed=seed, step=step,
                    row_ids=row_ids.to(device), tp_group=tp_group, dp_group=dp_group,
                    share_prefill=cfg.share_prefill and G > 1, prefill_tokens=cfg.prefill_tokens,
-                   min_new_tokens=cfg.min_new_tokens, **sample)
+                   min_new_tokens=cfg.min_new_tokens, record=record, record_hidden=record and cfg.record_hidden,
+                   **sample)
     return gen, decode_responses(tokenizer, gen.sequences[:, gen.prompt_len:].cpu(), gen.response_mask.cpu())
 
 
@@ -211,13 +220,14 @@ def collect_rollout(policy, tokenizer, task, reward_fn, cfg: RolloutConfig, *, s
     first, prompt_ids, metas = source.rank_prompts(cfg.prompts_per_step, seed, step, dp_rank, dp_size)
     row_ids = torch.tensor([(first + i) * G + j for i in range(len(metas)) for j in range(G)], device="cpu")
     gen, responses = _generate(policy, tokenizer, prompt_ids, G, cfg, greedy=False, seed=seed, step=step,
-                               row_ids=row_ids, tp_group=tp_group, dp_group=dp_group, device=device)
+                               row_ids=row_ids, tp_group=tp_group, dp_group=dp_group, device=device, record=True)
     if stats is not None:
         stats.update(rollout_tokens=gen.n_tokens, rollout_s=gen.seconds, rollout_tokens_per_s=gen.tokens_per_s)
     where = f"this rank's prompts start at global prompt {first}; step {step}"
     scores = _score(reward_fn, metas, responses, G, where, world_group)
     return Rollout(gen.sequences, gen.attention_mask, gen.response_mask.bool(), gen.prompt_len,
-                   scores.to(device), row_ids.to(device), metas, responses)
+                   scores.to(device), row_ids.to(device), metas, responses, gen.tempered_logprobs, gen.logprobs,
+                   gen.hidden)
 
 
 @torch.no_grad()

@@ -31,22 +31,25 @@ class TokenStats(NamedTuple):
     logprobs: torch.Tensor  # [B, N] log pi(response token) at the sampling temperature
     entropy: torch.Tensor | None  # [B, N]
     kl: torch.Tensor | None  # [B, N] exact full-vocabulary KL to the reference (direction as asked)
+    # [B, N] exact full-vocabulary KL(rollout || this forward) of the tempered distributions, from the
+    # rollout's recorded hidden states (`rollout_hidden=`): the rollout-vs-training mismatch
+    rollout_kl: torch.Tensor | None = None
 
 
 def _response_hidden(h: torch.Tensor, prompt_len: int) -> torch.Tensor:
     return h[:, prompt_len - 1:-1]  # (B, N, H)
 
 
-def _through_head(model, sequences, attention_mask, prompt_len: int, tp_group, ref_hidden, mask, fn):
+def _through_head(model, sequences, attention_mask, prompt_len: int, tp_group, ref_hidden, mask, fn, extra=None):
     """Run `model` with a head that hands the response positions, flattened, to
     fn(hidden [B*N, H] (copied to tp), weight_local, targets [B*N], ref_hidden [B*N, H] or None,
     mask [B*N] or None). `mask` [B, N] (the response mask) tells the fused heads which positions are
     padding: those never reach a value or a gradient, whatever they hold."""
     return _run_head(model, sequences, dict(attention_mask=attention_mask), lambda h: _response_hidden(h, prompt_len),
-                     sequences[:, prompt_len:], tp_group, ref_hidden, mask, fn)
+                     sequences[:, prompt_len:], tp_group, ref_hidden, mask, fn, extra)
 
 
-def _through_head_packed(model, packed, tp_group, ref_hidden, mask, fn):
+def _through_head_packed(model, packed, tp_group, ref_hidden, mask, fn, extra=None):
     """`_through_head` over one packed sequence (rl/update/micro_batches.py's PackedRows): the head reads the
     hidden states at `packed.head_pos` [M] of the flattened [R * T] positions (R = 1 packed, R prompt
     groups shared); ref_hidden and mask are [1, M, H] and [1, M]."""
@@ -54,16 +57,19 @@ def _through_head_packed(model, packed, tp_group, ref_hidden, mask, fn):
     if packed.prefix_ids is not None:
         kw["prefix_ids"] = packed.prefix_ids
     return _run_head(model, packed.input_ids, kw, lambda h: h.reshape(1, -1, h.shape[-1])[:, packed.head_pos],
-                     packed.targets[None], tp_group, ref_hidden, mask, fn)
+                     packed.targets[None], tp_group, ref_hidden, mask, fn, extra)
 
 
-def _run_head(model, input_ids, model_kw: dict, select, targets, tp_group, ref_hidden, mask, fn):
+def _run_head(model, input_ids, model_kw: dict, select, targets, tp_group, ref_hidden, mask, fn, extra=None):
+    """`extra` [B, N, H] (the rollout's hidden states) reaches fn as a sixth argument, flattened."""
     B, N = targets.shape
     flat_mask = None if mask is None else mask.reshape(B * N)
 
     def head(h, w):
         hr = copy_to_tp(select(h), tp_group).reshape(B * N, -1)
         rh = None if ref_hidden is None else ref_hidden.reshape(B * N, -1)
+        if extra is not None:
+            return fn(hr, w, targets.reshape(-1), rh, flat_mask, extra.reshape(B * N, -1))
         return fn(hr, w, targets.reshape(-1), rh, flat_mask)
 
     return model(input_ids, **model_kw, head=head), (B, N)
@@ -71,42 +77,59 @@ def _run_head(model, input_ids, model_kw: dict, select, targets, tp_group, ref_h
 
 def _stats(out, shape) -> TokenStats:
     view = lambda t: None if t is None else t.view(shape)
-    return TokenStats(view(out.logprobs), view(out.entropy), view(out.kl))
+    return TokenStats(view(out.logprobs), view(out.entropy), view(out.kl), view(getattr(out, "rollout_kl", None)))
 
 
 def policy_token_stats(model, sequences, attention_mask, prompt_len: int, *, tp_group=None, vocab_size: int,
                        temperature: float = 1.0, chunk_size: int | None = None, entropy: bool = True,
                        kl: str | None = None, ref_hidden: torch.Tensor | None = None,
                        ref_weight: torch.Tensor | None = None, mask: torch.Tensor | None = None,
-                       packed=None) -> TokenStats:
+                       packed=None, rollout_hidden: torch.Tensor | None = None) -> TokenStats:
     """Log-probs (and entropy, exact KL against the given reference hidden states and head
     weight) of the response tokens of `sequences` [B, P + N] under `model`; 0 where `mask` [B, N]
     is False. `packed`: the shared-prompt layout of these rows (rl/update/shared_layout.py) to run instead;
-    the results are the same [B, N] (0 outside its head tokens)."""
+    the results are the same [B, N] (0 outside its head tokens). `rollout_hidden` [B, N, H]: the
+    rollout's final hidden states of these tokens; adds `rollout_kl`, the exact KL(rollout || model)
+    through the same head weight (a second pass of the fused head, no [T, V] tensor)."""
     fn = _stats_head(tp_group, vocab_size, temperature, chunk_size, entropy, kl, ref_weight)
     if packed is None:
-        return _stats(*_through_head(model, sequences, attention_mask, prompt_len, tp_group, ref_hidden, mask, fn))
+        return _stats(*_through_head(model, sequences, attention_mask, prompt_len, tp_group, ref_hidden, mask, fn,
+                                     rollout_hidden))
     B, N = sequences.shape[0], sequences.shape[1] - prompt_len
     out = _stats(*_through_head_packed(model, packed, tp_group, gather_tokens(packed, ref_hidden),
-                                       gather_tokens(packed, mask), fn))
+                                       gather_tokens(packed, mask), fn, gather_tokens(packed, rollout_hidden)))
     return TokenStats(*(scatter_tokens(packed, t, B, N) for t in out))
 
 
 def packed_token_stats(model, packed, *, tp_group=None, vocab_size: int, temperature: float = 1.0,
                        chunk_size: int | None = None, entropy: bool = True, kl: str | None = None,
                        ref_hidden: torch.Tensor | None = None, ref_weight: torch.Tensor | None = None,
-                       mask: torch.Tensor | None = None) -> TokenStats:
+                       mask: torch.Tensor | None = None, rollout_hidden: torch.Tensor | None = None) -> TokenStats:
     """`policy_token_stats` of the M response tokens of a packed sequence (rl/update/micro_batches.py's
     PackedRows: several rows in one, block-diagonal causal attention, per-row positions): [1, M]
-    each; ref_hidden [1, M, H], mask [1, M]."""
+    each; ref_hidden and rollout_hidden [1, M, H], mask [1, M]."""
     fn = _stats_head(tp_group, vocab_size, temperature, chunk_size, entropy, kl, ref_weight)
-    return _stats(*_through_head_packed(model, packed, tp_group, ref_hidden, mask, fn))
+    return _stats(*_through_head_packed(model, packed, tp_group, ref_hidden, mask, fn, rollout_hidden))
 
 
 def _stats_head(tp_group, vocab_size, temperature, chunk_size, entropy, kl, ref_weight):
-    return lambda h, w, t, rh, m: fused_head(h, w, t, tp_group, vocab_size=vocab_size, ref_hidden=rh,
-                                             ref_weight_local=ref_weight, temperature=temperature,
-                                             chunk_size=chunk_size, entropy=entropy, kl=kl, mask=m)
+    def fn(h, w, t, rh, m, rollout_h=None):
+        out = fused_head(h, w, t, tp_group, vocab_size=vocab_size, ref_hidden=rh, ref_weight_local=ref_weight,
+                         temperature=temperature, chunk_size=chunk_size, entropy=entropy, kl=kl, mask=m)
+        if rollout_h is None:
+            return out
+        return TokenStats(out.logprobs, out.entropy, out.kl, _rollout_kl(h, w, rollout_h, m, tp_group, vocab_size,
+                                                                         temperature, chunk_size))
+    return fn
+
+
+@torch.no_grad()
+def _rollout_kl(h, w, rollout_h, m, tp_group, vocab_size, temperature, chunk_size) -> torch.Tensor:
+    """KL(q || p) per token, q the rollout's logits (its hidden states through this same head weight), p
+    this forward's: a metric, no gradient."""
+    return fused_head(h.detach(), w.detach(), None, tp_group, vocab_size=vocab_size, ref_hidden=rollout_h,
+                      ref_weight_local=w.detach(), temperature=temperature, chunk_size=chunk_size, entropy=False,
+                      kl="reverse", mask=m).kl
 
 
 @torch.no_grad()
@@ -145,32 +168,40 @@ def critic_values(critic, sequences, attention_mask, prompt_len: int) -> torch.T
 def policy_fused_loss(model, sequences, attention_mask, prompt_len: int, token_loss, *, tp_group=None,
                       vocab_size: int, temperature: float = 1.0, chunk_size: int | None = None, entropy: bool = False,
                       kl: str | None = None, ref_hidden: torch.Tensor | None = None,
-                      ref_weight: torch.Tensor | None = None,
-                      mask: torch.Tensor | None = None) -> tuple[torch.Tensor, TokenStats]:
+                      ref_weight: torch.Tensor | None = None, mask: torch.Tensor | None = None,
+                      rollout_hidden: torch.Tensor | None = None) -> tuple[torch.Tensor, TokenStats]:
     """The policy loss over the response tokens through `parallel.fused_loss.fused_head_loss`
     (gradient formed in forward, no logits recomputed in backward). Returns (loss, detached
-    per-token stats [B, N]). Positions where `mask` [B, N] is False are dropped inside the head."""
+    per-token stats [B, N]). Positions where `mask` [B, N] is False are dropped inside the head.
+    `rollout_hidden` [B, N, H]: also the exact KL(rollout || model) per token (no gradient)."""
     fn = _loss_head(token_loss, tp_group, vocab_size, temperature, chunk_size, entropy, kl, ref_weight)
-    (loss, out), shape = _through_head(model, sequences, attention_mask, prompt_len, tp_group, ref_hidden, mask, fn)
+    (loss, out), shape = _through_head(model, sequences, attention_mask, prompt_len, tp_group, ref_hidden, mask, fn,
+                                       rollout_hidden)
     return loss, _stats(out, shape)
 
 
 def packed_fused_loss(model, packed, token_loss, *, tp_group=None, vocab_size: int, temperature: float = 1.0,
                       chunk_size: int | None = None, entropy: bool = False, kl: str | None = None,
                       ref_hidden: torch.Tensor | None = None, ref_weight: torch.Tensor | None = None,
-                      mask: torch.Tensor | None = None) -> tuple[torch.Tensor, TokenStats]:
+                      mask: torch.Tensor | None = None,
+                      rollout_hidden: torch.Tensor | None = None) -> tuple[torch.Tensor, TokenStats]:
     """`policy_fused_loss` over the M response tokens of a packed sequence (see `packed_token_stats`):
     (loss, detached per-token stats [1, M]); `token_loss` is bound to [1, M] tensors."""
     fn = _loss_head(token_loss, tp_group, vocab_size, temperature, chunk_size, entropy, kl, ref_weight)
-    (loss, out), shape = _through_head_packed(model, packed, tp_group, ref_hidden, mask, fn)
+    (loss, out), shape = _through_head_packed(model, packed, tp_group, ref_hidden, mask, fn, rollout_hidden)
     return loss, _stats(out, shape)
 
 
 def _loss_head(token_loss, tp_group, vocab_size, temperature, chunk_size, entropy, kl, ref_weight):
-    return lambda h, w, t, rh, m: fused_head_loss(h, w, t, tp_group, token_loss=token_loss, vocab_size=vocab_size,
-                                                  ref_hidden=rh, ref_weight_local=ref_weight,
-                                                  temperature=temperature, chunk_size=chunk_size, entropy=entropy,
-                                                  kl=kl, mask=m)
+    def fn(h, w, t, rh, m, rollout_h=None):
+        loss, out = fused_head_loss(h, w, t, tp_group, token_loss=token_loss, vocab_size=vocab_size, ref_hidden=rh,
+                                    ref_weight_local=ref_weight, temperature=temperature, chunk_size=chunk_size,
+                                    entropy=entropy, kl=kl, mask=m)
+        if rollout_h is None:
+            return loss, out
+        return loss, TokenStats(out.logprobs, out.entropy, out.kl, _rollout_kl(h, w, rollout_h, m, tp_group,
+                                                                               vocab_size, temperature, chunk_size))
+    return fn
 
 
 @dataclass

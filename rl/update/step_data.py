@@ -5,12 +5,15 @@
   3. old log-probs -- policy, no grad, through the fused head (+ entropy, + exact KL if asked), over
                       every row but the deferred ones (below)
   4. KL per token  -- exact full-vocabulary KL or a sampled estimator, padding replaced once; into the
-                      reward when `kl.where=reward`, scaled by the controller's beta
+                      reward when `kl.where=reward`, scaled by the controller's beta. With a truncated
+                      sampler (top-k / top-p / min-p) the samples come from mu, not pi, so a sampled
+                      estimator misreads KL(pi||ref): the old pass then also computes the exact KL,
+                      which the controller and guards read (`kl_for_control`)
   5. advantages    -- GRPO group-normalised, or GAE over critic values (PPO)
 
 Deferred rows (`algo.old_from_update`): epoch 0's first mini-batch is on-policy, so its update forward
 computes the very log-probs, entropy (and exact KL) the old pass would; the old pass skips those rows
-and the update writes them in (`fill_deferred`).
+and the update writes them in (`fill_deferred`), with the exact KL(rollout || train) of those rows.
 """
 
 from __future__ import annotations
@@ -49,6 +52,25 @@ class StepData:
     # local rows of epoch 0's first mini-batch whose old log-probs, entropy (and exact KL) its on-policy update
     # forward fills in (`algo.old_from_update`); None: the old-log-prob pass computed every row
     deferred: torch.Tensor | None = None
+    # the rollout's recorded log-probs (rl/experience/rollout.py), aligned with old_logp, 0 off the mask:
+    # log pi_T (tempered, full vocabulary: what old_logp estimates) and log mu (what was drawn from)
+    rollout_logprobs: torch.Tensor | None = None
+    rollout_sampled_logprobs: torch.Tensor | None = None
+    # exact KL(rollout || train) per token: the old pass's, the deferred rows' from the update's first forward
+    rollout_kl: torch.Tensor | None = None
+    kl_exact_metric: torch.Tensor | None = None  # exact KL(pi||ref) when `kl` is a sampled estimate off mu
+
+    @property
+    def kl_for_control(self) -> torch.Tensor:
+        """The per-token KL the controller, the reference sync and the guards read: the exact KL
+        where the sampler truncates and `kl` is a sampled estimate (its samples come from mu, not pi)."""
+        return self.kl if self.kl_exact_metric is None else self.kl_exact_metric
+
+
+def truncates(cfg: RLConfig) -> bool:
+    """Does the rollout sample from a truncated distribution mu != pi (top-k, top-p or min-p on)?"""
+    r = cfg.rollout
+    return r.temperature > 0 and (r.top_k > 0 or r.top_p < 1.0 or r.min_p > 0.0)
 
 
 class ExperienceMaker:
@@ -72,16 +94,24 @@ class ExperienceMaker:
             ref_logp = logprobs_from_hidden(ref_h, ref_w, ro.responses_ids, **self.heads.settings(), mask=mask)
         deferred = self._deferred_rows(ro, step)
         with self.timer("old_logprobs"):
-            kl_dir = HEAD_DIRECTION[cfg.kl.direction] if exact else None
-            old = self._old_pass(ro, shared, deferred, entropy=True, kl=kl_dir, ref_hidden=ref_h, ref_weight=ref_w)
+            kl_dir = HEAD_DIRECTION[cfg.kl.direction] if exact or truncates(cfg) else None
+            old = self._old_pass(ro, shared, deferred, entropy=True, kl=kl_dir, ref_hidden=ref_h, ref_weight=ref_w,
+                                 rollout_hidden=ro.rollout_hidden)
         # padding is replaced here, once, before anything reaches advantages, losses or the heads
         old_logp, ref_logp = sanitize(old.logprobs, mask), sanitize(ref_logp, mask)
         kl = sanitize(old.kl.float(), mask) if exact else kl_from_config(cfg.kl, old_logp, ref_logp, mask)
         scores = ro.scores
         if self.reward_norm is not None:
             scores = self.reward_norm.normalize_(scores.clone(), self.dp_group)
+        opt = lambda t: None if t is None else sanitize(t.float(), mask)
+        rollout_kl = opt(old.rollout_kl)
+        if rollout_kl is None and ro.rollout_hidden is not None:  # every row deferred: the update fills it in
+            rollout_kl = torch.zeros_like(old_logp, dtype=torch.float32)
         data = StepData(ro, mask, old_logp, ref_logp, ref_h if exact else None, ref_w if exact else None,
-                        kl, sanitize(old.entropy, mask), advantages=None, deferred=deferred)
+                        kl, sanitize(old.entropy, mask), advantages=None, deferred=deferred,
+                        rollout_logprobs=opt(ro.rollout_logprobs),
+                        rollout_sampled_logprobs=opt(ro.rollout_sampled_logprobs), rollout_kl=rollout_kl,
+                        kl_exact_metric=sanitize(old.kl.float(), mask) if kl_dir and not exact else None)
         if cfg.algo.name == "grpo":
             if cfg.kl.where == "reward":  # the response's summed KL penalty enters its reward
                 scores = scores - self.controller.beta * kl.sum(1)
@@ -109,6 +139,8 @@ class ExperienceMaker:
         if not c.algo.old_from_update or c.kl.where != "loss" or c.kl_ctl.mode == "grad_ratio" or \
                 c.kl.gradient == "sequence":  # its future-KL returns read every row's KL before the update
             return None
+        if truncates(c) and not c.kl.exact:  # the exact KL the controller reads comes from the old pass
+            return None
         return mini_batches(c, ro.row_ids.cpu(), step, 0, self.device)[0]
 
     def _old_pass(self, ro: Rollout, shared, deferred: torch.Tensor | None, **kw) -> TokenStats:
@@ -130,8 +162,9 @@ class ExperienceMaker:
             return self.heads.token_stats(self.policy, ro, packed=packed, **kw)
         # padded (or no row with a response token): the kept rows' own forward, scattered back
         mb = MicroBatch(rows, ro.prompt_len, N)
-        rh = kw.pop("ref_hidden")
-        out = self.heads.token_stats(self.policy, mb.rollout(ro), ref_hidden=mb.row_tokens(rh), **kw)
+        rh, xh = kw.pop("ref_hidden"), kw.pop("rollout_hidden")
+        out = self.heads.token_stats(self.policy, mb.rollout(ro), ref_hidden=mb.row_tokens(rh),
+                                     rollout_hidden=None if xh is None else mb.row_tokens(xh), **kw)
 
         def back(t):
             if t is None:
@@ -159,3 +192,5 @@ def fill_deferred(data: StepData, mb: MicroBatch, cur: TokenStats, mask: torch.T
     put(data.entropy, cur.entropy)
     if exact:
         put(data.kl, cur.kl.float())
+    if data.rollout_kl is not None and cur.rollout_kl is not None:
+        put(data.rollout_kl, cur.rollout_kl.float())

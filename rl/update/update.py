@@ -108,6 +108,8 @@ class PolicyUpdate:
         kw = dict(kl=HEAD_DIRECTION[cfg.kl.direction] if exact else None,
                   ref_hidden=tok(data.ref_hidden) if exact else None, ref_weight=data.ref_weight if exact else None,
                   entropy=self.ent_ctl.coef != 0.0 or fill)
+        if fill and data.rollout_kl is not None and data.ro.rollout_hidden is not None:  # the deferred rows' mismatch
+            kw["rollout_hidden"] = tok(data.ro.rollout_hidden)
         weights = tok(token_weights(data.mask, cfg.loss.agg, scale, cfg.loss.norm_len))  # per row: split-invariant
         fn = TokenPolicyLoss(cfg.loss, weights, mask, tok(data.old_logp), tok(data.advantages), kl_cfg=cfg.kl,
                              beta=self.controller.beta, ref_logp=tok(data.ref_logp), on_policy=on_policy,
