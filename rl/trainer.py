@@ -62,6 +62,8 @@ class RLTrainer:
             self.monitor = Monitor(cfg.train.out_dir, cfg.monitor.tensorboard, cfg.monitor.wandb, asdict(cfg))
         if cfg.kl_ctl.preset and state.is_main:
             print(f"kltron: {cfg.kl_ctl.preset_summary}", flush=True)
+        if cfg.recipe_summary and state.is_main:
+            print(f"kltron: {cfg.recipe_summary}", flush=True)
         self.ref_sync = ReferenceSync(cfg.reference, cfg.kl_ctl.target)
         # log-probs, entropy and the exact KL (policy and reference alike) are taken over the ids the
         # tokenizer has, the same vocabulary the sampler draws from: a padded embedding's extra rows are
