@@ -266,7 +266,7 @@ class RLConfig:
     @classmethod
     def prepare_dict(cls, data: dict) -> tuple[dict, dict]:
         """algo.recipe's keys filled in the config dict where it sets none (rl/recipes.py)."""
-        data, summary = apply_recipe(data)
+        data, summary = apply_recipe(data, RolloutConfig.max_new_tokens)
         return data, {"recipe_summary": summary}
 
     def __post_init__(self):

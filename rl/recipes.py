@@ -15,8 +15,8 @@ from core.config import ConfigError
 
 
 def _max_new(data: dict) -> int:
-    from rl.config import RolloutConfig  # its default, where the config does not set it
-    return int((data.get("rollout") or {}).get("max_new_tokens") or RolloutConfig.max_new_tokens)
+    """rollout.max_new_tokens as the config sets it, else its default (passed in by RLConfig.prepare_dict)."""
+    return int((data.get("rollout") or {}).get("max_new_tokens") or data["_max_new_default"])
 
 
 # name -> (keys(config dict) -> {dotted key: value}, source)
@@ -65,9 +65,10 @@ RECIPES = {
 }
 
 
-def apply_recipe(data: dict) -> tuple[dict, str]:
+def apply_recipe(data: dict, max_new_default: int) -> tuple[dict, str]:
     """(the config dict with `algo.recipe`'s keys filled where it sets none, the summary); unchanged and "" without
-    a recipe. An unknown recipe raises ConfigError naming the key and the choices."""
+    a recipe. An unknown recipe raises ConfigError naming the key and the choices. `max_new_default`:
+    rollout.max_new_tokens where the config does not set it (recipes scale lengths by it)."""
     name = (data.get("algo") or {}).get("recipe")
     if name is None:
         return data, ""
@@ -75,7 +76,7 @@ def apply_recipe(data: dict) -> tuple[dict, str]:
         raise ConfigError(f"algo.recipe must be one of {', '.join(RECIPES)}, got {name!r}")
     keys, source = RECIPES[name]
     out, set_, kept = copy.deepcopy(data), [], []
-    for dotted, v in keys(data).items():
+    for dotted, v in keys({**data, "_max_new_default": max_new_default}).items():
         sec, key = dotted.split(".")
         section = out.get(sec) or {}
         out[sec] = section

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from rl.objectives.kl import ESTIMATORS, IS_WEIGHTS, KLConfig
-from rl.objectives.losses import PolicyLossConfig, token_policy_loss, token_weights
+from rl.objectives.losses import PolicyLossConfig, token_weights
+from rl.objectives.policy_objectives import make_token_loss
 from rl.update.logprobs import _loss_head
 
 B, S, V, H = 3, 4, 5, 3
@@ -111,7 +112,7 @@ def _ours(policy, agg, el, eh, h, w, t, mask, old, adv, fused, kl_cfg=None, beta
     hl, wl = h.clone().requires_grad_(True), w.clone().requires_grad_(True)
     wts = _weights(mask, agg)
     old_b = torch.zeros(B, S, dtype=torch.float64) if on else old
-    fn = token_policy_loss(cfg, wts, mask, old_b, adv, on_policy=on, kl_cfg=kl_cfg, beta=beta, ref_logp=ref)
+    fn = make_token_loss(cfg, wts, mask, old_b, adv, on_policy=on, kl_cfg=kl_cfg, beta=beta, ref_logp=ref)
     if fused:
         loss, _ = _loss_head(fn, None, V, 1.0, chunk, False, None, None)(hl, wl, t, None, mask.reshape(-1))
     else:
@@ -164,7 +165,7 @@ def test_gspo_is_the_sequence_ratio_gradient_under_any_aggregation(agg):
     ref.backward()
     cfg = PolicyLossConfig(policy="gspo", agg=agg, clip_low=el, clip_high=eh, norm_len=4.0)
     hh, ww = h.clone().requires_grad_(True), w.clone().requires_grad_(True)
-    fn = token_policy_loss(cfg, _weights(mask, agg, norm_len=4.0), mask, old, adv)
+    fn = make_token_loss(cfg, _weights(mask, agg, norm_len=4.0), mask, old, adv)
     lp2 = torch.log_softmax(hh @ ww.T, -1).gather(1, t[:, None])[:, 0]
     fn.prepare(lp2.detach())
     loss = fn(lp2, None, None, slice(None)).sum()
@@ -214,10 +215,10 @@ def test_gspo_refuses_a_split_response_and_token_advantages():
     cfg = PolicyLossConfig(policy="gspo", agg="seq-mean-token-mean")
     ids = torch.arange(B)[:, None].expand(B, S)
     with pytest.raises(ValueError, match="whole in one micro-batch"):
-        token_policy_loss(cfg, token_weights(mask), mask, old, _advantages(False), seq_ids=ids,
+        make_token_loss(cfg, token_weights(mask), mask, old, _advantages(False), seq_ids=ids,
                           seq_len=mask.sum(1) + torch.tensor([0, 1, 0]))
     with pytest.raises(ValueError, match="gspo_token"):
-        token_policy_loss(cfg, token_weights(mask), mask, old, _advantages(True))
-    fn = token_policy_loss(cfg, token_weights(mask), mask, old, _advantages(False))
+        make_token_loss(cfg, token_weights(mask), mask, old, _advantages(True))
+    fn = make_token_loss(cfg, token_weights(mask), mask, old, _advantages(False))
     with pytest.raises(RuntimeError, match="prepare"):
         fn(old.reshape(-1).clone(), None, None, slice(None))

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from rl.objectives.advantages import outcome_advantages, reinforce_pp_advantages, rloo_advantages
-from rl.objectives.losses import PolicyLossConfig, token_policy_loss
+from rl.objectives.losses import PolicyLossConfig
+from rl.objectives.policy_objectives import make_token_loss
 from tests.test_policy_objectives import B, S, _case, _logp
 
 G = 4
@@ -84,7 +85,7 @@ def _recipe_loss(agg, norm_len, adv, mask, old, lp):
          "seq-mean-token-mean": torch.ones(m.shape, dtype=torch.float64) / (n * B),
          "seq-mean-token-sum-norm": torch.full(m.shape, 1.0 / ((norm_len or 1.0) * B), dtype=torch.float64)}[agg]
     on = old is None
-    fn = token_policy_loss(cfg, torch.where(m, w, torch.zeros((), dtype=torch.float64)), mask,
+    fn = make_token_loss(cfg, torch.where(m, w, torch.zeros((), dtype=torch.float64)), mask,
                            torch.zeros(B, S, dtype=torch.float64) if on else old, adv, on_policy=on)
     return fn(lp.reshape(-1), None, None, slice(None)).sum()
 

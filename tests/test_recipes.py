@@ -22,7 +22,7 @@ def _cfg(*ov, path=None):
 def test_every_recipe_sets_its_keys_and_the_config_wins():
     for name, (keys, _) in RECIPES.items():
         cfg = _cfg(f"algo.recipe={name}")
-        for dotted, v in keys({}).items():
+        for dotted, v in keys({"_max_new_default": 12}).items():
             sec, k = dotted.split(".")
             assert getattr(getattr(cfg, sec), k) == v, (name, dotted)
         assert cfg.recipe_summary.startswith(f"algo.recipe={name}: set ") and "arXiv" in cfg.recipe_summary

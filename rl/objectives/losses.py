@@ -368,8 +368,7 @@ class TokenPolicyLoss:
         return torch.where(mm, total * w, torch.zeros((), dtype=total.dtype, device=total.device))
 
     def _surrogate(self, logp, old, mm, tokens):
-        """(per-token policy term, clipped flags, dual-clip flags, log-ratio) of the chunk `tokens`: the
-        token-level PPO clip here; GSPO and CISPO override it (rl/objectives/policy_objectives.py)."""
+        """(term, clip flags, dual flags, log-ratio) at `tokens`: PPO's; GSPO's, CISPO's: policy_objectives.py."""
         c = self.cfg
         return _surrogate_terms(logp, old, self.adv[tokens], mm, c.clip_low,
                                 c.clip_low if c.clip_high is None else c.clip_high, c.dual_clip, c.log_ratio_clamp)
@@ -394,6 +393,7 @@ class TokenPolicyLoss:
 
 def token_policy_loss(cfg: PolicyLossConfig, weights: torch.Tensor, mask: torch.Tensor, old_logp: torch.Tensor,
                       advantages: torch.Tensor, **kw) -> TokenPolicyLoss:
-    """The per-token policy loss of `cfg.policy` (`TokenPolicyLoss` for ppo): rl/objectives/policy_objectives.py."""
-    from rl.objectives.policy_objectives import make_token_loss  # it builds on this module
-    return make_token_loss(cfg, weights, mask, old_logp, advantages, **kw)
+    """`TokenPolicyLoss(...)`: loss.policy=ppo's; every policy's: rl/objectives/policy_objectives.make_token_loss."""
+    if cfg.policy != "ppo":
+        raise ValueError(f"token_policy_loss is loss.policy=ppo's; for {cfg.policy!r} use make_token_loss")
+    return TokenPolicyLoss(cfg, weights, mask, old_logp, advantages, **kw)

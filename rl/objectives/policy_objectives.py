@@ -31,7 +31,13 @@ from __future__ import annotations
 
 import torch
 
-from rl.objectives.losses import PolicyLossConfig, TokenPolicyLoss, _zero_masked
+from rl.objectives.losses import PolicyLossConfig, TokenPolicyLoss
+
+
+def _zero_masked(x: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """x in fp32 (fp64 kept) with masked positions replaced by 0 before any arithmetic."""
+    dt = torch.float64 if x.dtype == torch.float64 else torch.float32
+    return torch.where(m, x.to(dt), torch.zeros((), dtype=dt, device=x.device))
 
 
 def _bounds(cfg: PolicyLossConfig) -> tuple[float, float]:

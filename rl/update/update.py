@@ -22,8 +22,8 @@ from rl.experience.rollout import Rollout
 from rl.objectives.controller import EntropyController, KLController
 from rl.objectives.kl import HEAD_DIRECTION, kl_from_config
 from rl.objectives.kl_place import future_kl
-from rl.objectives.losses import aggregate, clipped_value_loss, loss_scale, token_policy_loss, token_weights
-from rl.objectives.policy_objectives import sequence_ids
+from rl.objectives.losses import aggregate, clipped_value_loss, loss_scale, token_weights
+from rl.objectives.policy_objectives import make_token_loss, sequence_ids
 from rl.update.logprobs import PolicyHeads, critic_values, packed_fused_loss, packed_token_stats
 from rl.update.micro_batches import MicroBatch, by_row_count, by_token_budget
 from rl.update.mini_batches import mini_batches
@@ -110,10 +110,10 @@ class PolicyUpdate:
                   ref_hidden=tok(data.ref_hidden) if exact else None, ref_weight=data.ref_weight if exact else None,
                   entropy=self.ent_ctl.coef != 0.0 or fill)
         weights = tok(token_weights(data.mask, cfg.loss.agg, scale, cfg.loss.norm_len))  # per row: split-invariant
-        fn = token_policy_loss(cfg.loss, weights, mask, tok(data.old_logp), tok(data.advantages), kl_cfg=cfg.kl,
-                               beta=self.controller.beta, ref_logp=tok(data.ref_logp), on_policy=on_policy,
-                               entropy_coef=self.ent_ctl.coef, kl_future=self._kl_future(data, tok),
-                               **sequence_ids(cfg.loss, data.mask, tok))
+        fn = make_token_loss(cfg.loss, weights, mask, tok(data.old_logp), tok(data.advantages), kl_cfg=cfg.kl,
+                             beta=self.controller.beta, ref_logp=tok(data.ref_logp), on_policy=on_policy,
+                             entropy_coef=self.ent_ctl.coef, kl_future=self._kl_future(data, tok),
+                             **sequence_ids(cfg.loss, data.mask, tok))
         loss, cur = self._policy_loss(data.ro, mb, mask, fn, kw)
         loss.backward()
         stats = fn.stats()
