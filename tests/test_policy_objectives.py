@@ -1,15 +1,15 @@
 """GSPO, GSPO-token and CISPO (rl/objectives/policy_objectives.py) against their papers' formulas written here in
 float64: values and gradients (autograd through a tiny softmax policy) on-policy and with pi_old != pi, through
 the unfused path and through the fused head (chunks smaller than a response, the sequence ratio from its no-grad
-pre-pass), to 1e-12; and with every KL estimator x place x importance weight, the KL part equals PPO's (which
-tests/test_kl_table.py proves by enumeration)."""
+pre-pass), to 1e-12; and with every KL estimator x place x importance weight and the exact KL, the KL part
+equals PPO's (which tests/test_kl_table.py proves by enumeration)."""
 
 import itertools
 
 import pytest
 import torch
 
-from rl.objectives.kl import ESTIMATORS, IS_WEIGHTS, KLConfig
+from rl.objectives.kl import ESTIMATORS, HEAD_DIRECTION, IS_WEIGHTS, KLConfig
 from rl.objectives.losses import PolicyLossConfig, token_weights
 from rl.objectives.policy_objectives import make_token_loss
 from rl.update.logprobs import _loss_head
@@ -104,22 +104,35 @@ def _advantages(per_token, seed=1):
     return a if per_token else a[:, :1].expand(B, S).clone()
 
 
-def _ours(policy, agg, el, eh, h, w, t, mask, old, adv, fused, kl_cfg=None, beta=0.0, ref=None, chunk=2):
+def _exact_kl(hl, wl, w_ref, direction):
+    """The full-vocabulary KL per position [B*S], in float64 with autograd (the reference's head frozen)."""
+    lp, lq = torch.log_softmax(hl @ wl.T, -1), torch.log_softmax(hl.detach() @ w_ref.T, -1)
+    if direction == "pi_ref":
+        return (lp.exp() * (lp - lq)).sum(-1)
+    return (lq.exp() * (lq - lp)).sum(-1)
+
+
+def _ours(policy, agg, el, eh, h, w, t, mask, old, adv, fused, kl_cfg=None, beta=0.0, ref=None, chunk=2,
+          w_ref=None):
     """(loss, grad h, grad w) of the implementation: unfused (log-probs with grad, prepare, the loss once) or
-    the fused head (rl/update/logprobs.py's head: the no-grad pre-pass, then fused_head_loss)."""
+    the fused head (rl/update/logprobs.py's head: the no-grad pre-pass, then fused_head_loss). `w_ref`: the
+    reference head of the exact KL (kl.exact)."""
     cfg = PolicyLossConfig(policy=policy, agg=agg, clip_low=el, clip_high=eh)
     on = old is None
     hl, wl = h.clone().requires_grad_(True), w.clone().requires_grad_(True)
     wts = _weights(mask, agg)
     old_b = torch.zeros(B, S, dtype=torch.float64) if on else old
     fn = make_token_loss(cfg, wts, mask, old_b, adv, on_policy=on, kl_cfg=kl_cfg, beta=beta, ref_logp=ref)
+    exact = kl_cfg is not None and kl_cfg.exact
     if fused:
-        loss, _ = _loss_head(fn, None, V, 1.0, chunk, False, None, None)(hl, wl, t, None, mask.reshape(-1))
+        kl_dir = HEAD_DIRECTION[kl_cfg.direction] if exact else None
+        loss, _ = _loss_head(fn, None, V, 1.0, chunk, False, kl_dir, w_ref)(hl, wl, t, h if exact else None,
+                                                                           mask.reshape(-1))
     else:
         lp = torch.log_softmax(hl @ wl.T, -1).gather(1, t[:, None])[:, 0]
         if getattr(fn, "needs_logprobs", False):
             fn.prepare(lp.detach())
-        loss = fn(lp, None, None, slice(None)).sum()
+        loss = fn(lp, None, _exact_kl(hl, wl, w_ref, kl_cfg.direction) if exact else None, slice(None)).sum()
     loss.backward()
     return loss.detach(), hl.grad, wl.grad, fn
 
@@ -182,6 +195,10 @@ def _kl_configs():
         except ValueError:
             continue
         yield k
+    for direction, where in (("pi_ref", "loss"), ("ref_pi", "loss"), ("pi_ref", "reward")):
+        k = KLConfig(exact=True, direction=direction, where=where)
+        k.place(where, warn=False)
+        yield k
 
 
 @pytest.mark.parametrize("fused", [False, True])
@@ -193,21 +210,23 @@ def test_kl_part_is_ppos_for_every_estimator_place_and_weight(policy, fused):
     h, w, t, mask, old = _case(seed=7)
     adv = _advantages(per_token)
     ref = old - 0.3 + 0.1 * torch.arange(B * S, dtype=torch.float64).view(B, S).sin()
+    w_ref = w + 0.4 * torch.randn(V, H, generator=torch.Generator().manual_seed(9), dtype=torch.float64)
     n = 0
     for k in _kl_configs():
         parts = {}
         for pol in (policy, "ppo"):
-            with_kl = _ours(pol, agg, el, eh, h, w, t, mask, old, adv, fused, kl_cfg=k, beta=0.3, ref=ref)
+            with_kl = _ours(pol, agg, el, eh, h, w, t, mask, old, adv, fused, kl_cfg=k, beta=0.3, ref=ref,
+                            w_ref=w_ref)
             without = _ours(pol, agg, el, eh, h, w, t, mask, old, adv, fused)
             parts[pol] = [a - b for a, b in zip(with_kl[:3], without[:3])]
         for a, b in zip(parts[policy], parts["ppo"]):
             torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
-        if k.where == "loss":
-            assert parts["ppo"][0].abs() > 0  # the KL term is there
+        if k.in_loss:  # the KL in the loss, or the exact KL's pathwise part with the KL in the reward
+            assert parts["ppo"][0].abs() > 0
         else:
             assert parts["ppo"][0].abs() == 0  # a sampled KL in the reward adds nothing to the loss
         n += 1
-    assert n >= 10
+    assert n >= 13
 
 
 def test_gspo_refuses_a_split_response_and_token_advantages():
