@@ -20,7 +20,18 @@ RECIPES = {
     "reinforce_pp_baseline": OFF + ["algo.advantage=reinforce_pp_baseline", "algo.adv_std_norm=false"],
 }
 KEYS = ("reward_mean", "kl_mean", "pg_loss", "grad_norm", "entropy", "ratio_mean", "clipfrac", "kl_loss",
-        "seq_clipfrac", "seq_ratio_mean")
+        "seq_clipfrac", "seq_ratio_mean", "ds_rounds", "ds_drop_rate", "ds_groups_sampled", "ds_filled",
+        "overlong_rate", "response_len", "samples")
+
+
+def sevens(meta, response):
+    """A sparse 0/1 reward: many groups of an untrained policy score all 0, which dynamic sampling drops."""
+    return float("7" in response)
+
+
+# DAPO with its data side: dynamic sampling (rounds of new prompts), overlong filter and punishment
+DAPO = ["algo.recipe=dapo", "reward.fns=[tests.test_recipe_layouts:sevens]", "algo.dynamic_sampling_max_rounds=3",
+        "rollout.group_size=2"]
 LAYOUTS = {  # single-process variants of the same update
     "unshared": ["algo.share_prompts=false"],
     "budget": ["algo.share_prompts=false", "algo.micro_batch_tokens=40"],
@@ -80,3 +91,14 @@ def test_every_recipe_tp2_and_dp2(dist_pools, singles):
         _same(singles[name], dist_pools.run(2, _run, 2, 1, ov)[0])
         for r in dist_pools.run(2, _run, 1, 2, ov + ["algo.micro_batch_tokens=40"]):
             _same(singles[name], r)
+
+
+def test_dapo_through_the_trainer_at_tp2(dist_pools):
+    """Dynamic sampling's extra rounds (prompts of other lengths concatenated, the kept groups under the regular
+    row ids) feed an ordinary step: the same at tp 2 as in one process."""
+    torch.set_num_threads(1)
+    single = _run(1, 1, DAPO)
+    recs = single[0]
+    assert all(r["samples"] == 8 for r in recs)  # 4 prompts x 2 samples, however many rounds
+    assert sum(r["ds_rounds"] for r in recs) > 0 and all(0 < r["ds_drop_rate"] < 1 for r in recs)
+    _same(single, dist_pools.run(2, _run, 2, 1, DAPO)[0])
