@@ -102,3 +102,7 @@ def test_dapo_through_the_trainer_at_tp2(dist_pools):
     assert all(r["samples"] == 8 for r in recs)  # 4 prompts x 2 samples, however many rounds
     assert sum(r["ds_rounds"] for r in recs) > 0 and all(0 < r["ds_drop_rate"] < 1 for r in recs)
     _same(single, dist_pools.run(2, _run, 2, 1, DAPO)[0])
+    # dp 2: each rank fills its own share (so not the single process's batch), in the same rounds on both
+    r0, r1 = dist_pools.run(2, _run, 1, 2, DAPO)
+    _same(r0, r1)
+    assert all(r["samples"] == 8 for r in r0[0])
