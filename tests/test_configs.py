@@ -16,7 +16,7 @@ CONFIGS = sorted(glob.glob(os.path.join(REPO, "configs", "*.yaml")))
 
 
 def _cls(path):
-    return RLConfig if os.path.basename(path).startswith(("grpo", "ppo")) else SFTConfig
+    return RLConfig if os.path.basename(path).startswith(("grpo", "ppo", "recipes")) else SFTConfig
 
 
 def test_configs_exist():
