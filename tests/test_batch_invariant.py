@@ -80,8 +80,8 @@ class Recorder:
 
     def run(self, model, ids, mask, row_ids, **kw) -> Rollout:
         self._prompt = (ids, mask)
-        out = gen_mod.generate(model, ids, mask, max_new_tokens=10, eos_id=None, eos_ids=EOS, pad_id=0, temperature=TEMP,
-                               seed=5, row_ids=row_ids, vocab_limit=V, **kw)
+        out = gen_mod.generate(model, ids, mask, max_new_tokens=10, eos_id=None, eos_ids=EOS, pad_id=0,
+                               temperature=TEMP, seed=5, row_ids=row_ids, vocab_limit=V, **kw)
         B = ids.shape[0]
         return Rollout(out.sequences, out.attention_mask, out.response_mask.bool(), out.prompt_len,
                        torch.zeros(B), row_ids, [], [])
@@ -202,8 +202,8 @@ def test_reference_equals_policy_at_step0():
     torch.set_num_threads(1)
     policy, ref = _model("bf16"), _model("bf16")
     ids, mask = _prompts()
-    out = gen_mod.generate(policy, ids, mask, max_new_tokens=6, eos_id=None, eos_ids=EOS, pad_id=0, temperature=TEMP, seed=1,
-                           vocab_limit=V)
+    out = gen_mod.generate(policy, ids, mask, max_new_tokens=6, eos_id=None, eos_ids=EOS, pad_id=0,
+                           temperature=TEMP, seed=1, vocab_limit=V)
     B = ids.shape[0]
     ro = Rollout(out.sequences, out.attention_mask, out.response_mask.bool(), out.prompt_len, torch.zeros(B),
                  torch.arange(B), [], [])
