@@ -87,6 +87,7 @@ class Recorder:
                        torch.zeros(B), row_ids, [], [])
 
 
+@torch.no_grad()
 def _decode_logprobs(model, rec: Recorder, ro: Rollout, tp_group=None) -> torch.Tensor:
     """The fused head applied to each token's decode hidden state alone: [B, N] (0 off the response)."""
     B, N = ro.response_mask.shape
@@ -241,7 +242,7 @@ def _dist_case(tp: int, dp: int, precision: str):
     decode = _decode_logprobs(model, rec, ro, state.tp_group)
     for how in TRAINER_PATHS:
         _assert_equal_where(_trainer_logprobs(model, ro, how, state.tp_group), decode, ro.response_mask, how)
-    return rows, ro.sequences, decode
+    return rows, ro.sequences, decode.detach()
 
 
 @pytest.mark.slow
