@@ -3,13 +3,15 @@
     PYTHONPATH=. OMP_NUM_THREADS=1 python -m bench.bench_invariant [--configs mid] [--steps 2]
 
 Both trainers are built from the same seeds and stepped alternately (off, on, off, on, ...) so a
-shared machine's load falls on both alike; each phase's median over `--steps` steps after one warm-up.
+shared machine's load falls on both alike; each phase's median wall time over `--steps` steps after
+one warm-up, and the step's process CPU time (steadier than wall time when other jobs share the cores).
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
+import time
 
 import torch
 
@@ -31,15 +33,18 @@ def main(argv=None) -> dict:
         recs = {mode: [] for mode in trainers}
         for s in range(a.steps + 1):
             for mode, tr in trainers.items():
-                r = tr.step(s)
+                c0 = time.process_time()
+                r = dict(tr.step(s))
+                r["cpu_s"] = time.process_time() - c0
                 if s > 0:
                     recs[mode].append(r)
-        keys = [f"time_{p}_s" for p in PHASES] + ["step_time_s"]
+        keys = [f"time_{p}_s" for p in PHASES] + ["step_time_s", "cpu_s"]
         rows = {mode: {k: statistics.median(r[k] for r in rs) for k in keys} for mode, rs in recs.items()}
         print(f"{name}: {'phase':14s} {'off s':>8s} {'on s':>8s} {'on/off':>7s}")
         for k in keys:
             off, on = rows["false"][k], rows["true"][k]
-            print(f"{name}: {k[5:-2] if k.startswith('time_') else 'step':14s} {off:8.3f} {on:8.3f} "
+            label = k[5:-2] if k.startswith("time_") else {"step_time_s": "step", "cpu_s": "step cpu"}[k]
+            print(f"{name}: {label:14s} {off:8.3f} {on:8.3f} "
                   f"{on / off if off else float('nan'):7.3f}")
         out[name] = rows
     return out

@@ -35,6 +35,7 @@ import torch.nn.functional as F
 
 ROW_BLOCK = 8  # matmul rows are padded to a multiple of this (the BLAS's full-block kernel for every row)
 KEY_BLOCK = 64  # attention sums keys in blocks of this many positions, from position 0
+QUERY_BLOCK = 128  # a full forward's queries in blocks of this many positions (skips the keys after them)
 
 _state = threading.local()
 
@@ -89,12 +90,13 @@ def inv_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torc
     arange(L) where `k_valid` [B, L]; the canonical layouts guarantee it); q_pos [B, S]. A query at
     position p sees the valid keys at positions <= p. In fp32 whatever the inputs' dtype.
 
-    Scores come from a matmul whose rows (queries) are padded to a multiple of ROW_BLOCK; the softmax
-    max is exact in any order; the sums over keys (the normaliser and the weighted values) are taken
-    per KEY_BLOCK-position block (a fixed-shape reduction) and the blocks added in order from
-    position 0. A key past the query contributes an exact 0 to both sums (exp(-inf) = 0; x + 0 = x),
-    so neither the total key length L (cache size, longest row) nor the number of queries S changes
-    a bit of a query's result."""
+    The queries are padded to whole tiles of ROW_BLOCK (the matmuls' row count), the keys to whole
+    blocks of KEY_BLOCK positions. The softmax max is exact in any order; the sums over keys (the
+    normaliser and the weighted values) are taken per block (a fixed-shape reduction and a
+    [rows, KEY_BLOCK] @ [KEY_BLOCK, hd] matmul) and the blocks added in order from position 0. A key
+    past the query contributes an exact 0 to both sums (exp(-inf) = 0; x + 0 = x), so neither the
+    total key length L (cache size, longest row) nor the number of queries S changes a bit of a
+    query's result: tests/test_batch_invariant.py checks it for several block sizes."""
     del k_pos  # the layout contract; kept in the signature so call sites state it
     B, h, S, hd = q.shape
     L = k.shape[2]
@@ -113,7 +115,7 @@ def inv_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torc
     see = (j[None, None, :] <= qp[:, :, None]) & k_valid.bool()[:, None, :]  # (B, Sp, Lp)
     s = torch.matmul(qf, kf.transpose(-1, -2))  # (B, h, Sp, Lp): one dot product of hd per entry
     s = s.masked_fill(~see[:, None], float("-inf"))
-    m = s.amax(-1, keepdim=True)
+    m = s.amax(-1, keepdim=True)  # a max is exact in any order
     m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))  # a query that sees nothing: all weights 0
     e = torch.exp(s - m)  # (B, h, Sp, Lp), exactly 0 where not seen
     den = qf.new_zeros(B, h, Sp, 1)
@@ -171,7 +173,13 @@ class CanonicalLayout:
         qc, kc, vc = self.to_canonical(q), self.to_canonical(k), self.to_canonical(v)
         D, Lc = self.gather.shape
         pos = torch.arange(Lc, device=q.device).expand(D, Lc)
-        return self.from_canonical(inv_attention(qc, kc, vc, pos, pos, self.valid))
+        out = []
+        for a in range(0, Lc, QUERY_BLOCK):  # causal: a block of queries reads the keys up to its end only
+            e = min(a + QUERY_BLOCK, Lc)
+            qb = qc[:, :, a:e].contiguous()  # the operands laid out as a full forward's (no strided slices)
+            kb, vb = kc[:, :, :e].contiguous(), vc[:, :, :e].contiguous()
+            out.append(inv_attention(qb, kb, vb, pos[:, a:e], None, self.valid[:, :e]))
+        return self.from_canonical(torch.cat(out, 2) if len(out) > 1 else out[0])
 
 
 def canonical_layout(position_ids: torch.Tensor, valid: torch.Tensor, document_ids: torch.Tensor | None = None,
@@ -221,14 +229,25 @@ class CachePositions:
     pos: torch.Tensor
     valid: torch.Tensor
 
+    def __post_init__(self):
+        # the real tokens' (row, column) and position, found once for all layers
+        self.b, self.s = self.valid.nonzero(as_tuple=True)
+        self.p = self.pos[self.b, self.s]
+
     def write(self, ck: torch.Tensor, cv: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: int):
         """Store k, v [B, nkv, S, hd] into the cache's layers ck, cv [B, nkv, max_len, hd] at the real
-        tokens' positions -> the cache's keys and values [B, nkv, length, hd]."""
-        b, s = self.valid.nonzero(as_tuple=True)
-        p = self.pos[b, s]
-        ck[b, :, p] = k[b, :, s]
-        cv[b, :, p] = v[b, :, s]
-        return ck[:, :, :length], cv[:, :, :length]
+        tokens' positions -> the cache's keys and values [B, nkv, L, hd], L = `length` rounded up to
+        KEY_BLOCK where the cache holds that many (the entries past `length` are never seen; a cache
+        sized by `key_capacity` spares inv_attention a padded copy of every layer's keys per step)."""
+        ck[self.b, :, self.p] = k[self.b, :, self.s]
+        cv[self.b, :, self.p] = v[self.b, :, self.s]
+        L = min(length + (-length % KEY_BLOCK), ck.shape[2])
+        return ck[:, :, :L], cv[:, :, :L]
+
+
+def key_capacity(length: int) -> int:
+    """A KV cache's length for `length` positions in batch-invariant mode: rounded up to KEY_BLOCK."""
+    return length + (-length % KEY_BLOCK)
 
 
 def invariant_layout(input_ids, position_ids, attention_mask, past: int | None, document_ids, prefix_ids):

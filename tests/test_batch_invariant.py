@@ -19,11 +19,12 @@ import torch
 from core.config import ModelConfig
 from core.generation import generate as gen_mod
 from core.model import build_model
+from parallel import invariant
 from parallel.fused import fused_head
 from parallel.invariant import batch_invariant
 from parallel.layers import vocab_parallel_logits
 from rl.experience.rollout import Rollout
-from rl.update.logprobs import packed_token_stats, policy_token_stats, reference_hidden
+from rl.update.logprobs import logprobs_from_hidden, packed_token_stats, policy_token_stats, reference_hidden
 from rl.update.micro_batches import by_token_budget, scatter_tokens
 from rl.update.shared_layout import share_rollout
 
@@ -151,10 +152,13 @@ def _assert_equal_where(a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor, wh
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
-@pytest.mark.parametrize("gen_kw", [dict(), dict(share_prefill=True), dict(prefill_tokens=10)],
-                         ids=["plain", "shared_prefill", "blocked_prefill"])
+@pytest.mark.parametrize("gen_kw", [{}, dict(share_prefill=True), dict(prefill_tokens=10), dict(blocks=True)],
+                         ids=["plain", "shared_prefill", "blocked_prefill", "small_blocks"])
 def test_decode_equals_trainer(monkeypatch, precision, gen_kw):
     torch.set_num_threads(1)
+    if gen_kw.pop("blocks", False):  # several key and query blocks per sequence (the defaults exceed these lengths)
+        monkeypatch.setattr(invariant, "KEY_BLOCK", 8)
+        monkeypatch.setattr(invariant, "QUERY_BLOCK", 16)
     model = _model(precision)
     rec = Recorder(monkeypatch)
     ids, mask = _prompts()
@@ -198,10 +202,13 @@ def test_mode_off_bf16_differs(monkeypatch):
     assert not torch.equal(decode.where(m, 0.0), trainer.float().where(m, 0.0))
 
 
-def test_reference_equals_policy_at_step0():
-    """A reference with the policy's weights gives the same log-probs, bit for bit, and an exact 0 KL."""
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_reference_equals_policy_at_step0(precision):
+    """A reference with the policy's weights: its log-probs through the trainer's reference path (hidden
+    states in the shared layout, then `logprobs_from_hidden`) equal the policy's from the padded
+    forward bit for bit, and the exact KL between them is 0."""
     torch.set_num_threads(1)
-    policy, ref = _model("bf16"), _model("bf16")
+    policy, ref = _model(precision), _model(precision)
     ids, mask = _prompts()
     out = gen_mod.generate(policy, ids, mask, max_new_tokens=6, eos_id=None, eos_ids=EOS, pad_id=0,
                            temperature=TEMP, seed=1, vocab_limit=V)
@@ -212,11 +219,11 @@ def test_reference_equals_policy_at_step0():
     with torch.no_grad():
         st = policy_token_stats(policy, ro.sequences, ro.attention_mask, ro.prompt_len, vocab_size=V,
                                 temperature=TEMP, kl="forward", ref_hidden=ref_h, ref_weight=ref_w,
-                                mask=ro.response_mask)
+                                mask=ro.response_mask, chunk_size=7)
     assert torch.equal(st.kl.where(ro.response_mask, 0.0), torch.zeros_like(st.kl))
-    w = ref_w.to(torch.bfloat16)
-    ref_lp = fused_head(ref_h.reshape(-1, ref_h.shape[-1]), w, ro.sequences[:, ro.prompt_len:].reshape(-1),
-                        vocab_size=V, temperature=TEMP, entropy=False).logprobs.view(st.logprobs.shape)
+    w = ref_w.to(ref.compute_dtype) if ref.compute_dtype else ref_w
+    ref_lp = logprobs_from_hidden(ref_h, w, ro.responses_ids, vocab_size=V, temperature=TEMP, mask=ro.response_mask,
+                                  invariant=True)
     _assert_equal_where(ref_lp, st.logprobs, ro.response_mask, "reference vs policy")
 
 

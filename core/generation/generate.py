@@ -34,6 +34,7 @@ import torch
 from core.generation.sampling import sample_from_sharded_logits
 from core.model import KVCache, Transformer
 from parallel.comm import all_reduce, group_rank
+from parallel.invariant import key_capacity
 from parallel.layers import vocab_parallel_logits
 
 __all__ = ["GenerationOutput", "generate", "sample_from_sharded_logits"]
@@ -220,7 +221,8 @@ def generate(model: Transformer, prompt_ids: torch.Tensor, prompt_mask: torch.Te
         raise ValueError(f"generate: min_new_tokens must be >= 0, got {min_new_tokens}")
     sample_kw = dict(vocab_size=vocab, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed,
                      step=step, tp_group=tp_group, compile=compile_sampler)
-    cache = KVCache.empty(cfg, B, total, model.tp, dev, model.activation_dtype)  # bf16 when computing in bf16
+    cap = key_capacity(total) if model.batch_invariant else total  # invariant: whole key blocks (parallel/invariant.py)
+    cache = KVCache.empty(cfg, B, cap, model.tp, dev, model.activation_dtype)  # bf16 when computing in bf16
     seqs = torch.full((B, total), pad_id, dtype=torch.long, device=dev)
     seqs[:, :P] = prompt_ids
     mask = torch.zeros((B, total), dtype=torch.long, device=dev)
