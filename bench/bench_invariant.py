@@ -1,6 +1,6 @@
 """The batch-invariant mode's cost: one GRPO step phase by phase with parallel.batch_invariant off and on.
 
-    PYTHONPATH=. OMP_NUM_THREADS=1 python -m bench.bench_invariant [--configs mid] [--steps 2]
+    PYTHONPATH=. OMP_NUM_THREADS=1 python -m bench.bench_invariant [--configs 60m,mid,tiny] [--steps 2]
 
 Both trainers are built from the same seeds and stepped alternately (off, on, off, on, ...) so a
 shared machine's load falls on both alike; each phase's median wall time over `--steps` steps after
@@ -12,15 +12,21 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from dataclasses import replace
 
 import torch
 
-from bench.bench_rl_step import CONFIGS, PHASES, build_trainer
+from bench.bench_rl_step import CONFIGS, PHASES, BenchConfig, build_trainer
+from bench.bench_rl_vs_trl import SIZES
+
+# the 58.5M model of docs/benchmarks.md (bench_rl_vs_trl's "60m": 8 KV heads) on bench_rl_step's mid job
+# (8 rows, prompts of ~31 tokens + 64 new ones)
+CONFIGS = dict(CONFIGS, **{"60m": BenchConfig(replace(SIZES["60m"], max_seq_len=128), CONFIGS["mid"].overrides)})
 
 
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--configs", default="mid")
+    ap.add_argument("--configs", default="60m")
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--threads", type=int, default=1)
     a = ap.parse_args(argv)

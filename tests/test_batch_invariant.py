@@ -267,3 +267,25 @@ def test_dp2_equals_single_process(dist_pools):
         assert torch.equal(seq[:, :seq1.shape[1]], seq1[rows][:, :seq.shape[1]])
         n = min(lp.shape[1], lp1.shape[1])
         assert torch.equal(lp[:, :n], lp1[rows][:, :n])
+
+
+def test_config_key():
+    """parallel.batch_invariant: off by default, read as a bool, anything else named in the error."""
+    from core.config import ConfigError, check_parallel, load_config
+    from rl.config import RLConfig
+
+    assert load_config(RLConfig, None, []).parallel.batch_invariant is False
+    cfg = load_config(RLConfig, None, ["parallel.batch_invariant=true"])
+    assert cfg.parallel.batch_invariant is True
+    cfg.parallel.batch_invariant = "yes"
+    with pytest.raises(ConfigError, match="parallel.batch_invariant"):
+        check_parallel(cfg.parallel, 1)
+
+
+def test_trainer_sets_the_mode_on_policy_and_reference():
+    """The key reaches the policy and the reference `rl.train.assemble` builds (the bench's tiny job)."""
+    from bench.bench_rl_step import CONFIGS, build_trainer
+
+    for on in (False, True):
+        tr = build_trainer(CONFIGS["tiny"], "grpo", extra=[f"parallel.batch_invariant={str(on).lower()}"])
+        assert tr.policy.batch_invariant is on and tr.ref.batch_invariant is on
