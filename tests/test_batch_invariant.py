@@ -289,3 +289,24 @@ def test_trainer_sets_the_mode_on_policy_and_reference():
     for on in (False, True):
         tr = build_trainer(CONFIGS["tiny"], "grpo", extra=[f"parallel.batch_invariant={str(on).lower()}"])
         assert tr.policy.batch_invariant is on and tr.ref.batch_invariant is on
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("on", [True, False], ids=["on", "off"])
+def test_trainer_step0_old_equals_new_and_kl_exactly_zero(on):
+    """The two invariants slime gates on, in a real step (the bench's tiny GRPO job, fp32, policy ==
+    reference): the old-log-prob pass and the update's forward of the first mini-batch give the same log-probs
+    (`logp_drift` = max |old - new| exactly 0, so KL(old || new) of the first update is exactly 0), and the
+    exact KL against the reference is exactly 0 with the first mini-batch's old values from the update's own
+    layout (`algo.old_from_update`). Off, both read float noise instead (the assertions can fail)."""
+    from bench.bench_rl_step import CONFIGS, build_trainer
+
+    torch.set_num_threads(1)
+    flag = [f"parallel.batch_invariant={str(on).lower()}"]
+    drift = build_trainer(CONFIGS["tiny"], "grpo", extra=flag + ["algo.old_from_update=false"]).step(0)
+    exact = build_trainer(CONFIGS["tiny"], "grpo", extra=flag + ["kl.exact=true"]).step(0)
+    if on:
+        assert drift["logp_drift"] == 0.0
+        assert exact["kl_mean"] == 0.0
+    else:
+        assert drift["logp_drift"] > 0.0 and exact["kl_mean"] != 0.0, (drift["logp_drift"], exact["kl_mean"])
