@@ -113,6 +113,14 @@ class HeadMatmul:
         return z.div_(self.sh.temperature) if self.sh.temperature != 1.0 else z
 
 
+def head_logits(hidden: torch.Tensor, weight_local: torch.Tensor, group=None) -> torch.Tensor:
+    """hidden [*, H] -> this rank's logits [*, Vp/tp] computed as the fused heads compute them (in fp32
+    for a bf16/fp16 weight; rows padded in batch-invariant mode): the batch-invariant decode head, so the
+    sampler sees the trainer's logits bit for bit."""
+    sh = vocab_shard(weight_local.shape[0], group, None, 1.0, weight_local.dtype, fp32=True)
+    return HeadMatmul(weight_local, sh)(hidden.reshape(-1, hidden.shape[-1])).view(*hidden.shape[:-1], -1)
+
+
 def no_autocast(device_type: str):
     """Autocast switched off on `device_type` (a no-op context where autocast does not exist)."""
     if device_type in ("cuda", "cpu"):

@@ -73,11 +73,6 @@ def inv_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     return y.reshape(*lead, weight.shape[0])
 
 
-def inv_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """a [M, K] @ b [K, N], each row's bits independent of M."""
-    return (pad_rows(a) @ b)[: a.shape[0]]
-
-
 # ---------------------------------------------------------------------------------------------
 # attention over a sequence's own keys, in position order
 

@@ -17,14 +17,13 @@ checkpoint), so these classes carry no init policy.
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from parallel import invariant
 from parallel.comm import copy_to_tp, group_rank, group_size, reduce_from_tp
+from parallel.fused import head_logits
 
 
 def tie_replicas(w: torch.Tensor, replica_group) -> torch.Tensor:
@@ -104,10 +103,8 @@ def vocab_parallel_logits(hidden: torch.Tensor, weight_local: torch.Tensor, tp_g
     """hidden [*, H] replicated over tp -> logits_local [*, Vp/tp], sharded on the vocabulary.
     Padded columns come out as 0 here; the vocab-parallel functions exclude them by vocab_size."""
     hidden = copy_to_tp(hidden, tp_group)  # backward: sum of every shard's dL/dhidden
-    if invariant.enabled():  # the fused heads' logits, bit for bit: fp32, rows padded (parallel/fused.py)
-        with torch.autocast(hidden.device.type, enabled=False) if hidden.device.type in ("cpu", "cuda") \
-                else contextlib.nullcontext():
-            return invariant.inv_linear(hidden.float(), weight_local.float())
+    if invariant.enabled():  # the fused heads' logits, bit for bit (fp32 for a bf16 weight, rows padded)
+        return head_logits(hidden, weight_local, tp_group)
     return F.linear(hidden, weight_local)
 
 

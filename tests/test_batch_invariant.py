@@ -20,9 +20,10 @@ from core.config import ModelConfig
 from core.generation import generate as gen_mod
 from core.model import build_model
 from parallel import invariant
-from parallel.fused import fused_head
+from parallel.fused import HeadMatmul, fused_head
 from parallel.invariant import batch_invariant
 from parallel.layers import vocab_parallel_logits
+from parallel.vocab_stats import vocab_shard
 from rl.experience.rollout import Rollout
 from rl.update.logprobs import logprobs_from_hidden, packed_token_stats, policy_token_stats, reference_hidden
 from rl.update.micro_batches import by_token_budget, scatter_tokens
@@ -105,17 +106,19 @@ def _decode_logprobs(model, rec: Recorder, ro: Rollout, tp_group=None) -> torch.
 
 
 def _check_hidden_and_logits(model, rec: Recorder, ro: Rollout, tp_group=None) -> None:
-    """The decode hidden states and logits equal the full forward's at the same positions, bit for bit."""
+    """The decode hidden states equal the full forward's at the same positions, and the logits the sampler
+    drew from equal the fused heads' logits of those hidden states, bit for bit."""
     h, w = reference_hidden(model, ro.sequences, ro.attention_mask, ro.prompt_len)
-    full_logits = model(ro.sequences, attention_mask=ro.attention_mask,
-                        head=lambda x, wl: vocab_parallel_logits(x[:, ro.prompt_len - 1:-1], wl, tp_group))
     B, N = ro.response_mask.shape
+    with torch.no_grad(), batch_invariant(True):  # the fused heads' logits of the trainer's hidden states
+        sh = vocab_shard(w.shape[0], tp_group, V, 1.0, w.dtype, fp32=True)
+        full_logits = HeadMatmul(w, sh)(h.reshape(B * N, -1)).view(B, N, -1)
     for b in range(B):
         for t in range(N):
             if ro.response_mask[b, t]:
                 key = (int(ro.row_ids[b]), t)
                 assert torch.equal(rec.hidden[key], h[b, t]), f"hidden of row {b} token {t}"
-                assert torch.equal(rec.logits[key], full_logits[b, t]), f"logits of row {b} token {t}"
+                assert torch.equal(rec.logits[key][:sh.nv], full_logits[b, t]), f"logits of row {b} token {t}"
 
 
 def _trainer_logprobs(model, ro: Rollout, how: str, tp_group=None) -> torch.Tensor:
