@@ -164,7 +164,7 @@ class CanonicalLayout:
         return out.view(B, S, h, hd).transpose(1, 2)
 
     def attend(self, q, k, v) -> torch.Tensor:
-        """inv_attention of physical q, k, v [B, h, S, hd] through the canonical layout."""
+        """Attention of physical q [B, nh, S, hd] over k, v [B, nkv, S, hd] through the canonical layout."""
         qc, kc, vc = self.to_canonical(q), self.to_canonical(k), self.to_canonical(v)
         D, Lc = self.gather.shape
         pos = torch.arange(Lc, device=q.device).expand(D, Lc)
@@ -173,7 +173,7 @@ class CanonicalLayout:
             e = min(a + QUERY_BLOCK, Lc)
             qb = qc[:, :, a:e].contiguous()  # the operands laid out as a full forward's (no strided slices)
             kb, vb = kc[:, :, :e].contiguous(), vc[:, :, :e].contiguous()
-            out.append(inv_attention(qb, kb, vb, pos[:, a:e], None, self.valid[:, :e]))
+            out.append(grouped_attention(qb, kb, vb, pos[:, a:e], self.valid[:, :e]))
         return self.from_canonical(torch.cat(out, 2) if len(out) > 1 else out[0])
 
 
@@ -259,12 +259,21 @@ def invariant_layout(input_ids, position_ids, attention_mask, past: int | None, 
 
 
 def invariant_attend(layout, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """Attention of q [B, nh, S, hd] over k, v [B, nkv, L, hd] (grouped heads: query head i reads KV
-    head i // (nh / nkv), as SDPA's enable_gqa) through `layout` (CanonicalLayout or CachePositions)."""
-    if q.shape[1] != k.shape[1]:
-        k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
-        v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
+    """Attention of q [B, nh, S, hd] over k, v [B, nkv, L, hd] through `layout` (CanonicalLayout or
+    CachePositions). Grouped heads as SDPA's enable_gqa (query head i reads KV head i // (nh / nkv))."""
     if isinstance(layout, CanonicalLayout):
         return layout.attend(q, k, v)
     seen = torch.ones(k.shape[0], k.shape[2], dtype=torch.bool, device=k.device)  # j <= position: written
-    return inv_attention(q, k, v, layout.pos, None, seen)
+    return grouped_attention(q, k, v, layout.pos, seen)
+
+
+def grouped_attention(q, k, v, q_pos: torch.Tensor, k_valid: torch.Tensor) -> torch.Tensor:
+    """inv_attention with the g = nh / nkv query heads that share a KV head stacked as rows of one
+    matrix (their keys and values are read once, never repeated per head): q [B, nh, S, hd] -> rows
+    [B, nkv, g * S, hd], row i * S + s the query at position q_pos[:, s] of head i of the group."""
+    B, nh, S, hd = q.shape
+    nkv = k.shape[1]
+    g = nh // nkv
+    rows = q.reshape(B, nkv, g * S, hd)
+    y = inv_attention(rows, k, v, q_pos.repeat(1, g) if g > 1 else q_pos, None, k_valid)
+    return y.reshape(B, nh, S, hd)
