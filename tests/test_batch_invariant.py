@@ -235,19 +235,18 @@ def test_reference_equals_policy_at_step0(precision):
 
 
 def _dist_case(tp: int, dp: int, precision: str):
-    import pytest as _pytest
-
     from parallel.dims import ParallelDims, init_parallel
 
     torch.set_num_threads(1)
     state = init_parallel(ParallelDims(dp, tp), "cpu", MODEL["n_heads"], MODEL["n_kv_heads"])
     model = _model(precision, state.tp_group)
-    rec = Recorder(_pytest.MonkeyPatch())
     ids, mask = _prompts()
     rows = torch.arange(ids.shape[0])
     if dp > 1:  # this rank's share of the rows, with their global ids
         rows = rows[state.dp_rank::dp]
-    ro = rec.run(model, ids[rows], mask[rows], rows, tp_group=state.tp_group, dp_group=state.dp_group)
+    with pytest.MonkeyPatch.context() as mp:  # generate's head and sampler wrapped for this case only
+        rec = Recorder(mp)
+        ro = rec.run(model, ids[rows], mask[rows], rows, tp_group=state.tp_group, dp_group=state.dp_group)
     _check_hidden_and_logits(model, rec, ro, state.tp_group)
     decode = _decode_logprobs(model, rec, ro, state.tp_group)
     for how in TRAINER_PATHS:
@@ -256,9 +255,9 @@ def _dist_case(tp: int, dp: int, precision: str):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("tp", [2, 4])
-def test_tp_decode_equals_trainer(dist_pools, tp):
-    for _ in dist_pools.run(tp, _dist_case, tp, 1, "bf16"):
+@pytest.mark.parametrize("tp,precision", [(2, "bf16"), (4, "bf16"), (4, "fp32")])
+def test_tp_decode_equals_trainer(dist_pools, tp, precision):
+    for _ in dist_pools.run(tp, _dist_case, tp, 1, precision):
         pass  # each rank asserted decode == trainer for its layout
 
 
