@@ -108,6 +108,9 @@ def inv_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torc
     qp = torch.cat([q_pos, q_pos.new_zeros(B, Sp - S)], 1) if Sp != S else q_pos
     j = torch.arange(Lp, device=q.device)
     see = (j[None, None, :] <= qp[:, :, None]) & k_valid.bool()[:, None, :]  # (B, Sp, Lp)
+    # every matmul operand contiguous: ATen's batched matmul picks its path by the operands' strides too
+    # (a KV cache's slice has the cache's stride), and the paths round differently (tp 4, fp32)
+    qf, kf, vf = qf.contiguous(), kf.contiguous(), vf.contiguous()
     s = torch.matmul(qf, kf.transpose(-1, -2))  # (B, h, Sp, Lp): one dot product of hd per entry
     s = s.masked_fill(~see[:, None], float("-inf"))
     m = s.amax(-1, keepdim=True)  # a max is exact in any order
@@ -118,7 +121,7 @@ def inv_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torc
     for a in range(0, Lp, KEY_BLOCK):  # in position order: the same additions for every layout
         eb = e[..., a:a + KEY_BLOCK]
         den = den + eb.sum(-1, keepdim=True)
-        num = num + torch.matmul(eb, vf[:, :, a:a + KEY_BLOCK])
+        num = num + torch.matmul(eb.contiguous(), vf[:, :, a:a + KEY_BLOCK].contiguous())
     y = num / torch.where(den > 0, den, torch.ones_like(den))
     return y[:, :, :S].to(out_dtype)
 
