@@ -33,7 +33,14 @@ from core.config import ModelConfig
 from core.shards import full_param_shapes, kv_heads_per_rank, tp_slice
 from parallel.comm import copy_to_tp, group_rank, group_size
 from parallel.dims import derive_seed
-from parallel.invariant import CachePositions, CanonicalLayout, batch_invariant, invariant_attend, invariant_layout
+from parallel.invariant import (
+    CachePositions,
+    CanonicalLayout,
+    batch_invariant,
+    invariant_attend,
+    invariant_layout,
+    silu,
+)
 from parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, vocab_parallel_logits
 
 # ---------------------------------------------------------------------------------------------
@@ -166,7 +173,7 @@ class MLP(nn.Module):
 
     def forward(self, x):
         x = copy_to_tp(x, self.tp_group)  # backward: one all-reduce of dL/dx for gate and up together
-        return self.w_down(F.silu(self.w_gate(x)) * self.w_up(x))
+        return self.w_down(silu(self.w_gate(x)) * self.w_up(x))
 
 
 class Block(nn.Module):

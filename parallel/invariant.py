@@ -16,6 +16,8 @@ logits and log-prob, bit for bit. What varies with the batch's shape, and how ea
     the blocks added one after another; keys past the query weigh exactly 0, so the total length
     and the number of queries do not matter; `canonical_layout` lays any batch (padded, packed,
     shared prompts) out so that a token's keys stand at their positions;
+  - fp32 silu: ATen's vectorized and scalar-tail formulas round differently, and which rows fall in the
+    tail depends on the tensor's size; `silu` pads the flat tensor to whole vectors;
   - the TP all-reduce of the row-parallel layers (ring order depends on the tensor's size):
     parallel/comm.py gathers the partial sums and adds them in rank order while the mode is on.
 
@@ -35,6 +37,7 @@ import torch.nn.functional as F
 
 ROW_BLOCK = 8  # matmul rows are padded to a multiple of this (the BLAS's full-block kernel for every row)
 KEY_BLOCK = 64  # attention sums keys in blocks of this many positions, from position 0
+POINTWISE_BLOCK = 64  # elements: two AVX-512 vectors of bf16, four of fp32 (no scalar tail)
 QUERY_BLOCK = 128  # a full forward's queries in blocks of this many positions (skips the keys after them)
 
 _state = threading.local()
@@ -71,6 +74,20 @@ def inv_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     if bias is not None:
         y = y + bias.to(y.dtype)
     return y.reshape(*lead, weight.shape[0])
+
+
+def silu(x: torch.Tensor) -> torch.Tensor:
+    """F.silu; in the mode over a flat copy padded to a multiple of POINTWISE_BLOCK elements. ATen runs a
+    pointwise op vectorized over whole pairs of vectors and the tail with the scalar formula, and fp32
+    silu's two round differently (the probe): without the padding, a token's activations would depend on
+    whether its row ends the tensor (the MLP's [M, I/tp] when M x I/tp is not a multiple of 32)."""
+    if not enabled():
+        return F.silu(x)
+    flat = x.reshape(-1)
+    extra = -flat.numel() % POINTWISE_BLOCK
+    if extra:
+        flat = torch.cat([flat, flat.new_zeros(extra)])
+    return F.silu(flat)[: x.numel()].view(x.shape)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -11,7 +11,8 @@ import torch
 import torch.nn.functional as F
 
 from core.model import RMSNorm
-from parallel.invariant import inv_attention, inv_linear
+from parallel.invariant import batch_invariant, inv_attention, inv_linear
+from parallel.invariant import silu as invariant_silu
 
 
 def report(name: str, outs: list[torch.Tensor]) -> None:
@@ -96,6 +97,20 @@ def probe_sum(dtype, ms=(1, 2, 4, 64, 1000), n=50257):
     report(f"logsumexp over a vocab row {str(dtype)[6:]}: M in {ms}", outs)
 
 
+def probe_silu(dtype, width=16, rows=(2, 3, 4, 5), trials=50):
+    """A pointwise op on [M, width] rows: the last row of M = 3 or 5 falls in ATen's scalar tail."""
+    g = torch.Generator().manual_seed(4)
+    for fn, label in ((F.silu, "F.silu"), (invariant_silu, "invariant silu")):
+        bad = 0
+        with batch_invariant(True):
+            for _ in range(trials):
+                row = (torch.rand(width, generator=g) * 4).to(dtype)
+                outs = [fn(row[None].repeat(m, 1))[m - 1] for m in rows]
+                bad += sum(not torch.equal(o, outs[0]) for o in outs[1:])
+        print(f"{label + f' [M,{width}] ' + str(dtype)[6:] + f': last row, M in {rows}':58s} "
+              f"{bad:3d}/{trials * (len(rows) - 1):3d} differ")
+
+
 if __name__ == "__main__":
     print(f"torch {torch.__version__}, threads {torch.get_num_threads()}")
     for dt in (torch.float32, torch.bfloat16):
@@ -103,3 +118,4 @@ if __name__ == "__main__":
         probe_rmsnorm(dt)
         probe_attention(dt)
         probe_sum(dt)
+        probe_silu(dt)
