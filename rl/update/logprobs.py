@@ -24,6 +24,7 @@ import torch
 from parallel.comm import copy_to_tp
 from parallel.fused import fused_head
 from parallel.fused_loss import fused_head_loss
+from parallel.invariant import batch_invariant
 from rl.update.micro_batches import gather_tokens, scatter_tokens
 
 
@@ -135,14 +136,16 @@ def _rollout_kl(h, w, rollout_h, m, tp_group, vocab_size, temperature, chunk_siz
 @torch.no_grad()
 def logprobs_from_hidden(hidden: torch.Tensor, weight_local: torch.Tensor, targets: torch.Tensor, *, tp_group=None,
                          vocab_size: int, temperature: float = 1.0, chunk_size: int | None = None,
-                         mask: torch.Tensor | None = None) -> torch.Tensor:
+                         mask: torch.Tensor | None = None, invariant: bool = False) -> torch.Tensor:
     """Log-probs [B, N] of `targets` [B, N] from final hidden states [B, N, H] and a local head
     weight [Vp/tp, H] (e.g. what `reference_hidden` returned): no second forward of the model.
-    0 where `mask` [B, N] is False."""
+    0 where `mask` [B, N] is False. `invariant`: the head in batch-invariant mode (as the model's
+    forward runs it with `batch_invariant` on: the same bits as the policy's head for the same weights)."""
     B, N = targets.shape
-    out = fused_head(hidden.reshape(B * N, -1), weight_local, targets.reshape(-1), tp_group, vocab_size=vocab_size,
-                     temperature=temperature, chunk_size=chunk_size, entropy=False,
-                     mask=None if mask is None else mask.reshape(B * N))
+    with batch_invariant(invariant):
+        out = fused_head(hidden.reshape(B * N, -1), weight_local, targets.reshape(-1), tp_group, vocab_size=vocab_size,
+                         temperature=temperature, chunk_size=chunk_size, entropy=False,
+                         mask=None if mask is None else mask.reshape(B * N))
     return out.logprobs.view(B, N)
 
 

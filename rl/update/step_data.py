@@ -91,7 +91,8 @@ class ExperienceMaker:
         shared = share_rollout(ro, cost=self.layout_cost) if cfg.algo.share_prompts else None
         with self.timer("ref_logprobs"):
             ref_h, ref_w = reference_hidden(self.ref, ro.sequences, ro.attention_mask, ro.prompt_len, packed=shared)
-            ref_logp = logprobs_from_hidden(ref_h, ref_w, ro.responses_ids, **self.heads.settings(), mask=mask)
+            ref_logp = logprobs_from_hidden(ref_h, ref_w, ro.responses_ids, **self.heads.settings(), mask=mask,
+                                            invariant=getattr(self.ref, "batch_invariant", False))
         deferred = self._deferred_rows(ro, step)
         with self.timer("old_logprobs"):
             kl_dir = HEAD_DIRECTION[cfg.kl.direction] if exact or truncates(cfg) else None
