@@ -22,7 +22,6 @@ from core.model import build_model
 from parallel import invariant
 from parallel.fused import HeadMatmul, fused_head
 from parallel.invariant import batch_invariant
-from parallel.layers import vocab_parallel_logits
 from parallel.vocab_stats import vocab_shard
 from rl.experience.rollout import Rollout
 from rl.update.logprobs import logprobs_from_hidden, packed_token_stats, policy_token_stats, reference_hidden
@@ -34,6 +33,7 @@ MODEL = dict(vocab_size=131, hidden_size=32, n_layers=2, n_heads=4, n_kv_heads=2
 V, TEMP = 131, 0.9
 EOS = list(range(105, 131))  # a fifth of the vocabulary ends a row: skewed response lengths
 REAL_SAMPLE = gen_mod.sample_from_sharded_logits
+REAL_HEAD = gen_mod._last_position_head
 PROMPT_LENS = [3, 9, 5, 9, 2, 6]  # rows 1 and 3 hold the same prompt (shared prefill, shared layout)
 
 
@@ -64,9 +64,11 @@ class Recorder:
         self.hidden, self.logits, self._last = {}, {}, []
 
         def head_factory(tp_group):
+            inner = REAL_HEAD(tp_group)
+
             def head(hidden, weight_local):
                 self._last.append(hidden[:, -1].clone())  # blocked prefill: several forwards
-                return vocab_parallel_logits(hidden[:, -1:], weight_local, tp_group)
+                return inner(hidden, weight_local)
             return head
 
         def sample(logits, *, row_ids, position, **kw):

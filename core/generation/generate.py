@@ -19,7 +19,8 @@ The decode loop:
     cache are compacted to the live rows, so they stop costing compute;
   - the LM head of the sampled positions computes its logits as the trainer's fused head does
     (parallel/fused.py's head_logits: float32 output from bf16 operands, rows padded in batch-invariant
-    mode), so under bf16 compute the sampler draws from the distribution the trainer scores, not from bf16-rounded logits;
+    mode), so under bf16 compute the sampler draws from the distribution the trainer scores, not from
+    bf16-rounded logits;
   - `record=True` keeps, per response token, log mu(y) (the distribution actually drawn from:
     tempered, truncated by top-k / top-p / min-p and renormalised) and log pi_T(y) (tempered, full
     vocabulary); `record_hidden=True` also the final hidden state [H] that produced the token's
