@@ -329,3 +329,32 @@ def test_silu_tail():
             mode += not torch.equal(invariant.silu(a)[2], invariant.silu(b)[2])
             assert torch.equal(invariant.silu(b), torch.nn.functional.silu(b))  # no padding needed: the same
     assert plain > 0 and mode == 0
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_old_pass_is_the_head_on_the_rollouts_hidden_states(precision):
+    """With the mode on, the old-log-prob pass runs no policy forward: the policy's head on the rollout's
+    recorded hidden states gives the old log-probs, entropy and exact KL to the reference bit for bit equal
+    to the forward's (the same step recomputed with the hidden states dropped, which takes the old pass's
+    forward), on every row (no rows deferred to the update)."""
+    import dataclasses
+
+    from bench.bench_rl_step import CONFIGS, build_trainer
+
+    tr = build_trainer(CONFIGS["tiny"], "grpo", extra=["parallel.batch_invariant=true", "kl.exact=true",
+                                                       "algo.old_from_update=false",
+                                                       f"parallel.mixed_precision={precision}"])
+    ex = tr.experience
+    ro = tr.make_experience(0).ro
+    assert ro.rollout_hidden is not None
+    calls = []
+    hook = tr.policy.register_forward_pre_hook(lambda *a: calls.append(1))
+    fast = ex.make_experience(ro, 0)
+    hook.remove()
+    assert calls == []  # the reference ran; the policy did not
+    slow = ex.make_experience(dataclasses.replace(ro, rollout_hidden=None), 0)
+    m = ro.response_mask
+    for name in ("old_logp", "entropy", "kl"):
+        a, b = getattr(fast, name), getattr(slow, name)
+        assert torch.equal(a.where(m, 0.0), b.where(m, 0.0)), name
+    assert torch.equal(fast.rollout_kl, torch.zeros_like(fast.rollout_kl))
