@@ -1,10 +1,13 @@
 """The batch-invariant mode's cost: one GRPO step phase by phase with parallel.batch_invariant off and on.
 
     PYTHONPATH=. OMP_NUM_THREADS=1 python -m bench.bench_invariant [--configs 60m,mid,tiny] [--steps 2]
+        [--response-len N] [--set key=value ...]
 
-Both trainers are built from the same seeds and stepped alternately (off, on, off, on, ...) so a
-shared machine's load falls on both alike; each phase's median wall time over `--steps` steps after
-one warm-up, and the step's process CPU time (steadier than wall time when other jobs share the cores).
+`--response-len N`: every response runs to N tokens (room for them in the model's positions);
+`--set`: further RLConfig overrides for both trainers. Both trainers are built from the same seeds and
+stepped alternately (off, on, off, on, ...) so a shared machine's load falls on both alike; each phase's
+median wall time over `--steps` steps after one warm-up, and the step's process CPU time (steadier than
+wall time when other jobs share the cores).
 """
 
 from __future__ import annotations
@@ -29,12 +32,19 @@ def main(argv=None) -> dict:
     ap.add_argument("--configs", default="60m")
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--response-len", type=int, default=0)
+    ap.add_argument("--set", nargs="*", default=[], help="RLConfig key=value overrides for both trainers")
     a = ap.parse_args(argv)
     torch.set_num_threads(a.threads)
     out = {}
     for name in a.configs.split(","):
         spec = CONFIGS[name]
-        trainers = {mode: build_trainer(spec, "grpo", extra=[f"parallel.batch_invariant={mode}"])
+        extra = list(a.set)
+        if a.response_len:
+            n = a.response_len
+            spec = replace(spec, model=replace(spec.model, max_seq_len=64 + n))
+            extra += [f"rollout.max_new_tokens={n}", f"rollout.min_new_tokens={n}"]
+        trainers = {mode: build_trainer(spec, "grpo", extra=[*extra, f"parallel.batch_invariant={mode}"])
                     for mode in ("false", "true")}
         recs = {mode: [] for mode in trainers}
         for s in range(a.steps + 1):
