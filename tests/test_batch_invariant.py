@@ -37,8 +37,8 @@ REAL_HEAD = gen_mod._last_position_head
 PROMPT_LENS = [3, 9, 5, 9, 2, 6]  # rows 1 and 3 hold the same prompt (shared prefill, shared layout)
 
 
-def _model(precision: str, tp_group=None, seed: int = 3):
-    m = build_model(ModelConfig(**MODEL), tp_group, seed=seed)
+def _model(precision: str, tp_group=None, seed: int = 3, **shape):
+    m = build_model(ModelConfig(**{**MODEL, **shape}), tp_group, seed=seed)
     m.set_mixed_precision(precision)
     m.batch_invariant = True
     return m
@@ -170,6 +170,25 @@ def test_decode_equals_trainer(monkeypatch, precision, gen_kw):
     ro = rec.run(model, ids, mask, torch.arange(ids.shape[0]), **gen_kw)
     lens = ro.response_mask.sum(1).tolist()
     assert len(set(lens)) > 2 and min(lens) < 10, lens  # skewed lengths: rows finish early, the batch compacts
+    _check_hidden_and_logits(model, rec, ro)
+    decode = _decode_logprobs(model, rec, ro)
+    for how in TRAINER_PATHS:
+        _assert_equal_where(_trainer_logprobs(model, ro, how), decode, ro.response_mask, how)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_decode_equals_trainer_qwen2_shape(monkeypatch, precision):
+    """Qwen2's shape (biases on q, k and v; tied embedding and head; rope base 1e6) with the shared prefill:
+    the decode's hidden states, logits and log-probs equal every trainer path's."""
+    torch.set_num_threads(1)
+    model = _model(precision, qkv_bias=True, tie_embeddings=True, rope_theta=1e6)
+    with torch.no_grad():  # the biases start at 0: make them count
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(len(name))) * 0.5)
+    rec = Recorder(monkeypatch)
+    ids, mask = _prompts()
+    ro = rec.run(model, ids, mask, torch.arange(ids.shape[0]), share_prefill=True)
     _check_hidden_and_logits(model, rec, ro)
     decode = _decode_logprobs(model, rec, ro)
     for how in TRAINER_PATHS:
