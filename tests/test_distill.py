@@ -109,3 +109,46 @@ def test_bad_inputs():
         distill_divergence(h, w, ht, wt, kind="jsd", beta=1.0)
     with pytest.raises(ValueError, match="vocabulary rows"):
         distill_divergence(h, w, ht, wt[:40])
+
+
+def _check_topk(tp, group, rank, seed):
+    """teacher_topk and topk_cross_entropy against torch.topk / log_softmax on the full float64 logits."""
+    from parallel.distill_topk import teacher_topk, topk_cross_entropy
+
+    T, k, tau, tau_t = 9, 5, 0.9, 1.4
+    h, w, ht, wt, coef, mask = _inputs(T, seed)
+    width = VP // tp
+    rows = slice(rank * width, (rank + 1) * width)
+    zt = (ht @ wt[:V].T) / tau_t
+    top, ids_ref = zt.topk(k, dim=1)
+    probs_ref = torch.softmax(top, 1)
+    ph, pw, pht, pwt = _poison(h, w, ht, wt, torch.ones(T, dtype=torch.bool))
+    ids, probs = teacher_topk(pht, pwt[rows], k, group, vocab_size=V, temperature=tau_t, chunk_size=4)
+    assert torch.equal(ids, ids_ref)
+    torch.testing.assert_close(probs, probs_ref, atol=1e-12, rtol=1e-12)
+    hf, wf = h.clone().requires_grad_(True), w.clone().requires_grad_(True)
+    ref = -(probs_ref * torch.log_softmax((hf @ wf[:V].T) / tau, -1).gather(1, ids_ref)).sum(1) * mask
+    gh_ref, gw_ref = torch.autograd.grad((ref * coef).sum(), [hf, wf])
+    ph[~mask] = float("nan")
+    hl, wl = ph.clone().requires_grad_(True), pw[rows].clone().requires_grad_(True)
+    out = topk_cross_entropy(comm.copy_to_tp(hl, group), wl, ids, probs, group, vocab_size=V, temperature=tau,
+                             chunk_size=4, mask=mask)
+    gh, gw = torch.autograd.grad((out * coef).sum(), [hl, wl])
+    torch.testing.assert_close(out, ref.detach(), atol=1e-11, rtol=1e-10)
+    torch.testing.assert_close(gh, gh_ref, atol=1e-11, rtol=1e-10)
+    torch.testing.assert_close(gw, gw_ref[rows], atol=1e-11, rtol=1e-10)
+    return True
+
+
+def _topk_worker(tp, seed):
+    import torch.distributed as dist
+
+    return _check_topk(tp, dist.group.WORLD, dist.get_rank(), seed)
+
+
+def test_topk_tp1():
+    assert _check_topk(1, None, 0, 2)
+
+
+def test_topk_tp2(dist_pools):
+    assert dist_pools.run(2, _topk_worker, 2, 4) == [True, True]
