@@ -41,6 +41,8 @@ from core.tokenizer import TOKENIZER_FILES, load_tokenizer
 from parallel.dims import launch_world_size, resolve_device
 from parallel.fsdp import FSDPOptions, freeze, parallelize
 from rl.config import RLConfig
+from rl.distill.config import enabled
+from rl.distill.teacher import teacher_model_config
 from rl.experience.prompts import PromptSampler, data_hashes, load_prompt_data
 from rl.experience.rewards import build_reward
 from rl.experience.rollout import DataPrompts, TaskPrompts
@@ -101,7 +103,8 @@ def prompt_sources(cfg: RLConfig, tokenizer, task, data=None, max_seq_len: int |
     return DataPrompts(train_set, sampler), evals
 
 
-def assemble(cfg: RLConfig, state, model_cfg, tokenizer, policy, ref, critic=None, data=None) -> RLTrainer:
+def assemble(cfg: RLConfig, state, model_cfg, tokenizer, policy, ref, critic=None, data=None,
+             teacher=None) -> RLTrainer:
     """Shard the (plain, TP-local) policy, reference and critic over DP as configured, build their
     optimizers, the reward, the prompt sources and the trainer. Used by `build` and by tests with
     seeded models."""
@@ -118,6 +121,12 @@ def assemble(cfg: RLConfig, state, model_cfg, tokenizer, policy, ref, critic=Non
     ref = parallelize(freeze(ref), state.dp_mesh, FSDPOptions(fsdp=p.fsdp, mixed_precision=mp,
                                                                cpu_offload=cfg.reference.cpu_offload))
     ref.set_mixed_precision(mp)
+    if teacher is not None:  # frozen and sharded like the reference (rl/distill/teacher.py)
+        if cfg.teacher.dtype == "bf16":
+            teacher = teacher.cast_weights(torch.bfloat16)
+        teacher = parallelize(freeze(teacher), state.dp_mesh, FSDPOptions(fsdp=p.fsdp, mixed_precision=mp,
+                                                                           cpu_offload=cfg.teacher.cpu_offload))
+        teacher.set_mixed_precision(mp)
     opt = build_optimizer(policy, cfg.optim, model_cfg, total, state.tp_group, state.dp_group)
     critic_opt = None
     if critic is not None:
@@ -128,7 +137,7 @@ def assemble(cfg: RLConfig, state, model_cfg, tokenizer, policy, ref, critic=Non
     task, reward_fn, reward_norm = build_reward(cfg.reward)
     source, evals = prompt_sources(cfg, tokenizer, task, data, model_cfg.max_seq_len)
     return RLTrainer(cfg, state, policy, ref, opt, tokenizer, source, reward_fn, reward_norm, critic, critic_opt,
-                     eval_prompts=evals)
+                     eval_prompts=evals, teacher=teacher)
 
 
 def build(cfg: RLConfig, stop_request: StopRequest | None = None) -> tuple[RLTrainer, Run, object]:
@@ -154,7 +163,11 @@ def build(cfg: RLConfig, stop_request: StopRequest | None = None) -> tuple[RLTra
     critic = None
     if cfg.algo.name == "ppo":
         critic = _load(Critic, model_cfg, start, what="critic", **load)
-    return assemble(cfg, state, model_cfg, tokenizer, policy, ref, critic, data), run, tokenizer
+    teacher = None
+    if enabled(cfg.distill, cfg.algo.name):  # may differ in size, not in tokenizer or vocabulary
+        t_cfg = teacher_model_config(start, cfg.teacher.checkpoint, fp)
+        teacher = _load(Transformer, t_cfg, cfg.teacher.checkpoint, what="teacher", **load)
+    return assemble(cfg, state, model_cfg, tokenizer, policy, ref, critic, data, teacher), run, tokenizer
 
 
 def _modules(trainer: RLTrainer) -> dict:

@@ -24,6 +24,7 @@ import torch
 from core.runtime.metrics import PhaseTimer, reset_peak_memory
 from core.runtime.monitor import Monitor
 from rl.config import RLConfig
+from rl.distill.metrics import distill_metrics
 from rl.experience.rollout import collect_rollout, evaluate
 from rl.models.reference import ReferenceSync
 from rl.objectives.controller import EntropyController, KLController
@@ -48,11 +49,12 @@ class RLTrainer:
     """
 
     def __init__(self, cfg: RLConfig, state, policy, reference, optimizer, tokenizer, task, reward_fn,
-                 reward_norm, critic=None, critic_optimizer=None, eval_prompts=None):
+                 reward_norm, critic=None, critic_optimizer=None, eval_prompts=None, teacher=None):
         """`task`: a prompt source (rl.experience.rollout.TaskPrompts / DataPrompts) or a built-in task; `eval_prompts`:
         the held-out [(ids, meta)] scored every `rollout.eval_every` steps (None: no eval)."""
         self.cfg, self.state = cfg, state
         self.policy, self.ref, self.opt = policy, reference, optimizer
+        self.teacher = teacher  # on-policy distillation's frozen teacher (rl/distill), or None
         self.critic, self.critic_opt = critic, critic_optimizer
         self.tok, self.task, self.reward_fn, self.reward_norm = tokenizer, task, reward_fn, reward_norm
         self.controller = KLController(cfg.kl_ctl)
@@ -81,7 +83,7 @@ class RLTrainer:
         self.experience = ExperienceMaker(cfg, policy=policy, reference=reference, critic=critic,
                                           reward_norm=reward_norm, controller=self.controller, heads=self.heads,
                                           layout_cost=self.layout_cost, timer=self.timer, dp_group=self.dp_group,
-                                          device=state.device)
+                                          device=state.device, teacher=teacher)
         self.updater = PolicyUpdate(cfg, policy=policy, optimizer=optimizer, critic=critic,
                                     critic_optimizer=critic_optimizer, controller=self.controller,
                                     ent_ctl=self.ent_ctl, heads=self.heads, layout_cost=self.layout_cost,
@@ -138,6 +140,8 @@ class RLTrainer:
         synced = self.ref_sync.maybe_sync(step, kl_mean, self.policy, self.ref, self.opt)
         rec = self.recorder.record(step, data, upd, t0=t0, kl_mean=kl_mean, beta=beta, new_beta=new_beta,
                                    ent_coef=ent_coef, grads=grads, synced=synced, evals=evals)
+        if data.teacher_logp is not None:
+            rec.update(distill_metrics(cfg, data, upd, step, self.dp_group))
         self.ent_ctl.update(rec["entropy"])
         if self.monitor is not None:
             self.monitor.log(rec, step)

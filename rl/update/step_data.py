@@ -24,6 +24,7 @@ import torch
 
 from core.runtime.metrics import PhaseTimer
 from rl.config import RLConfig
+from rl.distill.step import distill_advantages, teacher_pass
 from rl.experience.rollout import Rollout
 from rl.objectives.advantages import broadcast_to_tokens, gae, grpo_advantages, kl_shaped_rewards, whiten
 from rl.objectives.controller import KLController
@@ -59,6 +60,12 @@ class StepData:
     # exact KL(rollout || train) per token: the old pass's, the deferred rows' from the update's first forward
     rollout_kl: torch.Tensor | None = None
     kl_exact_metric: torch.Tensor | None = None  # exact KL(pi||ref) when `kl` is a sampled estimate off mu
+    # distillation (rl/distill): the teacher's hidden states [B, N, H_t] and head weight [Vp/tp, H_t]; its
+    # top-k (ids, probs) [B, N, k] for distill.loss=topk_forward_kl; log t(sampled token) [B, N]
+    teacher_hidden: torch.Tensor | None = None
+    teacher_weight: torch.Tensor | None = None
+    teacher_topk: tuple | None = None
+    teacher_logp: torch.Tensor | None = None
 
     @property
     def kl_for_control(self) -> torch.Tensor:
@@ -77,8 +84,9 @@ class ExperienceMaker:
     """Steps 2-5 for one run: the models and controllers they read, passed in."""
 
     def __init__(self, cfg: RLConfig, *, policy, reference, critic, reward_norm, controller: KLController,
-                 heads: PolicyHeads, layout_cost: LayoutCost, timer: PhaseTimer, dp_group, device):
+                 heads: PolicyHeads, layout_cost: LayoutCost, timer: PhaseTimer, dp_group, device, teacher=None):
         self.cfg, self.policy, self.ref, self.critic = cfg, policy, reference, critic
+        self.teacher = teacher  # the distillation teacher (rl/distill), or None
         self.reward_norm, self.controller, self.heads = reward_norm, controller, heads
         self.layout_cost, self.timer, self.dp_group, self.device = layout_cost, timer, dp_group, device
 
@@ -112,7 +120,12 @@ class ExperienceMaker:
                         rollout_logprobs=opt(ro.rollout_logprobs),
                         rollout_sampled_logprobs=opt(ro.rollout_sampled_logprobs), rollout_kl=rollout_kl,
                         kl_exact_metric=sanitize(old.kl.float(), mask) if kl_dir and not exact else None)
-        if cfg.algo.name == "grpo":
+        if self.teacher is not None:
+            with self.timer("teacher"):
+                teacher_pass(data, self.teacher, cfg, self.heads, shared)
+        if cfg.algo.name == "distill":  # no reward: the distillation term, or the sampled estimator's advantage
+            data.advantages = distill_advantages(data, cfg.distill, step)
+        elif cfg.algo.name == "grpo":
             if cfg.kl.where == "reward":  # the response's summed KL penalty enters its reward
                 scores = scores - self.controller.beta * kl.sum(1)
             adv = grpo_advantages(scores, cfg.rollout.group_size, cfg.algo.adv_std_norm)
@@ -129,6 +142,8 @@ class ExperienceMaker:
             if cfg.algo.whiten_advantages:
                 adv = whiten(adv, mask, self.dp_group)
             data.advantages, data.returns, data.old_values = adv, ret, values
+        if cfg.algo.name != "distill" and data.teacher_hidden is not None:  # RL + the sampled baseline's term
+            data.advantages = data.advantages + distill_advantages(data, cfg.distill, step)
         return data
 
     def _deferred_rows(self, ro: Rollout, step: int) -> torch.Tensor | None:
@@ -140,6 +155,8 @@ class ExperienceMaker:
                 c.kl.gradient == "sequence":  # its future-KL returns read every row's KL before the update
             return None
         if truncates(c) and not c.kl.exact:  # the exact KL the controller reads comes from the old pass
+            return None
+        if self.teacher is not None and c.distill.loss == "sampled_reverse_kl":  # its advantages read old log-probs
             return None
         return mini_batches(c, ro.row_ids.cpu(), step, 0, self.device)[0]
 

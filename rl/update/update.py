@@ -18,6 +18,7 @@ import torch
 
 from parallel.fsdp import set_gradient_sync, sync_replicated_grads
 from rl.config import RLConfig
+from rl.distill.term import DistillTap, needs_tap
 from rl.experience.rollout import Rollout
 from rl.objectives.controller import EntropyController, KLController
 from rl.objectives.kl import HEAD_DIRECTION, kl_from_config
@@ -63,6 +64,7 @@ class PolicyUpdate:
         """The update (module docstring). Returns the statistics reduced over micro-batches and DP ranks
         (rl/update/update_stats.py), with the optimizer's."""
         cfg = self.cfg
+        self.distill_coef = cfg.distill.coef_at(step)  # the distillation term's weight this step (rl/distill)
         acc, opt_stats, stop_early = UpdateStats(), [], False
         for epoch in range(cfg.algo.epochs):
             for mb, rows in enumerate(mini_batches(cfg, data.ro.row_ids.cpu(), step, epoch, self.device)):
@@ -111,18 +113,37 @@ class PolicyUpdate:
         if fill and data.rollout_kl is not None and data.ro.rollout_hidden is not None:  # the deferred rows' mismatch
             kw["rollout_hidden"] = tok(data.ro.rollout_hidden)
         weights = tok(token_weights(data.mask, cfg.loss.agg, scale, cfg.loss.norm_len))  # per row: split-invariant
+        tap = self._distill_tap(data, tok, weights)
+        if tap is not None:  # the distillation term on the same forward's hidden states
+            kw["tap"] = tap
         fn = TokenPolicyLoss(cfg.loss, weights, mask, tok(data.old_logp), tok(data.advantages), kl_cfg=cfg.kl,
                              beta=self.controller.beta, ref_logp=tok(data.ref_logp), on_policy=on_policy,
                              entropy_coef=self.ent_ctl.coef, kl_future=self._kl_future(data, tok))
         loss, cur = self._policy_loss(data.ro, mb, mask, fn, kw)
+        if tap is not None:
+            loss = loss + tap.loss
         loss.backward()
         stats = fn.stats()
+        if tap is not None:
+            stats["distill_loss"] = tap.value
         stats["drift"] = _max_abs(cur.logprobs.detach() - tok(data.old_logp), mask) if on_policy and not fill else 0.0
         if fill:
             fill_deferred(data, mb, cur, mask, cfg.kl.exact)
         if self.critic is not None:
             self._critic_backward(data, mb, scale, last)
         return stats
+
+    def _distill_tap(self, data: StepData, tok, weights) -> DistillTap | None:
+        """This micro-batch's distillation term (rl/distill/term.py), or None (no teacher, the sampled
+        baseline, whose term is in the advantages, or a weight of 0 this step)."""
+        c = self.cfg
+        if data.teacher_hidden is None or not needs_tap(c.distill) or getattr(self, "distill_coef", 0.0) == 0.0:
+            return None
+        topk = None if data.teacher_topk is None else tuple(tok(x) for x in data.teacher_topk)
+        return DistillTap(c.distill, teacher_hidden=tok(data.teacher_hidden), teacher_weight=data.teacher_weight,
+                          topk=topk, weights=weights, coef=self.distill_coef, tp_group=self.heads.tp_group,
+                          vocab_size=self.heads.vocab_size, temperature=self.heads.temperature,
+                          teacher_temperature=c.teacher.temperature, chunk_size=self.heads.chunk_size)
 
     def _kl_future(self, data: StepData, tok):
         """kl.gradient=sequence in the loss: each token's future KL (rl/objectives/kl_place.py), this micro-batch's

@@ -1,0 +1,49 @@
+"""The distillation term of one micro-batch, computed inside the policy's head call from the same
+hidden states the policy loss reads (so the model runs once): `DistillTap` is handed to the fused
+heads as `tap=` (rl/update/logprobs.py) and called with the response hidden states [M, H_s] (already
+copied to tp), the local head weight and the flat token mask; it keeps
+
+    loss = coef * sum_t weights_t * D_t,
+
+D_t the per-token divergence to the teacher (parallel/distill_head.py: exact over the full vocabulary;
+or parallel/distill_topk.py's top-k cross-entropy), weights_t the policy loss's token weights (the
+aggregation of `loss.agg`, so the term is normalised like the policy loss and the same for any
+micro-batch or DP split). The update adds `loss` to the policy loss before the backward.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from parallel.distill_head import distill_divergence
+from parallel.distill_topk import topk_cross_entropy
+from rl.distill.config import FULL_VOCAB, DistillConfig
+
+
+class DistillTap:
+    def __init__(self, cfg: DistillConfig, *, teacher_hidden, teacher_weight, topk, weights, coef: float,
+                 tp_group, vocab_size: int, temperature: float, teacher_temperature: float, chunk_size):
+        self.cfg, self.th, self.tw, self.topk = cfg, teacher_hidden, teacher_weight, topk
+        self.weights, self.coef = weights, coef
+        self.kw = dict(vocab_size=vocab_size, temperature=temperature, chunk_size=chunk_size)
+        self.tp_group, self.t_temp = tp_group, teacher_temperature
+        self.loss: torch.Tensor | None = None
+        self.value = 0.0  # sum_t weights_t * D_t, detached: the metric
+
+    def __call__(self, h: torch.Tensor, w: torch.Tensor, mask: torch.Tensor | None) -> None:
+        M = h.shape[0]
+        if self.cfg.loss in FULL_VOCAB:
+            d = distill_divergence(h, w, self.th.reshape(M, -1), self.tw, self.tp_group, kind=self.cfg.loss,
+                                   beta=self.cfg.beta, teacher_temperature=self.t_temp, mask=mask, **self.kw)
+        else:  # topk_forward_kl: the teacher's top-k, taken before the update
+            ids, probs = self.topk
+            d = topk_cross_entropy(h, w, ids.reshape(M, -1), probs.reshape(M, -1), self.tp_group, mask=mask,
+                                   **self.kw)
+        wd = (self.weights.reshape(M).to(d.dtype) * d).sum()
+        self.value = float(wd.detach())
+        self.loss = self.coef * wd
+
+
+def needs_tap(cfg: DistillConfig) -> bool:
+    """Does the loss read the teacher's head inside the update (every loss but the sampled estimator)?"""
+    return cfg.loss != "sampled_reverse_kl"
