@@ -90,14 +90,14 @@ def distill_divergence(hidden: torch.Tensor, weight_local: torch.Tensor, teacher
     return out.reshape(lead)
 
 
-def _local_lse(z: torch.Tensor) -> torch.Tensor:
+def local_lse(z: torch.Tensor) -> torch.Tensor:
     """log-sum-exp over this shard's columns [c]; -inf for a shard holding only padding."""
     if z.shape[1] == 0:
         return z.new_full((z.shape[0],), float("-inf"))
     return torch.logsumexp(z, 1)
 
 
-def _global_lse(lse: torch.Tensor, group) -> torch.Tensor:
+def global_lse(lse: torch.Tensor, group) -> torch.Tensor:
     """[T, k] per-rank log-sum-exps -> the global ones (max, then a sum of rescaled exps)."""
     if group_size(group) == 1:
         return lse
@@ -125,9 +125,9 @@ class _FusedJSD(torch.autograd.Function):
         lse = hidden.new_empty((T, 2), dtype=sh.dtype)
         for s, e in chunks(T, chunk):  # pass 1: each side's normaliser
             kc = part(keep, s, e)
-            lse[s:e, 0] = _local_lse(mm_s(hidden[s:e], kc))
-            lse[s:e, 1] = _local_lse(mm_t(t_hidden[s:e], kc))
-        lse = _global_lse(lse, sh.group)
+            lse[s:e, 0] = local_lse(mm_s(hidden[s:e], kc))
+            lse[s:e, 1] = local_lse(mm_t(t_hidden[s:e], kc))
+        lse = global_lse(lse, sh.group)
         log_b, log_1b = math.log(beta), math.log1p(-beta)
         sums = hidden.new_zeros((T, 2), dtype=sh.dtype)
         if sh.nv > 0:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from parallel.comm import all_gather_along, all_reduce
-from parallel.distill_head import _global_lse, _local_lse
+from parallel.distill_head import global_lse, local_lse
 from parallel.fused import HeadMatmul, part
 from parallel.vocab_stats import check_mask, chunks, masked, resolve_chunk_size, vocab_shard
 
@@ -79,11 +79,11 @@ class _TopkCE(torch.autograd.Function):
         p = probs.to(sh.dtype)
         for s, e in chunks(T, chunk):
             z = mm(hidden[s:e], part(keep, s, e))
-            lse[s:e, 0] = _local_lse(z)
+            lse[s:e, 0] = local_lse(z)
             if sh.nv > 0:
                 zk = z.gather(1, local[s:e])
                 picked[s:e] = torch.where(held[s:e], zk * p[s:e], zk.new_zeros(())).sum(1)
-        lse = _global_lse(lse, sh.group)[:, 0]
+        lse = global_lse(lse, sh.group)[:, 0]
         picked = all_reduce(picked, "sum", sh.group)
         ctx.sh, ctx.chunk = sh, chunk
         ctx.save_for_backward(hidden, weight, local, held, p, keep, lse)

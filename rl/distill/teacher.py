@@ -1,6 +1,7 @@
 """The frozen teacher: checked against the student's checkpoint, loaded and sharded like the reference
 (TP, FSDP2 over the DP mesh, optional CPU offload, bf16 weights with the fp32 divergence path), and its
-final hidden states at the response positions computed once per step on the sampled sequences.
+final hidden states at the response positions computed once per step on the sampled sequences
+(rl/update/distill_step.py).
 
 The teacher may differ from the student in size (hidden width, layers, heads): only its head's
 vocabulary must match, row for row, so both checkpoints must carry the same tokenizer fingerprint
@@ -9,11 +10,8 @@ and the same vocabulary size. A mismatch is one ConfigError naming both checkpoi
 
 from __future__ import annotations
 
-import torch
-
 import core.ckpt as ckpt
 from core.config import ConfigError, ModelConfig, from_dict
-from rl.update.logprobs import reference_hidden
 
 
 def teacher_model_config(student_ckpt: str, teacher_ckpt: str, tokenizer_fp: str | None = None) -> ModelConfig:
@@ -42,10 +40,3 @@ def check_compatible(student: dict, teacher: dict, student_path: str, teacher_pa
     if sv != tv:
         raise ConfigError(f"teacher.checkpoint: vocabulary mismatch: the teacher {teacher_path} has vocab_size="
                           f"{tv}, the student {student_path} vocab_size={sv}")
-
-
-@torch.no_grad()
-def teacher_hidden(teacher, ro, packed=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The teacher's final hidden states at the response positions [B, N, H_t] and its local head weight
-    [Vp/tp, H_t] (copied out of FSDP's gather): the reference's pass, on the teacher."""
-    return reference_hidden(teacher, ro.sequences, ro.attention_mask, ro.prompt_len, packed=packed)

@@ -24,11 +24,11 @@ import torch
 
 from core.runtime.metrics import PhaseTimer
 from rl.config import RLConfig
-from rl.distill.step import distill_advantages, teacher_pass
 from rl.experience.rollout import Rollout
 from rl.objectives.advantages import broadcast_to_tokens, gae, grpo_advantages, kl_shaped_rewards, whiten
 from rl.objectives.controller import KLController
 from rl.objectives.kl import HEAD_DIRECTION, kl_from_config, sanitize
+from rl.update.distill_step import distill_advantages, teacher_pass
 from rl.update.logprobs import PolicyHeads, TokenStats, critic_values, logprobs_from_hidden, reference_hidden
 from rl.update.micro_batches import MicroBatch
 from rl.update.mini_batches import mini_batches

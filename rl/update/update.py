@@ -18,12 +18,12 @@ import torch
 
 from parallel.fsdp import set_gradient_sync, sync_replicated_grads
 from rl.config import RLConfig
-from rl.distill.term import DistillTap, needs_tap
 from rl.experience.rollout import Rollout
 from rl.objectives.controller import EntropyController, KLController
 from rl.objectives.kl import HEAD_DIRECTION, kl_from_config
 from rl.objectives.kl_place import future_kl
 from rl.objectives.losses import TokenPolicyLoss, aggregate, clipped_value_loss, loss_scale, token_weights
+from rl.update.distill_term import DistillTap, needs_tap
 from rl.update.logprobs import PolicyHeads, critic_values, packed_fused_loss, packed_token_stats
 from rl.update.micro_batches import MicroBatch, by_row_count, by_token_budget
 from rl.update.mini_batches import mini_batches

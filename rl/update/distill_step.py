@@ -15,16 +15,16 @@ from __future__ import annotations
 import torch
 
 from parallel.distill_topk import teacher_topk
-from rl.distill.teacher import teacher_hidden
 from rl.objectives.kl import sanitize
-from rl.update.logprobs import logprobs_from_hidden
+from rl.update.logprobs import logprobs_from_hidden, reference_hidden
 
 
 @torch.no_grad()
 def teacher_pass(data, teacher, cfg, heads, shared=None) -> None:
     """Fill data.teacher_hidden / teacher_weight / teacher_logp (and teacher_topk) for this step's rows."""
     ro, mask, d = data.ro, data.mask, cfg.distill
-    th, tw = teacher_hidden(teacher, ro, packed=shared)
+    # the reference's pass, on the teacher: [B, N, H_t] and its local head weight [Vp/tp, H_t]
+    th, tw = reference_hidden(teacher, ro.sequences, ro.attention_mask, ro.prompt_len, packed=shared)
     data.teacher_hidden, data.teacher_weight = th, tw
     kw = dict(tp_group=heads.tp_group, vocab_size=heads.vocab_size, chunk_size=heads.chunk_size)
     data.teacher_logp = sanitize(logprobs_from_hidden(th, tw, ro.responses_ids, temperature=cfg.teacher.temperature,
