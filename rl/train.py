@@ -50,7 +50,7 @@ from rl.health.guards import CollapseGuard, Preempted
 from rl.models.critic import Critic
 from rl.preflight import check_memory, check_rl_config, dry_run
 from rl.trainer import RLTrainer
-from rl.warmstart import ensure_start_checkpoint
+from rl.warmstart import ensure_start_checkpoint, ensure_teacher_checkpoint
 
 
 def _load(module_cls, model_cfg, path, state, kv_group, device, tokenizer_fp, what, verify=True, **kw):
@@ -153,6 +153,8 @@ def build(cfg: RLConfig, stop_request: StopRequest | None = None) -> tuple[RLTra
             raise ConfigError("data: prompts from a data set need init.checkpoint (a converted checkpoint); the "
                               "supervised warm start only knows the built-in tasks")
     start = ensure_start_checkpoint(cfg, tokenizer, resolve_device(cfg.train.device), stop_request)
+    if enabled(cfg.distill, cfg.algo.name):
+        ensure_teacher_checkpoint(cfg, tokenizer, resolve_device(cfg.train.device), stop_request)
     model_cfg = from_dict(ModelConfig, ckpt.read_manifest(start)["model_config"])
     check_memory(cfg, model_cfg, launch_world_size(), resolve_device(cfg.train.device))
     run = start_run(cfg, dims, model_cfg)

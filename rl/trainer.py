@@ -115,9 +115,14 @@ class RLTrainer:
         if not self.eval_prompts or not due:
             return {}
         with self.timer("eval"):
-            return evaluate(self.policy, self.tok, self.eval_prompts, self.reward_fn, ro, seed=self.cfg.train.seed,
-                            step=step, dp_rank=st.dp_rank, dp_size=st.dims.dp, tp_group=self.tp_group,
-                            dp_group=self.dp_group, device=st.device, world_group=self.world_group)
+            run = lambda model: evaluate(model, self.tok, self.eval_prompts, self.reward_fn, ro,  # noqa: E731
+                                         seed=self.cfg.train.seed, step=step, dp_rank=st.dp_rank, dp_size=st.dims.dp,
+                                         tp_group=self.tp_group, dp_group=self.dp_group, device=st.device,
+                                         world_group=self.world_group)
+            out = run(self.policy)
+            if self.teacher is not None and step == 0:  # what the student is distilled toward, once
+                out["teacher_eval_pass1"] = run(self.teacher)["eval_pass1"]
+            return out
 
     def step(self, step: int) -> dict:
         """Step `step`: the due eval, experience, the update, KL control and reference sync; returns its

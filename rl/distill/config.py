@@ -8,7 +8,10 @@ KL stays as configured (`kl_ctl.beta`), so "distillation with the reference KL a
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
+
+from core.config import ModelConfig
 
 LOSSES = ("reverse_kl", "forward_kl", "jsd", "sampled_reverse_kl", "topk_forward_kl")
 FULL_VOCAB = ("reverse_kl", "forward_kl", "jsd")  # exact, from the fused heads (parallel/distill_head.py)
@@ -20,6 +23,14 @@ class TeacherConfig:
     cpu_offload: bool = False  # FSDP2 CPU offload of the frozen teacher, as reference.cpu_offload
     dtype: str = "fp32"  # "bf16": weights stored and computed in bf16; the divergence stays fp32 (fused heads)
     temperature: float = 1.0  # the teacher's logits / this; the student's are at rollout.temperature
+    # a teacher built by the supervised warm start (rl/warmstart.py) on the task's examples when `checkpoint`
+    # is absent: checkpoint defaults to {sft_dir}/model, trained with this architecture (`model`, else the
+    # run's `model` section), steps, learning rate and share of wrong answers (0: clean demonstrations)
+    sft_dir: str | None = None
+    model: ModelConfig | None = None
+    sft_steps: int = 300
+    sft_lr: float = 2.0e-3
+    sft_answer_noise: float = 0.0
 
     def __post_init__(self):
         if self.dtype not in ("fp32", "bf16"):
@@ -67,12 +78,14 @@ class DistillConfig:
 
 def resolve(distill: DistillConfig, teacher: TeacherConfig, algo_name: str) -> None:
     """Fill distill.coef's default and refuse a distillation without a teacher (one error naming the keys)."""
+    if teacher.checkpoint is None and teacher.sft_dir is not None:
+        teacher.checkpoint = os.path.join(teacher.sft_dir, "model")
     if distill.coef is None:
         distill.coef = 1.0 if algo_name == "distill" else 0.0
     on = algo_name == "distill" or distill.coef > 0 or (distill.coef_end or 0) > 0
     if on and teacher.checkpoint is None:
         raise ValueError(f"algo.name={algo_name!r} with distill.coef={distill.coef} needs teacher.checkpoint "
-                         f"(the frozen teacher's model checkpoint)")
+                         f"(the frozen teacher's model checkpoint) or teacher.sft_dir (one built by the warm start)")
     if algo_name == "distill" and distill.loss != "sampled_reverse_kl" and distill.coef == 0 and not distill.coef_end:
         raise ValueError("algo.name='distill' with distill.coef=0 trains on nothing: set distill.coef > 0")
 
