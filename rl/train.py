@@ -41,7 +41,7 @@ from core.tokenizer import TOKENIZER_FILES, load_tokenizer
 from parallel.dims import launch_world_size, resolve_device
 from parallel.fsdp import FSDPOptions, freeze, parallelize
 from rl.config import RLConfig
-from rl.distill.config import enabled
+from rl.distill.config import enabled, teacher_is_reference
 from rl.distill.teacher import teacher_model_config
 from rl.experience.prompts import PromptSampler, data_hashes, load_prompt_data
 from rl.experience.rewards import build_reward
@@ -116,17 +116,22 @@ def assemble(cfg: RLConfig, state, model_cfg, tokenizer, policy, ref, critic=Non
     policy = parallelize(policy, state.dp_mesh, opts).set_mixed_precision(mp)
     if cfg.train.compile:
         policy.compile_blocks()
-    if cfg.reference.dtype == "bf16":  # bf16 weights, half the memory; its KL path stays fp32 (fused heads)
-        ref = ref.cast_weights(torch.bfloat16)
-    ref = parallelize(freeze(ref), state.dp_mesh, FSDPOptions(fsdp=p.fsdp, mixed_precision=mp,
-                                                               cpu_offload=cfg.reference.cpu_offload))
-    ref.set_mixed_precision(mp)
+    if ref is not None:
+        if cfg.reference.dtype == "bf16":  # bf16 weights, half the memory; its KL path stays fp32 (fused heads)
+            ref = ref.cast_weights(torch.bfloat16)
+        ref = parallelize(freeze(ref), state.dp_mesh, FSDPOptions(fsdp=p.fsdp, mixed_precision=mp,
+                                                                   cpu_offload=cfg.reference.cpu_offload))
+        ref.set_mixed_precision(mp)
     if teacher is not None:  # frozen and sharded like the reference (rl/distill/teacher.py)
         if cfg.teacher.dtype == "bf16":
             teacher = teacher.cast_weights(torch.bfloat16)
         teacher = parallelize(freeze(teacher), state.dp_mesh, FSDPOptions(fsdp=p.fsdp, mixed_precision=mp,
                                                                            cpu_offload=cfg.teacher.cpu_offload))
         teacher.set_mixed_precision(mp)
+    if ref is None:
+        if teacher is None or not teacher_is_reference(cfg):
+            raise ValueError("no reference model: only pure distillation without a reference KL runs without one")
+        ref = teacher
     opt = build_optimizer(policy, cfg.optim, model_cfg, total, state.tp_group, state.dp_group)
     critic_opt = None
     if critic is not None:
@@ -161,7 +166,9 @@ def build(cfg: RLConfig, stop_request: StopRequest | None = None) -> tuple[RLTra
     state, kv_group, device, fp = run.state, run.kv_group, run.device, tokenizer.fingerprint
     load = dict(state=state, kv_group=kv_group, device=device, tokenizer_fp=fp, verify=cfg.train.verify_checkpoints)
     policy = _load(Transformer, model_cfg, start, what="policy", **load)
-    ref = _load(Transformer, model_cfg, cfg.reference.checkpoint or start, what="reference", **load)
+    ref = None  # pure distillation without a reference KL: the teacher stands in (teacher_is_reference)
+    if not teacher_is_reference(cfg):
+        ref = _load(Transformer, model_cfg, cfg.reference.checkpoint or start, what="reference", **load)
     critic = None
     if cfg.algo.name == "ppo":
         critic = _load(Critic, model_cfg, start, what="critic", **load)

@@ -37,11 +37,11 @@ def _trainer(overrides):
     return assemble(cfg, state, sc, load_tokenizer(None), policy, ref, teacher=teacher)
 
 
-def _full_logprobs(model, ro, vocab):
+def _full_logprobs(model, ro, vocab, temperature=1.0):
     """log-softmax over the tokenizer's ids at the response positions [B, N, V], float64, full logits."""
     with torch.no_grad():
         logits = model(ro.sequences, attention_mask=ro.attention_mask)[:, ro.prompt_len - 1:-1, :vocab]
-    return torch.log_softmax(logits.double(), -1)
+    return torch.log_softmax(logits.double() / temperature, -1)
 
 
 def _divergence(ls, lt, kind, beta=0.5):
@@ -54,18 +54,24 @@ def _divergence(ls, lt, kind, beta=0.5):
     return beta * (P * (lt - M)).sum(-1) + (1 - beta) * (S * (ls - M)).sum(-1)
 
 
-@pytest.mark.parametrize("loss", ["reverse_kl", "jsd"])
-def test_distill_loss_equals_full_logits(loss):
-    t = _trainer(["algo.name=distill", f"distill.loss={loss}", "distill.beta=0.3"])
+@pytest.mark.parametrize("loss,extra", [("reverse_kl", []), ("jsd", []), ("forward_kl", ["teacher.temperature=2.0"]),
+                                        ("reverse_kl", ["kl.exact=true", "kl_ctl.beta=0.1"])])
+def test_distill_loss_equals_full_logits(loss, extra):
+    """reverse_kl / forward_kl inside the policy's head (the teacher in its KL slot); jsd, and any term beside an
+    exact reference KL, as a second head call on the same hidden states."""
+    t = _trainer(["algo.name=distill", f"distill.loss={loss}", "distill.beta=0.3"] + extra)
+    tau_t = t.cfg.teacher.temperature
     data = t.make_experience(0)
     ls = _full_logprobs(t.policy, data.ro, t.vocab)
-    lt = _full_logprobs(t.teacher, data.ro, t.vocab)
+    lt = _full_logprobs(t.teacher, data.ro, t.vocab, tau_t)
     m = data.mask
     want = float(_divergence(ls, lt, loss, 0.3)[m].mean())  # token-mean: one mini-batch, the update's first forward
     upd = t.update(data, 0)
     assert upd["distill_loss"] == pytest.approx(want, rel=1e-6)  # the token weights are fp32
     assert want > 0
     assert float(data.advantages.abs().max()) == 0.0  # pure distillation: no reward reaches the loss
+    if "kl.exact=true" in extra:  # the reference keeps its KL slot: policy == reference at step 0, so its KL is 0
+        assert float(data.kl.abs().max()) < 1e-12 and abs(upd["kl_loss"]) < 1e-12
     tl = lt.gather(-1, data.ro.responses_ids[..., None])[..., 0]
     torch.testing.assert_close(data.teacher_logp, torch.where(m, tl, 0.0).float(), atol=1e-6, rtol=1e-6)
 

@@ -92,3 +92,12 @@ def resolve(distill: DistillConfig, teacher: TeacherConfig, algo_name: str) -> N
 
 def enabled(distill: DistillConfig, algo_name: str) -> bool:
     return algo_name == "distill" or bool(distill.coef) or bool(distill.coef_end)
+
+
+def teacher_is_reference(cfg) -> bool:
+    """Pure distillation without a reference KL (algo.name=distill, kl_ctl.mode=fixed with beta 0, no reference
+    sync): no reference model is loaded; the teacher stands in for it, so the step's `kl_*` metrics measure
+    the student's KL to the teacher and the memory is the policy's and one frozen model's, as in GRPO."""
+    r = cfg.reference
+    return (cfg.algo.name == "distill" and cfg.kl_ctl.mode == "fixed" and cfg.kl_ctl.beta == 0.0
+            and r.checkpoint is None and r.sync_every == 0 and r.sync_below is None)

@@ -20,11 +20,12 @@ from rl.update.logprobs import logprobs_from_hidden, reference_hidden
 
 
 @torch.no_grad()
-def teacher_pass(data, teacher, cfg, heads, shared=None) -> None:
-    """Fill data.teacher_hidden / teacher_weight / teacher_logp (and teacher_topk) for this step's rows."""
+def teacher_pass(data, teacher, cfg, heads, shared=None, computed=None) -> None:
+    """Fill data.teacher_hidden / teacher_weight / teacher_logp (and teacher_topk) for this step's rows.
+    `computed`: the teacher's (hidden, weight) already at hand (it is the reference: no second forward)."""
     ro, mask, d = data.ro, data.mask, cfg.distill
     # the reference's pass, on the teacher: [B, N, H_t] and its local head weight [Vp/tp, H_t]
-    th, tw = reference_hidden(teacher, ro.sequences, ro.attention_mask, ro.prompt_len, packed=shared)
+    th, tw = computed or reference_hidden(teacher, ro.sequences, ro.attention_mask, ro.prompt_len, packed=shared)
     data.teacher_hidden, data.teacher_weight = th, tw
     kw = dict(tp_group=heads.tp_group, vocab_size=heads.vocab_size, chunk_size=heads.chunk_size)
     data.teacher_logp = sanitize(logprobs_from_hidden(th, tw, ro.responses_ids, temperature=cfg.teacher.temperature,

@@ -122,7 +122,8 @@ class ExperienceMaker:
                         kl_exact_metric=sanitize(old.kl.float(), mask) if kl_dir and not exact else None)
         if self.teacher is not None:
             with self.timer("teacher"):
-                teacher_pass(data, self.teacher, cfg, self.heads, shared)
+                teacher_pass(data, self.teacher, cfg, self.heads, shared,
+                             (ref_h, ref_w) if self.teacher is self.ref else None)
         if cfg.algo.name == "distill":  # no reward: the distillation term, or the sampled estimator's advantage
             data.advantages = distill_advantages(data, cfg.distill, step)
         elif cfg.algo.name == "grpo":

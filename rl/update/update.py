@@ -113,14 +113,16 @@ class PolicyUpdate:
         if fill and data.rollout_kl is not None and data.ro.rollout_hidden is not None:  # the deferred rows' mismatch
             kw["rollout_hidden"] = tok(data.ro.rollout_hidden)
         weights = tok(token_weights(data.mask, cfg.loss.agg, scale, cfg.loss.norm_len))  # per row: split-invariant
-        tap = self._distill_tap(data, tok, weights)
-        if tap is not None:  # the distillation term on the same forward's hidden states
-            kw["tap"] = tap
         fn = TokenPolicyLoss(cfg.loss, weights, mask, tok(data.old_logp), tok(data.advantages), kl_cfg=cfg.kl,
                              beta=self.controller.beta, ref_logp=tok(data.ref_logp), on_policy=on_policy,
                              entropy_coef=self.ent_ctl.coef, kl_future=self._kl_future(data, tok))
-        loss, cur = self._policy_loss(data.ro, mb, mask, fn, kw)
-        if tap is not None:
+        tap, head_fn = self._distill_tap(data, tok, weights), fn
+        if tap is not None:  # the distillation term on the same forward's hidden states: inside the policy's
+            head_fn = tap.fuse_into(kw, fn, exact_kl_used=cfg.kl.exact)  # head when it can, else beside it
+            if head_fn is None:
+                head_fn, kw["tap"] = fn, tap
+        loss, cur = self._policy_loss(data.ro, mb, mask, head_fn, kw)
+        if tap is not None and tap.loss is not None:
             loss = loss + tap.loss
         loss.backward()
         stats = fn.stats()
