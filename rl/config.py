@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from core.config import ModelConfig, OptimConfig, ParallelConfig, TrainConfig
-from rl.distill.config import DistillConfig, TeacherConfig
+from rl.distill.config import DistillConfig, TeacherConfig, guards_off
 from rl.distill.config import resolve as resolve_distill
 from rl.experience.prompts import PromptDataConfig
 from rl.experience.rewards import RewardConfig
@@ -243,6 +243,7 @@ class RLConfig:
 
     def __post_init__(self):
         resolve_distill(self.distill, self.teacher, self.algo.name)
+        guards_off(self)  # pure distillation: the "reference" KL is the KL to the teacher, the objective
         if self.data is None and self.reward.task is None:
             raise ValueError("reward.task is null and there is no data section: set one of them (prompts come from "
                              "the built-in task or from data.train_file)")

@@ -101,3 +101,11 @@ def teacher_is_reference(cfg) -> bool:
     r = cfg.reference
     return (cfg.algo.name == "distill" and cfg.kl_ctl.mode == "fixed" and cfg.kl_ctl.beta == 0.0
             and r.checkpoint is None and r.sync_every == 0 and r.sync_below is None)
+
+
+def guards_off(cfg) -> None:
+    """With the teacher as the reference (teacher_is_reference) the KL guards would read the KL to the teacher,
+    which is the objective (large at the start, falling), not a drift: guard.kl_warn_per_token and
+    guard.kl_stop_per_token are switched off."""
+    if teacher_is_reference(cfg):
+        cfg.guard.kl_warn_per_token = cfg.guard.kl_stop_per_token = None
