@@ -13,26 +13,27 @@ from core.model import build_model
 from core.tokenizer import load_tokenizer
 from parallel.dims import ParallelDims, init_parallel, kv_replica_group
 from rl.config import RLConfig
+from rl.distill.config import teacher_is_reference
 from rl.distill.teacher import teacher_model_config
 
 STUDENT = dict(vocab_size=256, hidden_size=32, n_layers=2, n_heads=4, n_kv_heads=2, intermediate_size=64,
                max_seq_len=64)
-TEACHER = dict(STUDENT, hidden_size=48, n_layers=3, n_heads=6, n_kv_heads=3, intermediate_size=96)
+TEACHER = dict(STUDENT, hidden_size=48, n_layers=3, n_heads=6, n_kv_heads=2, intermediate_size=96)
 BASE = ["rollout.prompts_per_step=2", "rollout.group_size=2", "rollout.max_new_tokens=5", "train.steps=2",
         "reward.use_task_reward=false", "reward.fns=[tests.test_rl_trainer:digit_reward]", "optim.lr=1e-2",
         "optim.warmup_steps=0", "kl_ctl.beta=0.0", "train.progress=false", "rollout.eval_every=0",
         "teacher.checkpoint=unused-in-assemble"]
 
 
-def _trainer(overrides):
+def _trainer(overrides, tp=1, dp=1):
     from rl.train import assemble
 
     cfg = load_config(RLConfig, None, BASE + list(overrides))
     sc, tc = ModelConfig(**STUDENT), ModelConfig(**TEACHER)
-    state = init_parallel(ParallelDims(1, 1), "cpu", sc.n_heads, sc.n_kv_heads)
+    state = init_parallel(ParallelDims(dp, tp), "cpu", sc.n_heads, sc.n_kv_heads)
     kv = kv_replica_group(state, sc.n_kv_heads)
     policy = build_model(sc, state.tp_group, kv, seed=3, dtype=torch.float64)
-    ref = build_model(sc, state.tp_group, kv, seed=3, dtype=torch.float64)
+    ref = None if teacher_is_reference(cfg) else build_model(sc, state.tp_group, kv, seed=3, dtype=torch.float64)
     teacher = build_model(tc, state.tp_group, kv_replica_group(state, tc.n_kv_heads), seed=9, dtype=torch.float64)
     return assemble(cfg, state, sc, load_tokenizer(None), policy, ref, teacher=teacher)
 
@@ -123,3 +124,20 @@ def test_distill_config_refusals():
         load_config(RLConfig, None, ["distill.coef=0.1"])
     with pytest.raises(ValueError, match="distill.loss"):
         load_config(RLConfig, None, ["distill.loss=tvd"])
+
+
+def _distill_losses(tp, dp, overrides):
+    t = _trainer(overrides, tp, dp)
+    return [t.step(s)["distill_loss"] for s in range(2)]
+
+
+@pytest.mark.slow
+def test_layouts_match_single_process(dist_pools):
+    """The same run (seeded models, layout-invariant sampling) at tp 2 and dp 2: the distillation losses of two
+    steps as in one process; the teacher's width and head count differ from the student's."""
+    for ov in (["algo.name=distill"], ["algo.name=distill", "distill.loss=jsd"]):
+        want = _distill_losses(1, 1, ov)
+        for tp, dp in ((2, 1), (1, 2)):
+            got = dist_pools.run(2, _distill_losses, tp, dp, ov)
+            for g in got:
+                assert g == pytest.approx(want, rel=1e-9), (ov, tp, dp)
