@@ -31,6 +31,7 @@ from parallel import comm
 from parallel.fused import fused_head
 from parallel.fused_loss import fused_head_loss
 from parallel.vocab import vocab_parallel_entropy, vocab_parallel_kl, vocab_parallel_logprobs
+from tools.klcost.distill_methods import distill_outputs
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 METHODS = {  # name -> (method, mode)
@@ -132,8 +133,6 @@ def outputs(name, x: Inputs, group, chunk, backward):
     if name == "fused_k3_loss":
         return _fused_k3_loss(x, hp, group, chunk)
     if name in DISTILL:
-        from tools.klcost.distill_methods import distill_outputs  # it imports this module's helpers
-
         return distill_outputs(name, x, hp, group, chunk)
     outs = _plain_outputs(name, x, hp, group, chunk)
     return outs, linear_loss(outs, x.coef)
