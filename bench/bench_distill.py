@@ -2,7 +2,7 @@
 side in one process (tp = dp = 1, fp32, CPU): step time and the tracked peak memory of the step's work
 after the rollout (reference / teacher / old passes, advantages, the update).
 
-    python -m bench.bench_distill [--steps 3] [--json OUT]
+    python -m bench.bench_distill [--steps 5] [--json OUT]
 
 Rows (the policy, its batch and its seed identical in all):
   grpo_exact_kl      algo.name=grpo, the exact KL(pi || ref) in the loss (kl.exact=true), beta 0.02
@@ -12,11 +12,12 @@ Rows (the policy, its batch and its seed identical in all):
   grpo_distill_kl    GRPO + exact reference KL + distill.coef=1: both heads' terms
   distill_wide       distill with a teacher of 2x the hidden width and 2x the layers (its parameters add)
 
-Time: the median over `--steps` steps after one warm-up step of the whole step (`step_s`) and of the step
-without its rollout (`post_rollout_s`: the same sampling in every row). Memory: MemTracker's peak of everything it
-tracks (models, optimizer state, activations, temporaries) over the post-rollout work on one step's rollout,
-after the timed steps (AdamW's state exists): the larger of two tracked peaks, the experience passes' and
-the update's (with the step's data tensors registered, since they are alive during the update).
+Time: the median over `--steps` steps after one warm-up step (the rows' steps interleaved) of the whole step
+(`step_s`) and of the step without its rollout (`post_rollout_s`: the same sampling in every row).
+Memory: MemTracker's peak of everything it tracks (models, optimizer state, activations, temporaries) over
+the post-rollout work on one step's rollout, after the timed steps (AdamW's state exists): the larger of two
+tracked peaks, the experience passes' and the update's (with the step's data tensors registered, since they
+are alive during the update).
 """
 
 from __future__ import annotations
@@ -93,30 +94,40 @@ def post_rollout_peak(tr, step: int) -> int:
     return int(max(exp["Total"], upd["Total"]))
 
 
-def bench_row(name: str, steps: int, log=print) -> dict:
-    overrides, teacher_cfg = ROWS[name]
-    torch.manual_seed(0)
-    tr = build(overrides, teacher_cfg)
-    tr.step(0)
-    recs = [tr.step(s) for s in range(1, steps + 1)]
-    med = lambda f: statistics.median(f(r) for r in recs)  # noqa: E731
-    row = {"row": name, "step_s": med(lambda r: r["step_time_s"]),
-           "post_rollout_s": med(lambda r: r["step_time_s"] - r["time_rollout_s"]),
-           "response_tokens": med(lambda r: r["response_len"] * r["samples"]),
-           "peak_bytes": post_rollout_peak(tr, steps + 1)}
-    log(f"{name:16s} step {row['step_s']:.3f} s  post-rollout {row['post_rollout_s']:.3f} s  "
-        f"peak {row['peak_bytes'] / 2**20:.1f} MiB  tokens {row['response_tokens']:.0f}")
-    return row
+def bench_rows(names: list, steps: int, log=print) -> list[dict]:
+    """All rows' trainers built first, then their steps interleaved (step s of every row, then s + 1): on a
+    machine shared with other jobs the load falls on every row alike."""
+    trainers = {}
+    for name in names:
+        overrides, teacher_cfg = ROWS[name]
+        torch.manual_seed(0)
+        trainers[name] = build(overrides, teacher_cfg)
+        trainers[name].step(0)  # warm-up
+    recs = {name: [] for name in names}
+    for s in range(1, steps + 1):
+        for name in names:
+            recs[name].append(trainers[name].step(s))
+    rows = []
+    for name in names:
+        med = lambda f, rs=recs[name]: statistics.median(f(r) for r in rs)  # noqa: E731
+        row = {"row": name, "step_s": med(lambda r: r["step_time_s"]),
+               "post_rollout_s": med(lambda r: r["step_time_s"] - r["time_rollout_s"]),
+               "response_tokens": med(lambda r: r["response_len"] * r["samples"]),
+               "peak_bytes": post_rollout_peak(trainers[name], steps + 1)}
+        log(f"{name:16s} step {row['step_s']:.3f} s  post-rollout {row['post_rollout_s']:.3f} s  "
+            f"peak {row['peak_bytes'] / 2**20:.1f} MiB  tokens {row['response_tokens']:.0f}")
+        rows.append(row)
+    return rows
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--rows", default=",".join(ROWS))
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
-    rows = [bench_row(n, args.steps) for n in args.rows.split(",")]
+    rows = bench_rows(args.rows.split(","), args.steps)
     base = next((r for r in rows if r["row"] == "grpo_exact_kl"), None)
     if base is not None:
         for r in rows:
