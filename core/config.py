@@ -278,6 +278,8 @@ def _coerce(value: Any, tp, key: str):
 
 def from_dict(cls, data: dict, prefix: str = ""):
     """Build dataclass `cls` from a nested dict; unknown keys raise ConfigError naming them."""
+    prepare = getattr(cls, "prepare_dict", None)  # a section that rewrites its dict first (RLConfig: algo.recipe)
+    data, attrs = prepare(data) if prepare is not None else (data, {})
     hints = typing.get_type_hints(cls)
     names = {f.name for f in dataclasses.fields(cls)}
     for k in data:
@@ -286,9 +288,12 @@ def from_dict(cls, data: dict, prefix: str = ""):
                               f"{', '.join(sorted(names))})")
     kwargs = {k: _coerce(v, hints[k], prefix + k) for k, v in data.items()}
     try:
-        return cls(**kwargs)
+        obj = cls(**kwargs)
     except (TypeError, ValueError) as e:
         raise ConfigError(f"{prefix.rstrip('.') or cls.__name__}: {e}") from e
+    for k, v in attrs.items():  # not fields: never saved with the config nor compared on resume
+        setattr(obj, k, v)
+    return obj
 
 
 def to_dict(obj) -> dict:

@@ -12,6 +12,7 @@ from rl.experience.rewards import RewardConfig
 from rl.objectives.controller import MAX_N_OVER_HORIZON, KLControllerConfig
 from rl.objectives.kl import KLConfig
 from rl.objectives.losses import PolicyLossConfig
+from rl.recipes import apply_recipe
 
 
 @dataclass
@@ -62,6 +63,9 @@ class RolloutConfig:
             raise ValueError(f"rollout.stop must be a list of non-empty strings, got {self.stop!r}")
 
 
+ADVANTAGES = ("gae", "grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline")
+
+
 @dataclass
 class AlgoConfig:
     name: str = "grpo"  # "grpo" | "ppo" | "distill" (on-policy distillation: rl/distill/config.py)
@@ -78,7 +82,22 @@ class AlgoConfig:
     # (1.3x faster step at 58M) unless pack_sequences, off for PPO
     share_prompts: bool | None = None
     group_mini_batches: bool = False  # mini-batches of whole prompt groups (global prompt id mod mini_batches)
-    adv_std_norm: bool = True  # GRPO: divide by the group's std
+    adv_std_norm: bool = True  # GRPO: divide by the group's std (Dr. GRPO: false)
+    # outcome advantages (rl/objectives/advantages.py): "grpo" (group mean, / std with adv_std_norm), "rloo"
+    # (leave-one-out mean), "reinforce_pp" (global whitening over the batch, all DP ranks), "reinforce_pp_baseline"
+    # (group mean subtracted, then global whitening); null: "grpo" (algo.name=ppo: GAE over the critic)
+    advantage: str | None = None
+    # one line for a published algorithm's keys (rl/recipes.py, docs/recipes.md); a key the config sets wins
+    recipe: str | None = None
+    # DAPO's dynamic sampling (rl/experience/dynamic_sampling.py): drop prompt groups whose rewards are all equal
+    # and sample more prompts until every DP rank has its share, at most this many extra rounds
+    dynamic_sampling: bool = False
+    dynamic_sampling_max_rounds: int = 4
+    overlong_filter: bool = False  # DAPO: responses cut at max_new_tokens (no stop) leave the loss
+    # DAPO's soft overlong punishment: -overlong_penalty x (length - (max_new_tokens - buffer)) / buffer added to
+    # the reward over the last `overlong_buffer` tokens before max_new_tokens (L_cache; 0: off)
+    overlong_buffer: int = 0
+    overlong_penalty: float = 1.0
     gamma: float = 1.0  # PPO GAE
     lam: float = 0.95
     whiten_advantages: bool = True  # PPO
@@ -114,6 +133,14 @@ class AlgoConfig:
                              "rows out its own way): for each prompt once under the token budget keep "
                              "algo.micro_batch_tokens and set algo.pack_sequences=false; to pack rows set "
                              "algo.share_prompts=false")
+        if self.advantage is None:
+            self.advantage = "gae" if self.name == "ppo" else "grpo"
+        if self.advantage not in ADVANTAGES or (self.name == "ppo") != (self.advantage == "gae"):
+            raise ValueError(f"algo.advantage must be one of {ADVANTAGES[1:]} for algo.name=grpo (ppo: gae, its "
+                             f"critic's), got {self.advantage!r} with algo.name={self.name!r}")
+        if self.dynamic_sampling_max_rounds < 0 or self.overlong_buffer < 0 or self.overlong_penalty < 0:
+            raise ValueError(f"algo.dynamic_sampling_max_rounds, overlong_buffer and overlong_penalty must be >= 0, "
+                             f"got {self.dynamic_sampling_max_rounds}, {self.overlong_buffer}, {self.overlong_penalty}")
         if self.pack_sequences and not self.micro_batch_tokens:
             raise ValueError("algo.pack_sequences=true needs algo.micro_batch_tokens > 0 (the tokens per packed "
                              "sequence)")
@@ -241,6 +268,14 @@ class RLConfig:
     teacher: TeacherConfig = field(default_factory=TeacherConfig)  # distillation's frozen teacher
     distill: DistillConfig = field(default_factory=DistillConfig)  # the distillation term (rl/distill/config.py)
 
+    recipe_summary = ""  # what algo.recipe set (rl/recipes.py), printed at start-up
+
+    @classmethod
+    def prepare_dict(cls, data: dict) -> tuple[dict, dict]:
+        """algo.recipe's keys filled in the config dict where it sets none (rl/recipes.py)."""
+        data, summary = apply_recipe(data, RolloutConfig.max_new_tokens)
+        return data, {"recipe_summary": summary}
+
     def __post_init__(self):
         resolve_distill(self.distill, self.teacher, self.algo.name)
         guards_off(self)  # pure distillation: the "reference" KL is the KL to the teacher, the objective
@@ -271,6 +306,28 @@ class RLConfig:
             raise ValueError(f"kl_ctl.mode='grad_ratio' balances the KL term of the loss against the policy "
                              f"gradient: it needs kl.where='loss' and a sampled estimator (kl.exact=false), got "
                              f"kl.where={self.kl.where!r}, kl.exact={self.kl.exact}")
+        self._check_recipe_keys()
         if self.kl_ctl.mode == "grad_ratio" and self.kl.gradient == "sequence":
             raise ValueError("kl_ctl.mode='grad_ratio' weighs the KL loss term's gradient alone: it does not see "
                              "kl.gradient='sequence''s future-KL part of the advantages; use kl.gradient='token'")
+
+    def _check_recipe_keys(self):
+        """The keys of rl/recipes.py's algorithms that only make sense together."""
+        a, lo, ro = self.algo, self.loss, self.rollout
+        token_adv = a.name == "ppo" or (self.kl.where == "loss" and self.kl.gradient == "sequence") or \
+            (a.advantage.startswith("reinforce_pp") and self.kl.where == "reward")
+        if lo.policy == "gspo" and token_adv:
+            raise ValueError("loss.policy=gspo takes one advantage per response (GSPO's A_i); these settings give "
+                             "each token its own (algo.name=ppo's GAE, kl.gradient=sequence in the loss, or "
+                             "REINFORCE++ with kl.where=reward): use loss.policy=gspo_token")
+        if lo.policy != "ppo" and lo.dual_clip is not None:
+            raise ValueError(f"loss.dual_clip is PPO's (loss.policy=ppo); loss.policy={lo.policy} has its own clip")
+        if a.advantage == "rloo" and ro.group_size < 2:
+            raise ValueError("algo.advantage=rloo needs rollout.group_size >= 2 (the others of a group are the "
+                             "baseline)")
+        if a.overlong_buffer >= ro.max_new_tokens:
+            raise ValueError(f"algo.overlong_buffer={a.overlong_buffer} must be below rollout.max_new_tokens="
+                             f"{ro.max_new_tokens} (the punishment ramps over the last overlong_buffer tokens)")
+        if a.dynamic_sampling and (a.name != "grpo" or ro.group_size < 2):
+            raise ValueError("algo.dynamic_sampling drops prompt groups with equal rewards: it needs algo.name=grpo "
+                             "and rollout.group_size >= 2")

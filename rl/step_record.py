@@ -85,6 +85,8 @@ class StepRecorder:
         rec.update(mismatch_metrics(data, dpg))  # rollout vs the old-log-prob pass (rl/health/mismatch.py)
         if "critic_grad_norm" in upd:
             rec["critic_grad_norm"] = upd["critic_grad_norm"]
+        rec.update({k: upd[k] for k in ("seq_clipfrac", "seq_ratio_mean", "seq_ratio_max") if k in upd})  # GSPO
+        rec.update(self.rollout_stats.get("recipe_metrics") or {})  # DAPO (rl/experience/dynamic_sampling.py)
         rec.update(evals)
         corr = self.reward_kl.add(r_mean, kl_mean)
         if corr is not None:

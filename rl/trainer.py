@@ -25,7 +25,8 @@ from core.runtime.metrics import PhaseTimer, reset_peak_memory
 from core.runtime.monitor import Monitor
 from rl.config import RLConfig
 from rl.distill.metrics import distill_metrics
-from rl.experience.rollout import collect_rollout, evaluate
+from rl.experience.dynamic_sampling import collect_step
+from rl.experience.rollout import collect_rollout, evaluate, pad_id_of
 from rl.models.reference import ReferenceSync
 from rl.objectives.controller import EntropyController, KLController
 from rl.objectives.kl import masked_mean
@@ -64,6 +65,8 @@ class RLTrainer:
             self.monitor = Monitor(cfg.train.out_dir, cfg.monitor.tensorboard, cfg.monitor.wandb, asdict(cfg))
         if cfg.kl_ctl.preset and state.is_main:
             print(f"kltron: {cfg.kl_ctl.preset_summary}", flush=True)
+        if cfg.recipe_summary and state.is_main:
+            print(f"kltron: {cfg.recipe_summary}", flush=True)
         self.ref_sync = ReferenceSync(cfg.reference, cfg.kl_ctl.target)
         # log-probs, entropy and the exact KL (policy and reference alike) are taken over the ids the
         # tokenizer has, the same vocabulary the sampler draws from: a padded embedding's extra rows are
@@ -96,11 +99,15 @@ class RLTrainer:
         """Steps 1-5: this rank's rollout (G samples per prompt, scored), then what the update needs of
         it (rl/update/step_data.py)."""
         cfg, st = self.cfg, self.state
-        with self.timer("rollout"):
-            ro = collect_rollout(self.policy, self.tok, self.task, self.reward_fn, cfg.rollout, seed=cfg.train.seed,
-                                 step=step, dp_rank=st.dp_rank, dp_size=st.dims.dp, tp_group=self.tp_group,
-                                 dp_group=self.dp_group, device=st.device, world_group=self.world_group,
-                                 stats=self.rollout_stats)
+        def collect(key: int):
+            return collect_rollout(self.policy, self.tok, self.task, self.reward_fn, cfg.rollout, seed=cfg.train.seed,
+                                   step=key, dp_rank=st.dp_rank, dp_size=st.dims.dp, tp_group=self.tp_group,
+                                   dp_group=self.dp_group, device=st.device, world_group=self.world_group,
+                                   stats=self.rollout_stats)
+        with self.timer("rollout"):  # DAPO's overlong shaping and dynamic sampling when algo asks for them
+            ro, self.rollout_stats["recipe_metrics"] = collect_step(
+                collect, cfg, step, tokenizer=self.tok, pad_id=pad_id_of(self.tok), dp_rank=st.dp_rank,
+                dp_group=self.dp_group, stats=self.rollout_stats)
         return self.experience.make_experience(ro, step)
 
     def update(self, data: StepData, step: int) -> dict:

@@ -195,6 +195,16 @@ def _adv_spikes(rows):
             r["kl_mean"] += 1.5
 
 
+def _recipe_keys(key, start, end, noise, **const):
+    """Records gain `key` ramping from `start` to `end` over the run (deterministic +-noise wiggle) and `const`."""
+    def f(rows):
+        n = len(rows)
+        for i, r in enumerate(rows):
+            r[key] = start + (end - start) * i / max(n - 1, 1) + noise * math.sin(1.7 * i)
+            r.update(const)
+    return f
+
+
 # symptom -> (steps, change to the healthy truth[, change to the sampled records])
 FAULTS = {
     # a steady KL rise below 1 nat: 0.1 at step 10 -> 0.9 at step 110 under a fixed beta
@@ -226,6 +236,12 @@ FAULTS = {
     "kl_concentrated": (60, _set(tail=True, kl=lambda n: _with_startup(np.full(n, 0.05)))),
     "response_length_growing": (120, _set(length=lambda n: _ramp(n, 10, 4.0, 12.0))),
     "response_length_shrinking": (120, _set(length=lambda n: _ramp(n, 10, 8.0, 3.0))),
+    # dynamic sampling drops 20% of groups at first, 80% by the end (a saturating task)
+    "groups_saturating": (100, _set(), _recipe_keys("ds_drop_rate", 0.2, 0.8, 0.03, ds_filled=0,
+                                                    ds_extra_rollout_s=0.5)),
+    "groups_short": (60, _set(), _recipe_keys("ds_filled", 2.0, 2.0, 0.0, ds_drop_rate=0.3)),
+    "seq_clip_high": (60, _set(), _recipe_keys("seq_clipfrac", 0.7, 0.8, 0.02)),
+    "overlong_high": (60, _set(), _recipe_keys("overlong_rate", 0.2, 0.3, 0.01)),
     "reward_swings": (60, _set(reward=lambda n: np.clip(0.5 + 0.25 * np.random.default_rng(n).standard_normal(n),
                                                        0.02, 0.98))),
 }

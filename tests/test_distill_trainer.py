@@ -97,6 +97,13 @@ def test_grpo_with_scheduled_distill_term():
     assert r0["distill_loss"] > 0 and r1["distill_loss"] > 0
 
 
+def test_distill_term_beside_a_sequence_level_objective():
+    """GSPO's sequence ratio prepares its loss from a no-grad head pass off-policy: the term then runs beside it."""
+    t = _trainer(["algo.name=grpo", "algo.recipe=gspo", "algo.mini_batches=2", "distill.coef=0.5"])
+    rec = t.step(0)
+    assert rec["distill_loss"] > 0 and rec["distill_coef"] == 0.5
+
+
 def _save(model_kw, path, fp):
     m = build_model(ModelConfig(**model_kw), seed=0)
     ckpt.save_model_weights(m, str(path), None, tokenizer_fingerprint=fp)

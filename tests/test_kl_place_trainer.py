@@ -28,9 +28,10 @@ class _Spy:
                 spy.kl_seen.append(kl is not None)
                 return super().__call__(logp, entropy, kl, tokens)
 
-        import rl.update.update
+        import rl.objectives.policy_objectives
 
-        monkeypatch.setattr(rl.update.update, "TokenPolicyLoss", Recording)
+        # the update builds its loss with make_token_loss, which makes a TokenPolicyLoss for loss.policy=ppo
+        monkeypatch.setattr(rl.objectives.policy_objectives, "TokenPolicyLoss", Recording)
 
 
 def test_ppo_default_is_k1_in_the_reward():

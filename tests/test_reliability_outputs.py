@@ -224,6 +224,23 @@ def test_a_changed_config_is_refused_naming_the_keys(tmp_path):
                                                                          "train.allow_config_change=true"]))
 
 
+def test_a_run_saved_before_a_key_existed_resumes_with_the_key_at_its_default(tmp_path):
+    """An upgrade of kltron adds config keys: a run whose config.yaml lacks them resumes when they stay at
+    their defaults, and is refused by name when one is set."""
+    import yaml
+
+    from core.config import load_config, to_dict
+    from core.runtime.run import check_config_unchanged
+    from rl.config import RLConfig
+
+    old = to_dict(load_config(RLConfig, CONFIG, []))
+    del old["algo"]["recipe"], old["rollout"]["record_hidden"]  # as an older kltron wrote it
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(old, sort_keys=False))
+    check_config_unchanged(str(tmp_path), load_config(RLConfig, CONFIG, []))
+    with pytest.raises(ValueError, match=r"config differs .*rollout.record_hidden: True -> False"):
+        check_config_unchanged(str(tmp_path), load_config(RLConfig, CONFIG, ["rollout.record_hidden=false"]))
+
+
 def test_keep_last_zero_means_keep_all():
     from core.config import ConfigError, TrainConfig, check_train
 

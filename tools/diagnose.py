@@ -14,8 +14,9 @@ This file holds the run-wide checks:
 | reward_swings      | step-to-step reward changes large against its trend and its sampling noise |
 
 and the detectors of tools/symptoms.py (KL and reward), tools/symptoms_policy.py (beta, ratios,
-entropy, text) and tools/symptoms_mismatch.py (rollout vs training log-probs). Trends are judged with
-their standard errors (tools/trend.py), not step to step.
+entropy, text), tools/symptoms_mismatch.py (rollout vs training log-probs) and tools/symptoms_recipes.py (the
+algorithm recipes' metrics: dynamic sampling, GSPO's clip, truncation). Trends are judged with their standard
+errors (tools/trend.py), not step to step.
 
 A metrics file with a step logged twice (an old run resumed before metrics were truncated on
 resume) is read keeping the last record of each step.
@@ -31,7 +32,7 @@ import sys
 from dataclasses import asdict
 
 from rl.health.guards import HEALTHY_FRACTION, UNIFORM_FRACTION
-from tools import symptoms, symptoms_mismatch, symptoms_policy
+from tools import symptoms, symptoms_mismatch, symptoms_policy, symptoms_recipes
 from tools.symptoms import Finding
 from tools.trend import number, series
 
@@ -161,14 +162,15 @@ def _run_wide(check):
 
 
 CHECKS = {f.__name__.removeprefix("check_"): f for f in
-          (*symptoms.CHECKS, *symptoms_policy.CHECKS, *symptoms_mismatch.CHECKS, check_kl_concentrated,
-           check_reward_swings)}
+          (*symptoms.CHECKS, *symptoms_policy.CHECKS, *symptoms_mismatch.CHECKS, *symptoms_recipes.CHECKS,
+           check_kl_concentrated, check_reward_swings)}
 CHECKS.update(non_finite=_run_wide(check_non_finite), collapse=_run_wide(check_collapse))
 # the most specific (or most urgent) finding first
 ORDER = ("non_finite", "collapse", "entropy_max", "ratio_extreme", "rollout_mismatch", "beta_zero", "beta_floor",
          "reward_hacking", "kl_adv_spike", "kl_climbing", "kl_high", "ref_ratio_extreme", "kl_negative",
          "ref_follows_policy", "kl_flat_reward", "reward_swings", "reward_flat_kl_normal", "entropy_collapse",
-         "repetition_kl_not_high", "kl_concentrated", "response_length_growing", "response_length_shrinking")
+         "repetition_kl_not_high", "kl_concentrated", "response_length_growing", "response_length_shrinking",
+         "seq_clip_high", "groups_short", "groups_saturating", "overlong_high")
 # a finding that explains another drops it
 SUBSUMES = {"reward_hacking": ("kl_climbing", "kl_high"), "collapse": ("entropy_max",),
             "kl_negative": ("ref_follows_policy", "kl_flat_reward", "reward_flat_kl_normal"),

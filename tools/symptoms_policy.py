@@ -44,6 +44,8 @@ def check_beta_zero(rows, window: int) -> Finding | None:
         return None
     kl = series(rows, "kl_mean")[-window:]
     kt = f"; the mean KL is {kl[-1]:.3g} nats/token" if kl else ""
+    if series(rows, "ds_drop_rate"):  # dynamic sampling: a DAPO run, which drops the penalty by design
+        kt += " (algo.recipe=dapo sets beta 0 by design: expected there, the KL then only grows)"
     return Finding("beta_zero", f"beta is exactly 0 on the last {len(beta)} steps: no KL penalty{kt}",
                    "kl_ctl.beta=0 (and kl_ctl.beta_min=0), or a controller that drove it to 0: nothing holds the "
                    "policy near the reference, so the KL only grows",

@@ -162,9 +162,13 @@ RESUMABLE_KEYS = ("train.steps", "train.stop_after", "train.progress", "train.lo
                   "train.allow_config_change", "train.compile", "parallel.")
 
 
-def config_changes(old: dict, new: dict) -> list[str]:
-    """"key: old -> new" for every flattened key (outside RESUMABLE_KEYS) whose value differs."""
+def config_changes(old: dict, new: dict, defaults: dict | None = None) -> list[str]:
+    """"key: old -> new" for every flattened key (outside RESUMABLE_KEYS) whose value differs. A key the old
+    config lacks (written by an older kltron, before the key existed) counts as its value in `defaults`."""
     a, b = _flatten(old), _flatten(new)
+    for k, v in _flatten(defaults or {}).items():
+        if k in b and not any(x.startswith(k + ".") for x in a):
+            a.setdefault(k, v)
     return [f"{k}: {a.get(k, '<absent>')!r} -> {b.get(k, '<absent>')!r}" for k in sorted(set(a) | set(b))
             if a.get(k) != b.get(k) and not k.startswith(RESUMABLE_KEYS)]
 
@@ -177,7 +181,8 @@ def check_config_unchanged(out_dir: str, cfg) -> None:
         return
     with open(path, encoding="utf-8") as f:
         old = yaml.safe_load(f) or {}
-    changes = config_changes(old, yaml.safe_load(yaml.safe_dump(to_dict(cfg), sort_keys=False)))
+    as_saved = lambda c: yaml.safe_load(yaml.safe_dump(to_dict(c), sort_keys=False))
+    changes = config_changes(old, as_saved(cfg), as_saved(type(cfg)()))
     if changes:
         raise ValueError(f"resume: the config differs from the run in {out_dir} ({path}): " + "; ".join(changes)
                          + ". Start a new run with a new train.out_dir=..., or pass train.allow_config_change=true "

@@ -53,6 +53,63 @@ def grpo_advantages(rewards: torch.Tensor, group_size: int, scale_by_std: bool =
     return adv.reshape(-1).to(out_dtype)
 
 
+def rloo_advantages(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
+    """RLOO's leave-one-out advantages (Ahmadian et al. 2024, arXiv 2402.14740, eq. 6): each sample's reward minus
+    the mean of the other G - 1 of its group, = G / (G - 1) x (r - group mean). rewards: [N * G] prompt-major;
+    G >= 2. Returns [N * G], fp32 (fp64 for fp64 rewards); the group mean in float64 as in `grpo_advantages`."""
+    if rewards.dim() != 1 or group_size < 2 or rewards.numel() % group_size:
+        raise ValueError(f"rloo_advantages: {tuple(rewards.shape)} rewards must be 1-D and split into groups of "
+                         f"group_size={group_size} >= 2 (the others of a group are the baseline)")
+    _check_finite_rewards(rewards, group_size, "rloo_advantages")
+    g = rewards.to(torch.float64).view(-1, group_size)
+    adv = (g - g.mean(dim=1, keepdim=True)) * (group_size / (group_size - 1))
+    out_dtype = torch.float64 if rewards.dtype == torch.float64 else torch.float32
+    return adv.reshape(-1).to(out_dtype)
+
+
+def reinforce_pp_advantages(scores: torch.Tensor, mask: torch.Tensor, group_size: int, *, baseline: bool = False,
+                            kl: torch.Tensor | None = None, beta: float = 0.0, dp_group=None) -> torch.Tensor:
+    """REINFORCE++ (Hu 2025, arXiv 2501.03262): each token's return (the response's score, minus beta x the KL of
+    this and every later token when `kl` [B, S] is given: the KL per token in the reward, gamma = 1), whitened
+    over the valid tokens of the whole batch on every DP rank (`whiten`: one mean, one std for all). With
+    `baseline` (REINFORCE++-baseline) each score first loses its group's mean. scores: [B] prompt-major;
+    mask: [B, S]. Returns [B, S], 0 off the mask."""
+    _check_finite_rewards(scores, group_size, "reinforce_pp_advantages")
+    s = scores.to(torch.float64)
+    if baseline:
+        g = s.view(-1, group_size)
+        s = (g - g.mean(dim=1, keepdim=True)).reshape(-1)
+    m = mask.bool()
+    if kl is None or beta == 0.0:
+        returns = broadcast_to_tokens(s, m)
+    else:  # returns-to-go of the shaped rewards: the score at the last token, -beta KL at every token
+        valid = m.any(1)
+        rewards = torch.zeros(m.shape, dtype=torch.float64, device=m.device)
+        if valid.any():
+            rewards[valid] = kl_shaped_rewards(s[valid], kl[valid].to(torch.float64), m[valid], beta)
+        returns, _ = gae(rewards, torch.zeros_like(rewards), m, gamma=1.0, lam=1.0)
+    out = whiten(returns, m, dp_group)
+    return out.to(torch.float64 if scores.dtype == torch.float64 else torch.float32)
+
+
+def outcome_advantages(kind: str, scores: torch.Tensor, mask: torch.Tensor, group_size: int, *,
+                       std_norm: bool = True, kl: torch.Tensor | None = None, beta: float = 0.0,
+                       kl_in_reward: bool = False, dp_group=None) -> torch.Tensor:
+    """`algo.advantage`'s per-token advantages [B, S] from response scores [B] (critic-free). With the KL in the
+    reward (`kl_in_reward`): grpo and rloo take each response's summed KL off its score; REINFORCE++ puts it
+    per token into the returns."""
+    if kind.startswith("reinforce_pp"):
+        return reinforce_pp_advantages(scores, mask, group_size, baseline=kind == "reinforce_pp_baseline",
+                                       kl=kl if kl_in_reward else None, beta=beta, dp_group=dp_group)
+    if kl_in_reward:  # the response's summed KL penalty enters its reward
+        scores = scores - beta * kl.sum(1)
+    if kind == "rloo":
+        return broadcast_to_tokens(rloo_advantages(scores, group_size), mask)
+    if kind != "grpo":
+        raise ValueError(f"algo.advantage={kind!r} is not a critic-free advantage")
+    return broadcast_to_tokens(grpo_advantages(scores, group_size, std_norm), mask)
+
+
 def broadcast_to_tokens(seq_values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """[B] per-sequence values -> [B, S] on the valid tokens, 0 elsewhere."""
     if seq_values.dim() != 1 or seq_values.shape[0] != mask.shape[0]:

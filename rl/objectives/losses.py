@@ -37,6 +37,7 @@ from parallel import comm
 from rl.objectives.kl import KLConfig, kl_loss_term, sanitize
 
 AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+POLICIES = ("ppo", "gspo", "gspo_token", "cispo")  # loss.policy; all but ppo: rl/objectives/policy_objectives.py
 
 
 @dataclass(frozen=True)
@@ -104,11 +105,9 @@ def _with_future_kl(advantages: torch.Tensor, m: torch.Tensor, kl_cfg: KLConfig 
 
 def _masked_stats(x: torch.Tensor, m: torch.Tensor, empty: float) -> tuple[torch.Tensor, ...]:
     """(mean, min, max) of x over valid positions, detached; `empty` for all three when none."""
-    x = x.detach().float()
     if not m.any():
-        e = torch.tensor(empty, device=x.device)
-        return e, e.clone(), e.clone()
-    v = x[m]
+        return tuple(torch.tensor(empty, device=x.device) for _ in range(3))
+    v = x.detach().float()[m]
     return v.mean(), v.min(), v.max()
 
 
@@ -178,8 +177,7 @@ def clipped_value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: 
     """PPO value loss per token: 0.5 * max((V - R)^2, (V_clip - R)^2),
     V_clip = V_old + clip(V - V_old, -clip, clip); clip=None: 0.5 * (V - R)^2.
 
-    values (with grad), old_values, returns, mask: [B, S]. Returns (per-token [B, S] fp32, 0 on
-    masked positions; {"vf_clipfrac": share of valid tokens where the clipped branch is taken}).
+    values (with grad), old_values, returns, mask: [B, S]. Returns (per-token [B, S] fp32, 0 masked; vf_clipfrac).
     """
     if not (values.shape == old_values.shape == returns.shape == mask.shape):
         raise ValueError(f"clipped_value_loss: values {tuple(values.shape)}, old_values "
@@ -204,6 +202,7 @@ def clipped_value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: 
 class PolicyLossConfig:
     """The `loss` section of the policy objective."""
 
+    policy: str = "ppo"  # one of POLICIES: the token-level PPO clip, GSPO's sequence ratio, CISPO's clipped weight
     clip_low: float = 0.2
     clip_high: float | None = None  # None: = clip_low; e.g. 0.28 for DAPO's clip-higher
     dual_clip: float | None = None  # e.g. 3.0
@@ -217,8 +216,9 @@ class PolicyLossConfig:
     log_ratio_clamp: float = 20.0
 
     def __post_init__(self):
-        if self.agg not in AGG_MODES:
-            raise ValueError(f"loss.agg must be one of {AGG_MODES}, got {self.agg!r}")
+        if self.agg not in AGG_MODES or self.policy not in POLICIES:
+            raise ValueError(f"loss.agg must be one of {AGG_MODES} and loss.policy one of {POLICIES}, got "
+                             f"{self.agg!r}, {self.policy!r}")
         if self.agg == "seq-mean-token-sum-norm" and not (self.norm_len and self.norm_len > 0):
             raise ValueError("loss.agg='seq-mean-token-sum-norm' needs a positive loss.norm_len")
         if self.entropy_target is not None and not (self.entropy_target >= 0 and self.entropy_lr > 0 and
@@ -310,14 +310,11 @@ class TokenPolicyLoss:
     on every token). Summed over every token its values equal `policy_loss(...)`'s loss.
 
     weights, mask, old_logp, advantages, ref_logp: [B, S] (flattened here); `weights` from
-    `token_weights`. Everything bound here is sanitized at masked positions (mask false) before any
-    arithmetic, and so are the head's values passed to `__call__`: padding reaches no value and no
-    gradient. `on_policy`: the first mini-batch after the rollout, whose old policy is the current
-    one, so old log-probs are the current ones, detached (ratio exactly 1).
+    `token_weights`. Everything bound here and the head's values are sanitized at masked positions
+    before any arithmetic: padding reaches no value and no gradient. `on_policy`: the first mini-batch
+    after the rollout, whose old policy is the current one (old log-probs: the current ones, detached).
 
-    Each call records its tokens' detached parts (surrogate, KL term, entropy, log-ratio, clip
-    flags), so `stats()` gives the update statistics without evaluating the loss a second time.
-    """
+    Each call records its tokens' detached parts, so `stats()` needs no second evaluation."""
 
     _PARTS = ("pg", "kl", "entropy", "log_ratio", "clipped", "dual")
 
@@ -342,14 +339,11 @@ class TokenPolicyLoss:
         self.seen = {"kl": False, "entropy": False}
 
     def __call__(self, logp, entropy, kl, tokens):
-        """logp, entropy, kl: this chunk's [c] values from the head (entropy/kl None if not asked),
-        tokens: the chunk's slice of the flattened [B*S]. Returns the weighted per-token loss [c]."""
-        c, mm = self.cfg, self.m[tokens]
+        """This chunk's [c] head values (entropy/kl None if not asked) at `tokens` -> weighted loss [c]."""
+        mm = self.m[tokens]
         logp = sanitize(logp, mm)
         o = logp.detach() if self.on_policy else self.old[tokens]
-        pg, clipped, dual, lr = _surrogate_terms(logp, o, self.adv[tokens], mm, c.clip_low,
-                                                 c.clip_low if c.clip_high is None else c.clip_high, c.dual_clip,
-                                                 c.log_ratio_clamp)
+        pg, clipped, dual, lr = self._surrogate(logp, o, mm, tokens)
         total = pg
         rec = {"pg": pg, "log_ratio": lr, "clipped": clipped, "dual": dual}
         kc = self.kl_cfg
@@ -373,10 +367,15 @@ class TokenPolicyLoss:
         w = self.w[tokens].to(total.dtype)
         return torch.where(mm, total * w, torch.zeros((), dtype=total.dtype, device=total.device))
 
+    def _surrogate(self, logp, old, mm, tokens):
+        """(term, clip flags, dual flags, log-ratio) at `tokens`: PPO's; GSPO's, CISPO's: policy_objectives.py."""
+        c = self.cfg
+        return _surrogate_terms(logp, old, self.adv[tokens], mm, c.clip_low,
+                                c.clip_low if c.clip_high is None else c.clip_high, c.dual_clip, c.log_ratio_clamp)
+
     def stats(self) -> dict:
-        """The statistics of `policy_loss` over the tokens seen so far: pg_loss, kl_loss, entropy (the
-        weighted sums, scaled like the loss), clipfrac, dual_clipfrac, ratio_mean/min/max,
-        approx_kl_old (k3 estimate of KL(old||new)), valid_tokens; Python floats."""
+        """`policy_loss`'s statistics over the tokens seen so far (pg_loss, kl_loss, entropy: weighted sums scaled
+        like the loss; clipfrac, dual_clipfrac, ratio_mean/min/max, approx_kl_old, valid_tokens), floats."""
         m, w, r = self.m, self.w.to(torch.float64), self.rec
         n = int(m.sum())
         out = {"pg_loss": float((w * r["pg"]).sum())}
@@ -394,5 +393,7 @@ class TokenPolicyLoss:
 
 def token_policy_loss(cfg: PolicyLossConfig, weights: torch.Tensor, mask: torch.Tensor, old_logp: torch.Tensor,
                       advantages: torch.Tensor, **kw) -> TokenPolicyLoss:
-    """`TokenPolicyLoss(...)` (the per-token policy loss for the fused head)."""
+    """`TokenPolicyLoss(...)`: loss.policy=ppo's; every policy's: rl/objectives/policy_objectives.make_token_loss."""
+    if cfg.policy != "ppo":
+        raise ValueError(f"token_policy_loss is loss.policy=ppo's; for {cfg.policy!r} use make_token_loss")
     return TokenPolicyLoss(cfg, weights, mask, old_logp, advantages, **kw)

@@ -45,6 +45,8 @@ class DistillTap:
         term to `token_loss`'s; None (kw untouched) where the slot is taken or the term is no KL."""
         if exact_kl_used or kw.get("kl") is not None or self.cfg.loss not in ("reverse_kl", "forward_kl"):
             return None
+        if getattr(token_loss, "needs_logprobs", False):  # a sequence-level ratio (GSPO) prepares the loss first
+            return None
         th = self.th.detach()
         if self.t_temp != self.kw["temperature"]:  # the head divides both sides by the student's temperature
             th = th * (self.kw["temperature"] / self.t_temp)

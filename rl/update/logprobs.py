@@ -200,6 +200,13 @@ def _loss_head(token_loss, tp_group, vocab_size, temperature, chunk_size, entrop
     def fn(h, w, t, rh, m, rollout_h=None):
         if tap is not None:
             tap(h, w, m)
+        if getattr(token_loss, "needs_logprobs", False):
+            # a sequence-level ratio (GSPO, rl/objectives/policy_objectives.py) reads every token of a response
+            # before any token's loss: the head once more without a gradient, on the same hidden states
+            with torch.no_grad():
+                token_loss.prepare(fused_head(h.detach(), w.detach(), t, tp_group, vocab_size=vocab_size,
+                                              temperature=temperature, chunk_size=chunk_size, entropy=False,
+                                              mask=m).logprobs)
         loss, out = fused_head_loss(h, w, t, tp_group, token_loss=token_loss, vocab_size=vocab_size, ref_hidden=rh,
                                     ref_weight_local=ref_weight, temperature=temperature, chunk_size=chunk_size,
                                     entropy=entropy, kl=kl, mask=m)

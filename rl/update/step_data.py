@@ -25,7 +25,7 @@ import torch
 from core.runtime.metrics import PhaseTimer
 from rl.config import RLConfig
 from rl.experience.rollout import Rollout
-from rl.objectives.advantages import broadcast_to_tokens, gae, grpo_advantages, kl_shaped_rewards, whiten
+from rl.objectives.advantages import gae, kl_shaped_rewards, outcome_advantages, whiten
 from rl.objectives.controller import KLController
 from rl.objectives.kl import HEAD_DIRECTION, kl_from_config, sanitize
 from rl.update.distill_step import distill_advantages, teacher_pass
@@ -126,11 +126,10 @@ class ExperienceMaker:
                              (ref_h, ref_w) if self.teacher is self.ref else None)
         if cfg.algo.name == "distill":  # no reward: the distillation term, or the sampled estimator's advantage
             data.advantages = distill_advantages(data, cfg.distill, step)
-        elif cfg.algo.name == "grpo":
-            if cfg.kl.where == "reward":  # the response's summed KL penalty enters its reward
-                scores = scores - self.controller.beta * kl.sum(1)
-            adv = grpo_advantages(scores, cfg.rollout.group_size, cfg.algo.adv_std_norm)
-            data.advantages = broadcast_to_tokens(adv, mask)
+        elif cfg.algo.name == "grpo":  # critic-free: algo.advantage (rl/objectives/advantages.py)
+            data.advantages = outcome_advantages(cfg.algo.advantage, scores, mask, cfg.rollout.group_size,
+                                                 std_norm=cfg.algo.adv_std_norm, kl=kl, beta=self.controller.beta,
+                                                 kl_in_reward=cfg.kl.where == "reward", dp_group=self.dp_group)
         else:
             with self.timer("critic_values"):
                 values = critic_values(self.critic, ro.sequences, ro.attention_mask, ro.prompt_len)

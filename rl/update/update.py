@@ -22,7 +22,8 @@ from rl.experience.rollout import Rollout
 from rl.objectives.controller import EntropyController, KLController
 from rl.objectives.kl import HEAD_DIRECTION, kl_from_config
 from rl.objectives.kl_place import future_kl
-from rl.objectives.losses import TokenPolicyLoss, aggregate, clipped_value_loss, loss_scale, token_weights
+from rl.objectives.losses import aggregate, clipped_value_loss, loss_scale, token_weights
+from rl.objectives.policy_objectives import make_token_loss, sequence_ids
 from rl.update.distill_term import DistillTap, needs_tap
 from rl.update.logprobs import PolicyHeads, critic_values, packed_fused_loss, packed_token_stats
 from rl.update.micro_batches import MicroBatch, by_row_count, by_token_budget
@@ -96,10 +97,10 @@ class PolicyUpdate:
         """Forward, loss and backward of micro-batch `mb` (padded rows, or one packed sequence); returns
         its statistics.
 
-        One per-token loss (`TokenPolicyLoss`) serves both paths: with `algo.fused_loss` the fused head
-        calls it chunk by chunk and forms the gradient in its forward; otherwise the head returns
-        log-probs with grad and the loss is called once on all tokens. Either way the statistics
-        come from what the loss recorded while it ran, not from a second evaluation. On-policy
+        One per-token loss (`TokenPolicyLoss`, or loss.policy's: rl/objectives/policy_objectives.py) serves
+        both paths: with `algo.fused_loss` the fused head calls it chunk by chunk and forms the gradient in its
+        forward; otherwise the head returns log-probs with grad and the loss is called once on all tokens.
+        Either way the statistics come from what the loss recorded while it ran, not from a second evaluation. On-policy
         (first mini-batch), the old log-probs are the current ones, detached (ratio exactly 1);
         `drift` is how far they were from the rollout's, a float-noise check."""
         cfg = self.cfg
@@ -113,9 +114,10 @@ class PolicyUpdate:
         if fill and data.rollout_kl is not None and data.ro.rollout_hidden is not None:  # the deferred rows' mismatch
             kw["rollout_hidden"] = tok(data.ro.rollout_hidden)
         weights = tok(token_weights(data.mask, cfg.loss.agg, scale, cfg.loss.norm_len))  # per row: split-invariant
-        fn = TokenPolicyLoss(cfg.loss, weights, mask, tok(data.old_logp), tok(data.advantages), kl_cfg=cfg.kl,
+        fn = make_token_loss(cfg.loss, weights, mask, tok(data.old_logp), tok(data.advantages), kl_cfg=cfg.kl,
                              beta=self.controller.beta, ref_logp=tok(data.ref_logp), on_policy=on_policy,
-                             entropy_coef=self.ent_ctl.coef, kl_future=self._kl_future(data, tok))
+                             entropy_coef=self.ent_ctl.coef, kl_future=self._kl_future(data, tok),
+                             **sequence_ids(cfg.loss, data.mask, tok))
         tap, head_fn = self._distill_tap(data, tok, weights), fn
         if tap is not None:  # the distillation term on the same forward's hidden states: inside the policy's
             head_fn = tap.fuse_into(kw, fn, exact_kl_used=cfg.kl.exact)  # head when it can, else beside it
@@ -169,6 +171,8 @@ class PolicyUpdate:
                 return self.heads.fused_loss(self.policy, sub, fn, **kw)
             cur = self.heads.token_stats(self.policy, sub, **kw)
         flat = lambda t: None if t is None else t.reshape(-1)
+        if getattr(fn, "needs_logprobs", False):  # a sequence-level ratio: every token's log-prob first
+            fn.prepare(flat(cur.logprobs).detach())
         return fn(flat(cur.logprobs), flat(cur.entropy), flat(cur.kl), slice(None)).sum(), cur
 
     def _critic_backward(self, data: StepData, mb: MicroBatch, scale, last: bool) -> None:

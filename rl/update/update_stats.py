@@ -24,6 +24,7 @@ class UpdateStats:
         self.rmin, self.rmax = float("inf"), float("-inf")
         self.drift = 0.0
         self.critic_norms: list[float] = []
+        self.seq = None  # GSPO's per-response statistics: [seq_clipfrac x n, seq_ratio_mean x n, n], max ratio
 
     def start_mini_batch(self):
         for k in self.SCALED:
@@ -38,6 +39,11 @@ class UpdateStats:
         for k in self.WEIGHTED:
             self.wsum[k] += float(stats[k]) * n
         self.tokens += n
+        if "valid_seqs" in stats:
+            ns = float(stats["valid_seqs"])
+            prev = self.seq or [0.0, 0.0, 0.0, 0.0]
+            self.seq = [prev[0] + stats["seq_clipfrac"] * ns, prev[1] + stats["seq_ratio_mean"] * ns, prev[2] + ns,
+                        max(prev[3], stats["seq_ratio_max"] if ns else 0.0)]
         self.epoch_kl[0] += float(stats["approx_kl_old"]) * n
         self.epoch_kl[1] += n
         if n > 0:
@@ -66,6 +72,13 @@ class UpdateStats:
         out["logp_drift"] = float(mm[2])
         if self.critic_norms:
             out["critic_grad_norm"] = self.critic_norms[-1]
+        if self.seq is not None:  # every rank has it alike (one loss.policy)
+            s = torch.tensor(self.seq[:3], dtype=torch.float64, device=t.device)
+            comm.all_reduce(s, "sum", dp_group)  # response-weighted sums over DP
+            mx = torch.tensor([self.seq[3]], dtype=torch.float64, device=t.device)
+            comm.all_reduce(mx, "max", dp_group)  # the largest sequence ratio over DP
+            out.update(seq_clipfrac=float(s[0] / s[2].clamp(min=1)), seq_ratio_mean=float(s[1] / s[2].clamp(min=1))
+                       if s[2] > 0 else 1.0, seq_ratio_max=float(mx[0]) if s[2] > 0 else 1.0)
         return out
 
 
