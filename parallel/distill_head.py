@@ -107,14 +107,22 @@ def global_lse(lse: torch.Tensor, group) -> torch.Tensor:
     return s.log() + shift
 
 
-def _jsd_terms(zs, zt, lse_s, lse_t, log_b, log_1b):
-    """(log S, log M, KL(P||M) integrand summed, KL(S||M) integrand summed) of one chunk."""
-    ls = zs - lse_s[:, None]
-    lt = zt - lse_t[:, None]
-    lm = torch.logaddexp(lt + log_b, ls + log_1b)
-    a = (lt.exp() * (lt - lm)).sum(1)
-    b = (ls.exp() * (ls - lm)).sum(1)
-    return ls, lm, a, b
+def _log_mixture(ls, lt, log_b: float, log_1b: float):
+    """(log M, a scratch buffer), both [c, nv] and new: log M = logaddexp(log beta + log P, log(1-beta) + log S)."""
+    lm = torch.add(lt, log_b)
+    scratch = torch.add(ls, log_1b)
+    torch.logaddexp(lm, scratch, out=lm)
+    return lm, scratch
+
+
+def _jsd_sums(zs, zt, lse_s, lse_t, log_b: float, log_1b: float):
+    """(sum_v P (log P - log M), sum_v S (log S - log M)) [c] of one chunk, in the logits' own buffers (zs and
+    zt are consumed) and two more [c, nv]: the working memory of a chunk is 4 [c, nv] tensors."""
+    ls, lt = zs.sub_(lse_s[:, None]), zt.sub_(lse_t[:, None])
+    lm, d = _log_mixture(ls, lt, log_b, log_1b)
+    a = torch.sub(lt, lm, out=d).mul_(lt.exp_()).sum(1)
+    b = torch.sub(ls, lm, out=d).mul_(ls.exp_()).sum(1)
+    return a, b
 
 
 class _FusedJSD(torch.autograd.Function):
@@ -133,8 +141,8 @@ class _FusedJSD(torch.autograd.Function):
         if sh.nv > 0:
             for s, e in chunks(T, chunk):  # pass 2: KL(P||M) and KL(S||M) over this shard
                 kc = part(keep, s, e)
-                _, _, a, b = _jsd_terms(mm_s(hidden[s:e], kc), mm_t(t_hidden[s:e], kc), lse[s:e, 0], lse[s:e, 1],
-                                        log_b, log_1b)
+                a, b = _jsd_sums(mm_s(hidden[s:e], kc), mm_t(t_hidden[s:e], kc), lse[s:e, 0], lse[s:e, 1],
+                                 log_b, log_1b)
                 sums[s:e, 0], sums[s:e, 1] = a, b
                 del a, b
         sums = all_reduce(sums, "sum", sh.group)
@@ -159,13 +167,16 @@ class _FusedJSD(torch.autograd.Function):
         w = weight[: sh.nv]
         for s, e in chunks(hidden.shape[0], ctx.chunk):
             kc = part(keep, s, e)
-            ls, lm, _, _ = _jsd_terms(mm_s(hidden[s:e], kc), mm_t(t_hidden[s:e], kc), lse[s:e, 0], lse[s:e, 1],
-                                      log_b, log_1b)
+            ls = mm_s(hidden[s:e], kc).sub_(lse[s:e, 0, None])
+            lt = mm_t(t_hidden[s:e], kc).sub_(lse[s:e, 1, None])
+            lm, dz = _log_mixture(ls, lt, log_b, log_1b)
+            del lt
             coef = g[s:e] * ((1.0 - beta) / sh.temperature)
-            dz = ls.exp() * (ls - lm - kl_sm[s:e, None]) * coef[:, None]
+            # dz = (1 - beta) S (log S - log M - KL(S||M)) g / temperature, in the scratch buffer
+            torch.sub(ls, lm, out=dz).sub_(kl_sm[s:e, None]).mul_(ls.exp_()).mul_(coef[:, None])
             del ls, lm
-            if kc is not None:
-                dz = torch.where(kc[:, None], dz, dz.new_zeros(()))
+            if kc is not None:  # masked rows hold 0 already (g is 0 there); a NaN could not reach them anyway
+                dz.masked_fill_(~kc[:, None], 0.0)
             if gh is not None:
                 gh[s:e] = (dz.to(w.dtype) @ w).to(gh.dtype)
             if gw is not None:
