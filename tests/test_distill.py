@@ -152,3 +152,31 @@ def test_topk_tp1():
 
 def test_topk_tp2(dist_pools):
     assert dist_pools.run(2, _topk_worker, 2, 4) == [True, True]
+
+
+def test_kl_memory_distillation_rows():
+    """tools.kl_memory's distillation methods compute what they claim (against the float64 formulas above, a
+    teacher of another width), and project at a small shape without allocating."""
+    from tools.klcost.distill_methods import TOP_K
+    from tools.klcost.methods import Inputs, outputs
+    from tools.klcost.project import project
+
+    x = Inputs(16, 8, 50, 1, 0, torch.float64, 0, True, ref_hidden=12)
+    ls = torch.log_softmax(x.h.detach() @ x.w.detach()[:50].T, -1)
+    lt = torch.log_softmax(x.hr @ x.wr[:50].T, -1)
+    S, P = ls.exp(), lt.exp()
+    M = (0.5 * P + 0.5 * S).log()
+    top, ids = lt.topk(TOP_K, dim=1)
+    want = {"distill_fused_loss": (S * (ls - lt)).sum(-1),
+            "distill_jsd": 0.5 * (P * (lt - M)).sum(-1) + 0.5 * (S * (ls - M)).sum(-1),
+            "distill_topk": -(torch.softmax(top, 1) * ls.gather(1, ids)).sum(1)}
+    for name, ref in want.items():
+        (logp, _, term), loss = outputs(name, x, None, 4, True)
+        torch.testing.assert_close(term.detach(), ref, atol=1e-12, rtol=1e-10, msg=name)
+        torch.testing.assert_close(logp.detach(), ls.gather(1, x.t[:, None])[:, 0], atol=1e-12, rtol=1e-10)
+        loss.backward()
+        assert torch.isfinite(x.h.grad).all()
+        x.h.grad = x.w.grad = None
+    peaks = {n: project(n, "forward+backward", 512, 64, 4096, 1, "bf16", None, ref_hidden=128)["peak_bytes"]
+             for n in ("gather", "distill_fused_loss", "distill_jsd")}
+    assert 0 < peaks["distill_fused_loss"] < peaks["distill_jsd"] < peaks["gather"]
