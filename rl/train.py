@@ -132,6 +132,9 @@ def assemble(cfg: RLConfig, state, model_cfg, tokenizer, policy, ref, critic=Non
         if teacher is None or not teacher_is_reference(cfg):
             raise ValueError("no reference model: only pure distillation without a reference KL runs without one")
         ref = teacher
+    policy.batch_invariant = ref.batch_invariant = p.batch_invariant  # rollout, reference, old, update alike
+    if teacher is not None:
+        teacher.batch_invariant = p.batch_invariant  # the teacher's pass too
     opt = build_optimizer(policy, cfg.optim, model_cfg, total, state.tp_group, state.dp_group)
     critic_opt = None
     if critic is not None:
