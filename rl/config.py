@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from core.config import ModelConfig, OptimConfig, ParallelConfig, TrainConfig
+from rl.distill.config import DistillConfig, TeacherConfig, guards_off
+from rl.distill.config import resolve as resolve_distill
 from rl.experience.prompts import PromptDataConfig
 from rl.experience.rewards import RewardConfig
 from rl.objectives.controller import MAX_N_OVER_HORIZON, KLControllerConfig
@@ -66,7 +68,7 @@ ADVANTAGES = ("gae", "grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline")
 
 @dataclass
 class AlgoConfig:
-    name: str = "grpo"  # "grpo" | "ppo"
+    name: str = "grpo"  # "grpo" | "ppo" | "distill" (on-policy distillation: rl/distill/config.py)
     epochs: int = 1  # passes over each step's rollouts
     mini_batches: int = 1  # optimizer steps per epoch; each mini-batch is split over DP
     micro_batch_size: int = 0  # rows per forward on one rank (gradient accumulation); 0: whole mini-batch
@@ -111,8 +113,8 @@ class AlgoConfig:
     old_from_update: bool = True
 
     def __post_init__(self):
-        if self.name not in ("grpo", "ppo"):
-            raise ValueError(f"algo.name must be 'grpo' or 'ppo', got {self.name!r}")
+        if self.name not in ("grpo", "ppo", "distill"):
+            raise ValueError(f"algo.name must be 'grpo', 'ppo' or 'distill', got {self.name!r}")
         if self.epochs < 1 or self.mini_batches < 1 or self.micro_batch_size < 0 or self.micro_batch_tokens < 0:
             raise ValueError("algo.epochs and algo.mini_batches must be >= 1 and micro_batch_size, "
                              "micro_batch_tokens >= 0")
@@ -263,6 +265,8 @@ class RLConfig:
     # a tokenizer file or checkpoint folder; None: the start checkpoint's folder when it holds tokenizer
     # files (a converted HF checkpoint), else the shipped sentencepiece model
     tokenizer: str | None = None
+    teacher: TeacherConfig = field(default_factory=TeacherConfig)  # distillation's frozen teacher
+    distill: DistillConfig = field(default_factory=DistillConfig)  # the distillation term (rl/distill/config.py)
 
     recipe_summary = ""  # what algo.recipe set (rl/recipes.py), printed at start-up
 
@@ -273,6 +277,8 @@ class RLConfig:
         return data, {"recipe_summary": summary}
 
     def __post_init__(self):
+        resolve_distill(self.distill, self.teacher, self.algo.name)
+        guards_off(self)  # pure distillation: the "reference" KL is the KL to the teacher, the objective
         if self.data is None and self.reward.task is None:
             raise ValueError("reward.task is null and there is no data section: set one of them (prompts come from "
                              "the built-in task or from data.train_file)")

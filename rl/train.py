@@ -41,6 +41,8 @@ from core.tokenizer import TOKENIZER_FILES, load_tokenizer
 from parallel.dims import launch_world_size, resolve_device
 from parallel.fsdp import FSDPOptions, freeze, parallelize
 from rl.config import RLConfig
+from rl.distill.config import enabled, teacher_is_reference
+from rl.distill.teacher import teacher_model_config
 from rl.experience.prompts import PromptSampler, data_hashes, load_prompt_data
 from rl.experience.rewards import build_reward
 from rl.experience.rollout import DataPrompts, TaskPrompts
@@ -48,7 +50,7 @@ from rl.health.guards import CollapseGuard, Preempted
 from rl.models.critic import Critic
 from rl.preflight import check_memory, check_rl_config, dry_run
 from rl.trainer import RLTrainer
-from rl.warmstart import ensure_start_checkpoint
+from rl.warmstart import ensure_start_checkpoint, ensure_teacher_checkpoint
 
 
 def _load(module_cls, model_cfg, path, state, kv_group, device, tokenizer_fp, what, verify=True, **kw):
@@ -101,7 +103,8 @@ def prompt_sources(cfg: RLConfig, tokenizer, task, data=None, max_seq_len: int |
     return DataPrompts(train_set, sampler), evals
 
 
-def assemble(cfg: RLConfig, state, model_cfg, tokenizer, policy, ref, critic=None, data=None) -> RLTrainer:
+def assemble(cfg: RLConfig, state, model_cfg, tokenizer, policy, ref, critic=None, data=None,
+             teacher=None) -> RLTrainer:
     """Shard the (plain, TP-local) policy, reference and critic over DP as configured, build their
     optimizers, the reward, the prompt sources and the trainer. Used by `build` and by tests with
     seeded models."""
@@ -113,12 +116,25 @@ def assemble(cfg: RLConfig, state, model_cfg, tokenizer, policy, ref, critic=Non
     policy = parallelize(policy, state.dp_mesh, opts).set_mixed_precision(mp)
     if cfg.train.compile:
         policy.compile_blocks()
-    if cfg.reference.dtype == "bf16":  # bf16 weights, half the memory; its KL path stays fp32 (fused heads)
-        ref = ref.cast_weights(torch.bfloat16)
-    ref = parallelize(freeze(ref), state.dp_mesh, FSDPOptions(fsdp=p.fsdp, mixed_precision=mp,
-                                                               cpu_offload=cfg.reference.cpu_offload))
-    ref.set_mixed_precision(mp)
+    if ref is not None:
+        if cfg.reference.dtype == "bf16":  # bf16 weights, half the memory; its KL path stays fp32 (fused heads)
+            ref = ref.cast_weights(torch.bfloat16)
+        ref = parallelize(freeze(ref), state.dp_mesh, FSDPOptions(fsdp=p.fsdp, mixed_precision=mp,
+                                                                   cpu_offload=cfg.reference.cpu_offload))
+        ref.set_mixed_precision(mp)
+    if teacher is not None:  # frozen and sharded like the reference (rl/distill/teacher.py)
+        if cfg.teacher.dtype == "bf16":
+            teacher = teacher.cast_weights(torch.bfloat16)
+        teacher = parallelize(freeze(teacher), state.dp_mesh, FSDPOptions(fsdp=p.fsdp, mixed_precision=mp,
+                                                                           cpu_offload=cfg.teacher.cpu_offload))
+        teacher.set_mixed_precision(mp)
+    if ref is None:
+        if teacher is None or not teacher_is_reference(cfg):
+            raise ValueError("no reference model: only pure distillation without a reference KL runs without one")
+        ref = teacher
     policy.batch_invariant = ref.batch_invariant = p.batch_invariant  # rollout, reference, old, update alike
+    if teacher is not None:
+        teacher.batch_invariant = p.batch_invariant  # the teacher's pass too
     opt = build_optimizer(policy, cfg.optim, model_cfg, total, state.tp_group, state.dp_group)
     critic_opt = None
     if critic is not None:
@@ -129,7 +145,7 @@ def assemble(cfg: RLConfig, state, model_cfg, tokenizer, policy, ref, critic=Non
     task, reward_fn, reward_norm = build_reward(cfg.reward)
     source, evals = prompt_sources(cfg, tokenizer, task, data, model_cfg.max_seq_len)
     return RLTrainer(cfg, state, policy, ref, opt, tokenizer, source, reward_fn, reward_norm, critic, critic_opt,
-                     eval_prompts=evals)
+                     eval_prompts=evals, teacher=teacher)
 
 
 def build(cfg: RLConfig, stop_request: StopRequest | None = None) -> tuple[RLTrainer, Run, object]:
@@ -145,17 +161,25 @@ def build(cfg: RLConfig, stop_request: StopRequest | None = None) -> tuple[RLTra
             raise ConfigError("data: prompts from a data set need init.checkpoint (a converted checkpoint); the "
                               "supervised warm start only knows the built-in tasks")
     start = ensure_start_checkpoint(cfg, tokenizer, resolve_device(cfg.train.device), stop_request)
+    if enabled(cfg.distill, cfg.algo.name):
+        ensure_teacher_checkpoint(cfg, tokenizer, resolve_device(cfg.train.device), stop_request)
     model_cfg = from_dict(ModelConfig, ckpt.read_manifest(start)["model_config"])
     check_memory(cfg, model_cfg, launch_world_size(), resolve_device(cfg.train.device))
     run = start_run(cfg, dims, model_cfg)
     state, kv_group, device, fp = run.state, run.kv_group, run.device, tokenizer.fingerprint
     load = dict(state=state, kv_group=kv_group, device=device, tokenizer_fp=fp, verify=cfg.train.verify_checkpoints)
     policy = _load(Transformer, model_cfg, start, what="policy", **load)
-    ref = _load(Transformer, model_cfg, cfg.reference.checkpoint or start, what="reference", **load)
+    ref = None  # pure distillation without a reference KL: the teacher stands in (teacher_is_reference)
+    if not teacher_is_reference(cfg):
+        ref = _load(Transformer, model_cfg, cfg.reference.checkpoint or start, what="reference", **load)
     critic = None
     if cfg.algo.name == "ppo":
         critic = _load(Critic, model_cfg, start, what="critic", **load)
-    return assemble(cfg, state, model_cfg, tokenizer, policy, ref, critic, data), run, tokenizer
+    teacher = None
+    if enabled(cfg.distill, cfg.algo.name):  # may differ in size, not in tokenizer or vocabulary
+        t_cfg = teacher_model_config(start, cfg.teacher.checkpoint, fp)
+        teacher = _load(Transformer, t_cfg, cfg.teacher.checkpoint, what="teacher", **load)
+    return assemble(cfg, state, model_cfg, tokenizer, policy, ref, critic, data, teacher), run, tokenizer
 
 
 def _modules(trainer: RLTrainer) -> dict:

@@ -24,6 +24,7 @@ import torch
 from core.runtime.metrics import PhaseTimer, reset_peak_memory
 from core.runtime.monitor import Monitor
 from rl.config import RLConfig
+from rl.distill.metrics import distill_metrics
 from rl.experience.dynamic_sampling import collect_step
 from rl.experience.rollout import collect_rollout, evaluate, pad_id_of
 from rl.models.reference import ReferenceSync
@@ -49,11 +50,12 @@ class RLTrainer:
     """
 
     def __init__(self, cfg: RLConfig, state, policy, reference, optimizer, tokenizer, task, reward_fn,
-                 reward_norm, critic=None, critic_optimizer=None, eval_prompts=None):
+                 reward_norm, critic=None, critic_optimizer=None, eval_prompts=None, teacher=None):
         """`task`: a prompt source (rl.experience.rollout.TaskPrompts / DataPrompts) or a built-in task; `eval_prompts`:
         the held-out [(ids, meta)] scored every `rollout.eval_every` steps (None: no eval)."""
         self.cfg, self.state = cfg, state
         self.policy, self.ref, self.opt = policy, reference, optimizer
+        self.teacher = teacher  # on-policy distillation's frozen teacher (rl/distill), or None
         self.critic, self.critic_opt = critic, critic_optimizer
         self.tok, self.task, self.reward_fn, self.reward_norm = tokenizer, task, reward_fn, reward_norm
         self.controller = KLController(cfg.kl_ctl)
@@ -84,7 +86,7 @@ class RLTrainer:
         self.experience = ExperienceMaker(cfg, policy=policy, reference=reference, critic=critic,
                                           reward_norm=reward_norm, controller=self.controller, heads=self.heads,
                                           layout_cost=self.layout_cost, timer=self.timer, dp_group=self.dp_group,
-                                          device=state.device)
+                                          device=state.device, teacher=teacher)
         self.updater = PolicyUpdate(cfg, policy=policy, optimizer=optimizer, critic=critic,
                                     critic_optimizer=critic_optimizer, controller=self.controller,
                                     ent_ctl=self.ent_ctl, heads=self.heads, layout_cost=self.layout_cost,
@@ -120,9 +122,14 @@ class RLTrainer:
         if not self.eval_prompts or not due:
             return {}
         with self.timer("eval"):
-            return evaluate(self.policy, self.tok, self.eval_prompts, self.reward_fn, ro, seed=self.cfg.train.seed,
-                            step=step, dp_rank=st.dp_rank, dp_size=st.dims.dp, tp_group=self.tp_group,
-                            dp_group=self.dp_group, device=st.device, world_group=self.world_group)
+            run = lambda model: evaluate(model, self.tok, self.eval_prompts, self.reward_fn, ro,  # noqa: E731
+                                         seed=self.cfg.train.seed, step=step, dp_rank=st.dp_rank, dp_size=st.dims.dp,
+                                         tp_group=self.tp_group, dp_group=self.dp_group, device=st.device,
+                                         world_group=self.world_group)
+            out = run(self.policy)
+            if self.teacher is not None and step == 0:  # what the student is distilled toward, once
+                out["teacher_eval_pass1"] = run(self.teacher)["eval_pass1"]
+            return out
 
     def step(self, step: int) -> dict:
         """Step `step`: the due eval, experience, the update, KL control and reference sync; returns its
@@ -145,6 +152,8 @@ class RLTrainer:
         synced = self.ref_sync.maybe_sync(step, kl_mean, self.policy, self.ref, self.opt)
         rec = self.recorder.record(step, data, upd, t0=t0, kl_mean=kl_mean, beta=beta, new_beta=new_beta,
                                    ent_coef=ent_coef, grads=grads, synced=synced, evals=evals)
+        if data.teacher_logp is not None:
+            rec.update(distill_metrics(cfg, data, upd, step, self.dp_group))
         self.ent_ctl.update(rec["entropy"])
         if self.monitor is not None:
             self.monitor.log(rec, step)

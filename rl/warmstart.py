@@ -7,9 +7,11 @@ on multi-node runs), and SFT itself is the ordinary distributed `core.sft.train`
 
 from __future__ import annotations
 
+import copy
 import os
 import random
 import time
+from dataclasses import replace
 from datetime import timedelta
 
 import torch
@@ -130,3 +132,17 @@ def ensure_start_checkpoint(cfg: RLConfig, tokenizer, device, stop_request=None)
     if not _is_checkpoint(path):
         raise ckpt.CheckpointError(f"supervised warm start finished but wrote no checkpoint at {path}")
     return path
+
+
+def ensure_teacher_checkpoint(cfg: RLConfig, tokenizer, device, stop_request=None) -> str:
+    """The distillation teacher's checkpoint (`teacher.checkpoint`), built first when absent by this same
+    supervised warm start with `teacher.sft_dir` / `teacher.model` / `teacher.sft_steps` / `teacher.sft_lr` /
+    `teacher.sft_answer_noise` in place of the policy's `init` and `model` (rl/distill/config.py)."""
+    t = cfg.teacher
+    if t.sft_dir is None or t.checkpoint != os.path.join(t.sft_dir, "model"):
+        return t.checkpoint  # a given checkpoint: loaded (and checked) as it is
+    init = replace(cfg.init, checkpoint=None, sft_dir=t.sft_dir, sft_steps=t.sft_steps, sft_lr=t.sft_lr,
+                   sft_answer_noise=t.sft_answer_noise)
+    built = copy.copy(cfg)  # not dataclasses.replace: the run's config is resolved already, not re-checked
+    built.init, built.model = init, t.model or cfg.model
+    return ensure_start_checkpoint(built, tokenizer, device, stop_request)

@@ -86,14 +86,14 @@ def policy_token_stats(model, sequences, attention_mask, prompt_len: int, *, tp_
                        temperature: float = 1.0, chunk_size: int | None = None, entropy: bool = True,
                        kl: str | None = None, ref_hidden: torch.Tensor | None = None,
                        ref_weight: torch.Tensor | None = None, mask: torch.Tensor | None = None,
-                       packed=None, rollout_hidden: torch.Tensor | None = None) -> TokenStats:
+                       packed=None, rollout_hidden: torch.Tensor | None = None, tap=None) -> TokenStats:
     """Log-probs (and entropy, exact KL against the given reference hidden states and head
     weight) of the response tokens of `sequences` [B, P + N] under `model`; 0 where `mask` [B, N]
     is False. `packed`: the shared-prompt layout of these rows (rl/update/shared_layout.py) to run instead;
     the results are the same [B, N] (0 outside its head tokens). `rollout_hidden` [B, N, H]: the
     rollout's final hidden states of these tokens; adds `rollout_kl`, the exact KL(rollout || model)
     through the same head weight (a second pass of the fused head, no [T, V] tensor)."""
-    fn = _stats_head(tp_group, vocab_size, temperature, chunk_size, entropy, kl, ref_weight)
+    fn = _stats_head(tp_group, vocab_size, temperature, chunk_size, entropy, kl, ref_weight, tap)
     if packed is None:
         return _stats(*_through_head(model, sequences, attention_mask, prompt_len, tp_group, ref_hidden, mask, fn,
                                      rollout_hidden))
@@ -106,16 +106,19 @@ def policy_token_stats(model, sequences, attention_mask, prompt_len: int, *, tp_
 def packed_token_stats(model, packed, *, tp_group=None, vocab_size: int, temperature: float = 1.0,
                        chunk_size: int | None = None, entropy: bool = True, kl: str | None = None,
                        ref_hidden: torch.Tensor | None = None, ref_weight: torch.Tensor | None = None,
-                       mask: torch.Tensor | None = None, rollout_hidden: torch.Tensor | None = None) -> TokenStats:
+                       mask: torch.Tensor | None = None, rollout_hidden: torch.Tensor | None = None,
+                       tap=None) -> TokenStats:
     """`policy_token_stats` of the M response tokens of a packed sequence (rl/update/micro_batches.py's
     PackedRows: several rows in one, block-diagonal causal attention, per-row positions): [1, M]
     each; ref_hidden and rollout_hidden [1, M, H], mask [1, M]."""
-    fn = _stats_head(tp_group, vocab_size, temperature, chunk_size, entropy, kl, ref_weight)
+    fn = _stats_head(tp_group, vocab_size, temperature, chunk_size, entropy, kl, ref_weight, tap)
     return _stats(*_through_head_packed(model, packed, tp_group, ref_hidden, mask, fn, rollout_hidden))
 
 
-def _stats_head(tp_group, vocab_size, temperature, chunk_size, entropy, kl, ref_weight):
+def _stats_head(tp_group, vocab_size, temperature, chunk_size, entropy, kl, ref_weight, tap=None):
     def fn(h, w, t, rh, m, rollout_h=None):
+        if tap is not None:  # a term on the same hidden states (rl/distill/term.py): the model runs once
+            tap(h, w, m)
         out = fused_head(h, w, t, tp_group, vocab_size=vocab_size, ref_hidden=rh, ref_weight_local=ref_weight,
                          temperature=temperature, chunk_size=chunk_size, entropy=entropy, kl=kl, mask=m)
         if rollout_h is None:
@@ -212,12 +215,13 @@ def policy_fused_loss(model, sequences, attention_mask, prompt_len: int, token_l
                       vocab_size: int, temperature: float = 1.0, chunk_size: int | None = None, entropy: bool = False,
                       kl: str | None = None, ref_hidden: torch.Tensor | None = None,
                       ref_weight: torch.Tensor | None = None, mask: torch.Tensor | None = None,
-                      rollout_hidden: torch.Tensor | None = None) -> tuple[torch.Tensor, TokenStats]:
+                      rollout_hidden: torch.Tensor | None = None, tap=None) -> tuple[torch.Tensor, TokenStats]:
     """The policy loss over the response tokens through `parallel.fused_loss.fused_head_loss`
     (gradient formed in forward, no logits recomputed in backward). Returns (loss, detached
     per-token stats [B, N]). Positions where `mask` [B, N] is False are dropped inside the head.
-    `rollout_hidden` [B, N, H]: also the exact KL(rollout || model) per token (no gradient)."""
-    fn = _loss_head(token_loss, tp_group, vocab_size, temperature, chunk_size, entropy, kl, ref_weight)
+    `rollout_hidden` [B, N, H]: also the exact KL(rollout || model) per token (no gradient). `tap(h, w, mask)`:
+    called on the head's flat hidden states and weight too (a distillation term, rl/distill/term.py)."""
+    fn = _loss_head(token_loss, tp_group, vocab_size, temperature, chunk_size, entropy, kl, ref_weight, tap)
     (loss, out), shape = _through_head(model, sequences, attention_mask, prompt_len, tp_group, ref_hidden, mask, fn,
                                        rollout_hidden)
     return loss, _stats(out, shape)
@@ -227,16 +231,18 @@ def packed_fused_loss(model, packed, token_loss, *, tp_group=None, vocab_size: i
                       chunk_size: int | None = None, entropy: bool = False, kl: str | None = None,
                       ref_hidden: torch.Tensor | None = None, ref_weight: torch.Tensor | None = None,
                       mask: torch.Tensor | None = None,
-                      rollout_hidden: torch.Tensor | None = None) -> tuple[torch.Tensor, TokenStats]:
+                      rollout_hidden: torch.Tensor | None = None, tap=None) -> tuple[torch.Tensor, TokenStats]:
     """`policy_fused_loss` over the M response tokens of a packed sequence (see `packed_token_stats`):
     (loss, detached per-token stats [1, M]); `token_loss` is bound to [1, M] tensors."""
-    fn = _loss_head(token_loss, tp_group, vocab_size, temperature, chunk_size, entropy, kl, ref_weight)
+    fn = _loss_head(token_loss, tp_group, vocab_size, temperature, chunk_size, entropy, kl, ref_weight, tap)
     (loss, out), shape = _through_head_packed(model, packed, tp_group, ref_hidden, mask, fn, rollout_hidden)
     return loss, _stats(out, shape)
 
 
-def _loss_head(token_loss, tp_group, vocab_size, temperature, chunk_size, entropy, kl, ref_weight):
+def _loss_head(token_loss, tp_group, vocab_size, temperature, chunk_size, entropy, kl, ref_weight, tap=None):
     def fn(h, w, t, rh, m, rollout_h=None):
+        if tap is not None:
+            tap(h, w, m)
         if getattr(token_loss, "needs_logprobs", False):
             # a sequence-level ratio (GSPO, rl/objectives/policy_objectives.py) reads every token of a response
             # before any token's loss: the head once more without a gradient, on the same hidden states

@@ -28,6 +28,7 @@ from rl.experience.rollout import Rollout
 from rl.objectives.advantages import gae, kl_shaped_rewards, outcome_advantages, whiten
 from rl.objectives.controller import KLController
 from rl.objectives.kl import HEAD_DIRECTION, kl_from_config, sanitize
+from rl.update.distill_step import distill_advantages, teacher_pass
 from rl.update.logprobs import (
     PolicyHeads,
     TokenStats,
@@ -66,6 +67,12 @@ class StepData:
     # exact KL(rollout || train) per token: the old pass's, the deferred rows' from the update's first forward
     rollout_kl: torch.Tensor | None = None
     kl_exact_metric: torch.Tensor | None = None  # exact KL(pi||ref) when `kl` is a sampled estimate off mu
+    # distillation (rl/distill): the teacher's hidden states [B, N, H_t] and head weight [Vp/tp, H_t]; its
+    # top-k (ids, probs) [B, N, k] for distill.loss=topk_forward_kl; log t(sampled token) [B, N]
+    teacher_hidden: torch.Tensor | None = None
+    teacher_weight: torch.Tensor | None = None
+    teacher_topk: tuple | None = None
+    teacher_logp: torch.Tensor | None = None
 
     @property
     def kl_for_control(self) -> torch.Tensor:
@@ -84,8 +91,9 @@ class ExperienceMaker:
     """Steps 2-5 for one run: the models and controllers they read, passed in."""
 
     def __init__(self, cfg: RLConfig, *, policy, reference, critic, reward_norm, controller: KLController,
-                 heads: PolicyHeads, layout_cost: LayoutCost, timer: PhaseTimer, dp_group, device):
+                 heads: PolicyHeads, layout_cost: LayoutCost, timer: PhaseTimer, dp_group, device, teacher=None):
         self.cfg, self.policy, self.ref, self.critic = cfg, policy, reference, critic
+        self.teacher = teacher  # the distillation teacher (rl/distill), or None
         self.reward_norm, self.controller, self.heads = reward_norm, controller, heads
         self.layout_cost, self.timer, self.dp_group, self.device = layout_cost, timer, dp_group, device
 
@@ -120,7 +128,13 @@ class ExperienceMaker:
                         rollout_logprobs=opt(ro.rollout_logprobs),
                         rollout_sampled_logprobs=opt(ro.rollout_sampled_logprobs), rollout_kl=rollout_kl,
                         kl_exact_metric=sanitize(old.kl.float(), mask) if kl_dir and not exact else None)
-        if cfg.algo.name == "grpo":  # critic-free: algo.advantage (rl/objectives/advantages.py)
+        if self.teacher is not None:
+            with self.timer("teacher"):
+                teacher_pass(data, self.teacher, cfg, self.heads, shared,
+                             (ref_h, ref_w) if self.teacher is self.ref else None)
+        if cfg.algo.name == "distill":  # no reward: the distillation term, or the sampled estimator's advantage
+            data.advantages = distill_advantages(data, cfg.distill, step)
+        elif cfg.algo.name == "grpo":  # critic-free: algo.advantage (rl/objectives/advantages.py)
             data.advantages = outcome_advantages(cfg.algo.advantage, scores, mask, cfg.rollout.group_size,
                                                  std_norm=cfg.algo.adv_std_norm, kl=kl, beta=self.controller.beta,
                                                  kl_in_reward=cfg.kl.where == "reward", dp_group=self.dp_group)
@@ -136,6 +150,8 @@ class ExperienceMaker:
             if cfg.algo.whiten_advantages:
                 adv = whiten(adv, mask, self.dp_group)
             data.advantages, data.returns, data.old_values = adv, ret, values
+        if cfg.algo.name != "distill" and data.teacher_hidden is not None:  # RL + the sampled baseline's term
+            data.advantages = data.advantages + distill_advantages(data, cfg.distill, step)
         return data
 
     def _deferred_rows(self, ro: Rollout, step: int) -> torch.Tensor | None:
@@ -147,6 +163,8 @@ class ExperienceMaker:
                 c.kl.gradient == "sequence":  # its future-KL returns read every row's KL before the update
             return None
         if truncates(c) and not c.kl.exact:  # the exact KL the controller reads comes from the old pass
+            return None
+        if self.teacher is not None and c.distill.loss == "sampled_reverse_kl":  # its advantages read old log-probs
             return None
         return mini_batches(c, ro.row_ids.cpu(), step, 0, self.device)[0]
 

@@ -24,6 +24,7 @@ from rl.objectives.kl import HEAD_DIRECTION, kl_from_config
 from rl.objectives.kl_place import future_kl
 from rl.objectives.losses import aggregate, clipped_value_loss, loss_scale, token_weights
 from rl.objectives.policy_objectives import make_token_loss, sequence_ids
+from rl.update.distill_term import DistillTap, needs_tap
 from rl.update.logprobs import PolicyHeads, critic_values, packed_fused_loss, packed_token_stats
 from rl.update.micro_batches import MicroBatch, by_row_count, by_token_budget
 from rl.update.mini_batches import mini_batches
@@ -64,6 +65,7 @@ class PolicyUpdate:
         """The update (module docstring). Returns the statistics reduced over micro-batches and DP ranks
         (rl/update/update_stats.py), with the optimizer's."""
         cfg = self.cfg
+        self.distill_coef = cfg.distill.coef_at(step)  # the distillation term's weight this step (rl/distill)
         acc, opt_stats, stop_early = UpdateStats(), [], False
         for epoch in range(cfg.algo.epochs):
             for mb, rows in enumerate(mini_batches(cfg, data.ro.row_ids.cpu(), step, epoch, self.device)):
@@ -116,15 +118,36 @@ class PolicyUpdate:
                              beta=self.controller.beta, ref_logp=tok(data.ref_logp), on_policy=on_policy,
                              entropy_coef=self.ent_ctl.coef, kl_future=self._kl_future(data, tok),
                              **sequence_ids(cfg.loss, data.mask, tok))
-        loss, cur = self._policy_loss(data.ro, mb, mask, fn, kw)
+        tap, head_fn = self._distill_tap(data, tok, weights), fn
+        if tap is not None:  # the distillation term on the same forward's hidden states: inside the policy's
+            head_fn = tap.fuse_into(kw, fn, exact_kl_used=cfg.kl.exact)  # head when it can, else beside it
+            if head_fn is None:
+                head_fn, kw["tap"] = fn, tap
+        loss, cur = self._policy_loss(data.ro, mb, mask, head_fn, kw)
+        if tap is not None and tap.loss is not None:
+            loss = loss + tap.loss
         loss.backward()
         stats = fn.stats()
+        if tap is not None:
+            stats["distill_loss"] = tap.value
         stats["drift"] = _max_abs(cur.logprobs.detach() - tok(data.old_logp), mask) if on_policy and not fill else 0.0
         if fill:
             fill_deferred(data, mb, cur, mask, cfg.kl.exact)
         if self.critic is not None:
             self._critic_backward(data, mb, scale, last)
         return stats
+
+    def _distill_tap(self, data: StepData, tok, weights) -> DistillTap | None:
+        """This micro-batch's distillation term (rl/distill/term.py), or None (no teacher, the sampled
+        baseline, whose term is in the advantages, or a weight of 0 this step)."""
+        c = self.cfg
+        if data.teacher_hidden is None or not needs_tap(c.distill) or getattr(self, "distill_coef", 0.0) == 0.0:
+            return None
+        topk = None if data.teacher_topk is None else tuple(tok(x) for x in data.teacher_topk)
+        return DistillTap(c.distill, teacher_hidden=tok(data.teacher_hidden), teacher_weight=data.teacher_weight,
+                          topk=topk, weights=weights, coef=self.distill_coef, tp_group=self.heads.tp_group,
+                          vocab_size=self.heads.vocab_size, temperature=self.heads.temperature,
+                          teacher_temperature=c.teacher.temperature, chunk_size=self.heads.chunk_size)
 
     def _kl_future(self, data: StepData, tok):
         """kl.gradient=sequence in the loss: each token's future KL (rl/objectives/kl_place.py), this micro-batch's

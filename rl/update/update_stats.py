@@ -13,7 +13,7 @@ class UpdateStats:
     holds its share of the mini-batch loss) are summed over micro-batches and DP ranks and
     averaged over mini-batches; ratio and clip statistics are weighted by valid tokens."""
 
-    SCALED = ("pg_loss", "kl_loss")
+    SCALED = ("pg_loss", "kl_loss", "distill_loss")
     WEIGHTED = ("clipfrac", "dual_clipfrac", "ratio_mean", "approx_kl_old")
 
     def __init__(self):

@@ -55,6 +55,10 @@ def build_parser():
     ap.add_argument("--vocab", type=int)
     ap.add_argument("--model", choices=sorted(MODELS), help="take --hidden and --vocab from a model's head")
     ap.add_argument("--tp", type=int, default=1)
+    ap.add_argument("--ref-hidden", type=int, default=None,
+                    help="the reference's (a distillation teacher's) hidden width; default --hidden")
+    ap.add_argument("--ref-model", choices=sorted(MODELS), default=None,
+                    help="take --ref-hidden from a model's head (a teacher, e.g. llama3-70b; same vocabulary)")
     ap.add_argument("--sweep", default=None, help="grid, e.g. tokens=8k,32k,128k,tp=1,2,4,8 (keys: tokens, "
                     "hidden, vocab, tp)")
     ap.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
@@ -180,12 +184,15 @@ def _log(r):
 def main(argv=None) -> list[dict]:
     ap = build_parser()
     a = ap.parse_args(argv)
+    if a.ref_model is not None:
+        a.ref_hidden = MODELS[a.ref_model][0]
     names, notes, passes, shapes, tps = check_args(ap, a)
     for n in notes:
         print(f"note: {n}", file=sys.stderr, flush=True)
     if a.project:
 
-        rows = project_all(names, passes, shapes, tps, a.dtype, a.chunk_size, log=_log, device=a.device)
+        rows = project_all(names, passes, shapes, tps, a.dtype, a.chunk_size, log=_log, device=a.device,
+                           ref_hidden=a.ref_hidden)
     else:
 
         refuse_if_too_big(ap, names, passes, shapes, tps, a)
@@ -198,7 +205,7 @@ def measure_grid(names, passes, shapes, tps, a) -> list[dict]:
 
     rows = []
     kw = dict(names=names, passes=passes, dtype=a.dtype, chunk=a.chunk_size, seed=a.seed, device=a.device,
-              warmup=a.warmup, repeats=a.repeats, cpu_peak=a.cpu_peak)
+              warmup=a.warmup, repeats=a.repeats, cpu_peak=a.cpu_peak, ref_hidden=a.ref_hidden)
     for tp in tps:
         if tp == 1:
             rows += run_all(shapes=shapes, log=_log, **kw)

@@ -101,7 +101,7 @@ def _mean(t):
 
 
 def measure(name, pass_, T, H, V, dtype, chunk, group=None, seed=0, device="cpu", warmup=1, repeats=3,
-            fake=False, cpu_peak="memtracker") -> dict:
+            fake=False, cpu_peak="memtracker", ref_hidden=None) -> dict:
     """One measured row for `name` at this shape on this rank (see the module docstring). `chunk`:
     tokens per chunk, or None / "auto" (parallel/vocab_stats.py's auto_chunk_size for T and this
     rank's head [Vp/tp, H] in `dtype`, what the fused heads pick by default); the row reports the chunk used.
@@ -110,7 +110,7 @@ def measure(name, pass_, T, H, V, dtype, chunk, group=None, seed=0, device="cpu"
         raise ValueError(f"cpu_peak must be one of {CPU_PEAKS}, got {cpu_peak!r}")
     tp, rank = comm.group_size(group), comm.group_rank(group)
     backward = pass_ == "forward+backward"
-    x = Inputs(T, H, V, tp, rank, DTYPES[dtype], seed, backward, device, fake)
+    x = Inputs(T, H, V, tp, rank, DTYPES[dtype], seed, backward, device, fake, ref_hidden)
     chunk = resolve_chunk_size(chunk, T, x.Vp // tp, H, x.w.element_size())
     if name in COMPILED and not fake:
         warmup = max(warmup, 1)  # the compile belongs to neither the peak nor the timed repeats
@@ -138,6 +138,7 @@ def measure(name, pass_, T, H, V, dtype, chunk, group=None, seed=0, device="cpu"
                time_min_s=round(min(times), 5) if times else None, repeats=repeats, warmup=warmup,
                comm_bytes=counter.bytes, comm_calls=counter.calls,
                logprob_mean=_mean(outs[0]), entropy_mean=_mean(outs[1]), kl_mean=_mean(outs[2]),
+               ref_hidden=H if ref_hidden is None else ref_hidden,
                **{"pass": pass_})
     del x, outs
     if not fake:
@@ -156,14 +157,14 @@ def add_floor_ratios(rows: list[dict]) -> list[dict]:
 
 
 def run_all(names, passes, shapes, dtype, chunk, group=None, seed=0, device="cpu", warmup=1, repeats=3,
-            log=None, cpu_peak="memtracker") -> list[dict]:
+            log=None, cpu_peak="memtracker", ref_hidden=None) -> list[dict]:
     """Measured rows for every (shape (T, H, V), pass, name) on this rank."""
     rows = []
     for T, H, V in shapes:
         for pass_ in passes:
             for name in names:
                 row = measure(name, pass_, T, H, V, dtype, chunk, group, seed, device, warmup, repeats,
-                              cpu_peak=cpu_peak)
+                              cpu_peak=cpu_peak, ref_hidden=ref_hidden)
                 rows.append(row)
                 if log:
                     log(row)

@@ -14,7 +14,9 @@ backpropagate.
 | fused_k3_loss    | fused_loss | k3    | log q(t) by a no-grad fused head on the reference, then fused_head_loss |
 |                  |            |       | with k3(log p, log q) in its token_loss: like with like for fused_exact_loss |
 
-Peers (tools/klcost/peers.py) add verl_k3, trl_k3, cce_k3 and liger_jsd.
+Distillation (tools/klcost/distill_methods.py, the reference's side read as a teacher whose hidden width
+`ref_hidden` may differ from the student's): distill_fused_loss, distill_jsd, distill_topk, and gather /
+fused_exact themselves at two widths. Peers (tools/klcost/peers.py) add verl_k3, trl_k3, cce_k3 and liger_jsd.
 
 The forward+backward loss is a fixed linear function of the outputs (coefficients `coef` [3, T]),
 so every method backpropagates the same thing.
@@ -29,6 +31,7 @@ from parallel import comm
 from parallel.fused import fused_head
 from parallel.fused_loss import fused_head_loss
 from parallel.vocab import vocab_parallel_entropy, vocab_parallel_kl, vocab_parallel_logprobs
+from tools.klcost.distill_methods import distill_outputs
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 METHODS = {  # name -> (method, mode)
@@ -40,37 +43,46 @@ METHODS = {  # name -> (method, mode)
     "fused_exact_loss": ("fused_loss", "exact"),
     "fused_k3": ("fused", "k3"),
     "fused_k3_loss": ("fused_loss", "k3"),
+    "distill_fused_loss": ("fused_loss", "exact"),  # the teacher in the policy head's KL slot (the trainer's path)
+    "distill_jsd": ("fused", "jsd"),  # the policy's loss head, then the JSD head on the same hidden states
+    "distill_topk": ("topk", "topk"),  # the teacher's top-k shipped, then the student's fused cross-entropy
 }
+DISTILL = ("distill_fused_loss", "distill_jsd", "distill_topk")
 DEFAULT = ["gather", "vp_materialized", "vp_chunked", "fused_exact", "fused_exact_loss", "fused_k3", "fused_k3_loss"]
-CHUNKED = {"matmul_floor", "vp_chunked", "fused_exact", "fused_exact_loss", "fused_k3", "fused_k3_loss"}
+CHUNKED = {"matmul_floor", "vp_chunked", "fused_exact", "fused_exact_loss", "fused_k3", "fused_k3_loss", *DISTILL}
 
 
 class Inputs:
     """One rank's inputs: policy / reference hidden [T, H] (replicated), head shards [Vp/tp, H]
-    (rows of this rank's vocabulary slice), targets [T] (global ids), loss coefficients [3, T]."""
+    (rows of this rank's vocabulary slice), targets [T] (global ids), loss coefficients [3, T].
+    `ref_hidden`: the reference's (a distillation teacher's) hidden width, H when None."""
 
-    def __init__(self, T, H, V, tp, rank, dtype, seed, grad, device="cpu", fake=False):
+    def __init__(self, T, H, V, tp, rank, dtype, seed, grad, device="cpu", fake=False, ref_hidden=None):
         self.V, self.Vp = V, ModelConfig(vocab_size=V).padded_vocab_size(tp)
         width = self.Vp // tp
+        Hr = H if ref_hidden is None else ref_hidden
         if fake:  # under a fake mode (projection): shapes only, made on the device itself
-            self._empty(T, H, width, dtype, grad, device)
+            self._empty(T, H, width, dtype, grad, device, Hr)
             return
         g = torch.Generator(device="cpu").manual_seed(seed)
         put = lambda x: x.to(device=device, dtype=dtype)  # drawn on CPU: the same numbers on every device
         self.h = put(torch.randn(T, H, generator=g, device="cpu")).requires_grad_(grad)
-        self.hr = put(torch.randn(T, H, generator=g, device="cpu"))
+        self.hr = put(torch.randn(T, Hr, generator=g, device="cpu"))
         g_w = torch.Generator(device="cpu").manual_seed(seed + 1 + rank)  # each rank's own rows of the heads
         w = torch.randn(width, H, generator=g_w, device="cpu") * H**-0.5 * 2
-        self.wr = put(w + torch.randn(width, H, generator=g_w, device="cpu") * H**-0.5 * 0.3)
+        if Hr == H:
+            self.wr = put(w + torch.randn(width, H, generator=g_w, device="cpu") * H**-0.5 * 0.3)
+        else:  # a teacher of another width: its own head
+            self.wr = put(torch.randn(width, Hr, generator=g_w, device="cpu") * Hr**-0.5 * 2)
         self.w = put(w).requires_grad_(grad)
         self.t = torch.randint(0, V, (T,), generator=g, device="cpu").to(device)
         self.coef = torch.randn(3, T, generator=g, device="cpu").to(device)
 
-    def _empty(self, T, H, width, dtype, grad, device):
+    def _empty(self, T, H, width, dtype, grad, device, Hr):
         self.h = torch.empty(T, H, dtype=dtype, device=device).requires_grad_(grad)
-        self.hr = torch.empty(T, H, dtype=dtype, device=device)
+        self.hr = torch.empty(T, Hr, dtype=dtype, device=device)
         self.w = torch.empty(width, H, dtype=dtype, device=device).requires_grad_(grad)
-        self.wr = torch.empty(width, H, dtype=dtype, device=device)
+        self.wr = torch.empty(width, Hr, dtype=dtype, device=device)
         self.t = torch.zeros(T, dtype=torch.long, device=device)
         self.coef = torch.empty(3, T, device=device)
 
@@ -120,6 +132,8 @@ def outputs(name, x: Inputs, group, chunk, backward):
         return (out.logprobs, out.entropy, out.kl), loss
     if name == "fused_k3_loss":
         return _fused_k3_loss(x, hp, group, chunk)
+    if name in DISTILL:
+        return distill_outputs(name, x, hp, group, chunk)
     outs = _plain_outputs(name, x, hp, group, chunk)
     return outs, linear_loss(outs, x.coef)
 

@@ -64,7 +64,7 @@ EXTRAPOLATE_FROM = (4, 8)  # chunks: a chunked method's row at many chunks is ex
 EXTRAPOLATED = CHUNKED - {"vp_chunked"}
 
 
-def project(name, pass_, T, H, V, tp, dtype, chunk, seed=0, device="cuda", extrapolate=True) -> dict:
+def project(name, pass_, T, H, V, tp, dtype, chunk, seed=0, device="cuda", extrapolate=True, ref_hidden=None) -> dict:
     """One projected row: `name`'s peak (and comm) at this shape, one rank of tp, without allocating.
 
     A fused chunked method (every chunk the same work, the O(T) buffers made up front, the same
@@ -78,16 +78,16 @@ def project(name, pass_, T, H, V, tp, dtype, chunk, seed=0, device="cuda", extra
     a, b = EXTRAPOLATE_FROM
     r = T % c  # the last, short chunk: the same in the two runs extrapolated from
     if extrapolate and name in EXTRAPOLATED and T // c > b:
-        ra = project(name, pass_, a * c + r, H, V, tp, dtype, c, seed, device, extrapolate=False)
-        rb = project(name, pass_, b * c + r, H, V, tp, dtype, c, seed, device, extrapolate=False)
+        ra = project(name, pass_, a * c + r, H, V, tp, dtype, c, seed, device, False, ref_hidden)
+        rb = project(name, pass_, b * c + r, H, V, tp, dtype, c, seed, device, False, ref_hidden)
         for k in ("peak_bytes", "comm_bytes", "comm_calls"):
             rb[k] += (rb[k] - ra[k]) * (T // c - b) // (b - a)
         rb.update(tokens=T, extrapolated_from=[a * c + r, b * c + r])
         return rb
-    return _project_one(name, pass_, T, H, V, tp, dtype, c, seed, device)
+    return _project_one(name, pass_, T, H, V, tp, dtype, c, seed, device, ref_hidden)
 
 
-def _project_one(name, pass_, T, H, V, tp, dtype, chunk, seed, device) -> dict:
+def _project_one(name, pass_, T, H, V, tp, dtype, chunk, seed, device, ref_hidden=None) -> dict:
     """project() of one shape, run in full; `device` as for project():
     `device`: whose code path to project. "cuda": the GPU's path (the head's fp32 logits straight out
     of torch.mm(out_dtype=float32)), run on meta tensors, which take that path and allocate
@@ -102,7 +102,7 @@ def _project_one(name, pass_, T, H, V, tp, dtype, chunk, seed, device) -> dict:
     try:
         with FakeTensorMode() if device == "cpu" else contextlib.nullcontext(), _ZeroScalars():
             row = measure(name, pass_, T, H, V, dtype, chunk, group, seed, warmup=0, repeats=0, fake=True,
-                          device="meta" if device == "cuda" else device)
+                          device="meta" if device == "cuda" else device, ref_hidden=ref_hidden)
     finally:
         if created:  # leave no fake default group behind (the process may run real work afterwards)
             _groups.clear()
@@ -113,14 +113,14 @@ def _project_one(name, pass_, T, H, V, tp, dtype, chunk, seed, device) -> dict:
     return row
 
 
-def project_all(names, passes, shapes, tps, dtype, chunk, log=None, device="cuda") -> list[dict]:
+def project_all(names, passes, shapes, tps, dtype, chunk, log=None, device="cuda", ref_hidden=None) -> list[dict]:
     """Projected rows for every (shape (T, H, V), tp, pass, name)."""
     rows = []
     for T, H, V in shapes:
         for tp in tps:
             for pass_ in passes:
                 for name in names:
-                    rows.append(project(name, pass_, T, H, V, tp, dtype, chunk, device=device))
+                    rows.append(project(name, pass_, T, H, V, tp, dtype, chunk, device=device, ref_hidden=ref_hidden))
                     if log:
                         log(rows[-1])
     return rows
@@ -155,7 +155,8 @@ def refuse_if_too_big(ap, names, passes, shapes, tps, a):
             crude = (10 * T * ModelConfig(vocab_size=V).padded_vocab_size(1) * 4 + 4 * T * H * 4) * tp
             if crude < 0.5 * free:
                 continue  # far below the free memory whatever the method: no need to project
-            peaks = [project(n, p, T, H, V, tp, a.dtype, a.chunk_size, device=a.device)["peak_bytes"]
+            peaks = [project(n, p, T, H, V, tp, a.dtype, a.chunk_size, device=a.device,
+                             ref_hidden=getattr(a, "ref_hidden", None))["peak_bytes"]
                      for n in names if n in PROJECTABLE for p in passes]
             need = (max(peaks, default=0) + input_bytes(T, H, V, tp, a.dtype)) * (tp if a.device == "cpu" else 1)
             if need > 0.9 * free:
