@@ -164,16 +164,22 @@ def test_decode_equals_trainer(monkeypatch, precision, gen_kw):
     if gen_kw.pop("blocks", False):  # several key and query blocks per sequence (the defaults exceed these lengths)
         monkeypatch.setattr(invariant, "KEY_BLOCK", 8)
         monkeypatch.setattr(invariant, "QUERY_BLOCK", 16)
-    model = _model(precision)
+    ro = _decode_equals_trainer(monkeypatch, _model(precision), **gen_kw)
+    lens = ro.response_mask.sum(1).tolist()
+    assert len(set(lens)) > 2 and min(lens) < 10, lens  # skewed lengths: rows finish early, the batch compacts
+
+
+def _decode_equals_trainer(monkeypatch, model, **gen_kw) -> Rollout:
+    """Generate with the recorder; the decode's hidden states and logits equal the full forward's, and the
+    fused head on each decode hidden state equals every trainer path's log-probs. -> the rollout."""
     rec = Recorder(monkeypatch)
     ids, mask = _prompts()
     ro = rec.run(model, ids, mask, torch.arange(ids.shape[0]), **gen_kw)
-    lens = ro.response_mask.sum(1).tolist()
-    assert len(set(lens)) > 2 and min(lens) < 10, lens  # skewed lengths: rows finish early, the batch compacts
     _check_hidden_and_logits(model, rec, ro)
     decode = _decode_logprobs(model, rec, ro)
     for how in TRAINER_PATHS:
         _assert_equal_where(_trainer_logprobs(model, ro, how), decode, ro.response_mask, how)
+    return ro
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
@@ -186,13 +192,7 @@ def test_decode_equals_trainer_qwen2_shape(monkeypatch, precision):
         for name, p in model.named_parameters():
             if name.endswith("bias"):
                 p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(len(name))) * 0.5)
-    rec = Recorder(monkeypatch)
-    ids, mask = _prompts()
-    ro = rec.run(model, ids, mask, torch.arange(ids.shape[0]), share_prefill=True)
-    _check_hidden_and_logits(model, rec, ro)
-    decode = _decode_logprobs(model, rec, ro)
-    for how in TRAINER_PATHS:
-        _assert_equal_where(_trainer_logprobs(model, ro, how), decode, ro.response_mask, how)
+    _decode_equals_trainer(monkeypatch, model, share_prefill=True)
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
