@@ -100,6 +100,10 @@ def tp_replicas(name: str, cfg: ModelConfig, tp: int) -> int:
     parameters outside the model's own names (such a wrapper's small head) must be replicated
     over TP, so they count tp times."""
     name = name[len("body."):] if name.startswith("body.") else name
+    if ".lora.lora_" in name:  # a LoRA factor (parallel/lora.py)
+        from parallel.lora import lora_tp_replicas
+
+        return lora_tp_replicas(name, cfg, tp)
     if name not in full_param_shapes(cfg):
         return tp
     sl = tp_slice(name, cfg, 0, tp)

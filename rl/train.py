@@ -40,12 +40,14 @@ from core.runtime.run import Run, check_not_stopped, record_stop, saving, start_
 from core.tokenizer import TOKENIZER_FILES, load_tokenizer
 from parallel.dims import launch_world_size, resolve_device
 from parallel.fsdp import FSDPOptions, freeze, parallelize
+from parallel.lora import apply_lora, has_adapters, init_adapters
 from rl.config import RLConfig
 from rl.experience.prompts import PromptSampler, data_hashes, load_prompt_data
 from rl.experience.rewards import build_reward
 from rl.experience.rollout import DataPrompts, TaskPrompts
 from rl.health.guards import CollapseGuard, Preempted
 from rl.models.critic import Critic
+from rl.models.lora_ref import BaseReference
 from rl.preflight import check_memory, check_rl_config, dry_run
 from rl.trainer import RLTrainer
 from rl.warmstart import ensure_start_checkpoint
@@ -110,14 +112,19 @@ def assemble(cfg: RLConfig, state, model_cfg, tokenizer, policy, ref, critic=Non
     opts = FSDPOptions(fsdp=p.fsdp, mixed_precision=mp, activation_checkpointing=p.activation_checkpointing,
                        cpu_offload=False)
     total = cfg.train.steps * cfg.algo.epochs * cfg.algo.mini_batches
+    if cfg.lora.enabled and not has_adapters(policy):  # frozen base, fp32 adapters (parallel/lora.py)
+        init_adapters(apply_lora(policy, cfg.lora), cfg.lora.seed)
     policy = parallelize(policy, state.dp_mesh, opts).set_mixed_precision(mp)
     if cfg.train.compile:
         policy.compile_blocks()
-    if cfg.reference.dtype == "bf16":  # bf16 weights, half the memory; its KL path stays fp32 (fused heads)
-        ref = ref.cast_weights(torch.bfloat16)
-    ref = parallelize(freeze(ref), state.dp_mesh, FSDPOptions(fsdp=p.fsdp, mixed_precision=mp,
-                                                               cpu_offload=cfg.reference.cpu_offload))
-    ref.set_mixed_precision(mp)
+    if cfg.reference.from_policy_base:  # the policy with its adapters off: no reference weights
+        ref = BaseReference(policy)
+    else:
+        if cfg.reference.dtype == "bf16":  # bf16 weights, half the memory; its KL path stays fp32 (fused heads)
+            ref = ref.cast_weights(torch.bfloat16)
+        ref = parallelize(freeze(ref), state.dp_mesh, FSDPOptions(fsdp=p.fsdp, mixed_precision=mp,
+                                                                   cpu_offload=cfg.reference.cpu_offload))
+        ref.set_mixed_precision(mp)
     opt = build_optimizer(policy, cfg.optim, model_cfg, total, state.tp_group, state.dp_group)
     critic_opt = None
     if critic is not None:
@@ -150,7 +157,9 @@ def build(cfg: RLConfig, stop_request: StopRequest | None = None) -> tuple[RLTra
     state, kv_group, device, fp = run.state, run.kv_group, run.device, tokenizer.fingerprint
     load = dict(state=state, kv_group=kv_group, device=device, tokenizer_fp=fp, verify=cfg.train.verify_checkpoints)
     policy = _load(Transformer, model_cfg, start, what="policy", **load)
-    ref = _load(Transformer, model_cfg, cfg.reference.checkpoint or start, what="reference", **load)
+    ref = None
+    if not cfg.reference.from_policy_base:
+        ref = _load(Transformer, model_cfg, cfg.reference.checkpoint or start, what="reference", **load)
     critic = None
     if cfg.algo.name == "ppo":
         critic = _load(Critic, model_cfg, start, what="critic", **load)
@@ -161,7 +170,8 @@ def _modules(trainer: RLTrainer) -> dict:
     mods = {"policy": (trainer.policy, trainer.opt)}
     if trainer.critic is not None:
         mods["critic"] = (trainer.critic, trainer.critic_opt)
-    if trainer.cfg.reference.sync_every or trainer.cfg.reference.sync_below is not None:
+    synced = trainer.cfg.reference.sync_every or trainer.cfg.reference.sync_below is not None
+    if synced and not trainer.cfg.reference.from_policy_base:  # a base reference merges into the policy
         mods["reference"] = (trainer.ref, None)  # a synced reference is part of the state
     return mods
 

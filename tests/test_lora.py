@@ -1,0 +1,138 @@
+"""LoRA on the TP layers: the adapters-off reference is bitwise the base model, a merged model
+computes the adapted one, and a LoRA GRPO step does not depend on the tp x dp layout."""
+
+import copy
+
+import pytest
+import torch
+
+from core.config import ModelConfig, load_config
+from core.model import build_model
+from core.tokenizer import load_tokenizer
+from parallel.dims import ParallelDims, init_parallel, kv_replica_group
+from parallel.lora import LoRAConfig, adapters, adapters_disabled, apply_lora, init_adapters, merge_adapters
+from rl.config import RLConfig
+from tests.test_rl_trainer import BASE, GRPO, MODEL
+
+LORA = ["lora.rank=4", "lora.alpha=8"]
+IDS = torch.arange(3, 3 + 2 * 12).view(2, 12) % 250 + 3
+
+
+def _adapted(dtype=torch.float32, b_std=0.05, **kw):
+    mc = ModelConfig(**MODEL)
+    model = build_model(mc, seed=11, dtype=dtype)
+    init_adapters(apply_lora(model, LoRAConfig(rank=4, alpha=8, **kw)), seed=3, b_std=b_std)
+    return mc, model
+
+
+def test_base_frozen_and_adapters_trainable():
+    _, model = _adapted()
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert trainable and all(".lora.lora_" in n for n in trainable)
+    assert len(trainable) == 2 * 7 * MODEL["n_layers"]  # A and B on q k v o gate up down of each layer
+    assert all(a.lora_A.dtype == torch.float32 for a in adapters(model).values())
+
+
+def test_adapters_off_is_the_base_model_bitwise():
+    mc, model = _adapted()
+    base = build_model(mc, seed=11)
+    with torch.no_grad():
+        with adapters_disabled(model):
+            off = model(IDS)
+        on = model(IDS)
+        want = base(IDS)
+    assert torch.equal(off, want)
+    assert (on - want).abs().max() > 1e-3  # the adapters do change the model
+
+
+def test_lora_forward_is_w_plus_scaled_ba():
+    # an independent formula: every adapted weight replaced by W + (alpha / r) B A in a plain model
+    mc, model = _adapted(dtype=torch.float64)
+    plain = build_model(mc, seed=11, dtype=torch.float64)
+    params = dict(plain.named_parameters())
+    with torch.no_grad():
+        for name, ad in adapters(model).items():
+            params[name] += (8 / 4) * ad.lora_B @ ad.lora_A
+        torch.testing.assert_close(model(IDS), plain(IDS), atol=1e-12, rtol=0)
+
+
+def test_rslora_scaling():
+    assert LoRAConfig(rank=16, alpha=8, rslora=True).scaling == 2.0
+    assert LoRAConfig(rank=16, alpha=8).scaling == 0.5
+
+
+def test_merge_then_reset_keeps_the_function():
+    _, model = _adapted()
+    merged = copy.deepcopy(model)
+    merge_adapters(merged, reset=True)
+    with torch.no_grad():
+        torch.testing.assert_close(merged(IDS), model(IDS), atol=1e-5, rtol=1e-5)
+        with adapters_disabled(merged):  # the new reference is the old adapted policy
+            torch.testing.assert_close(merged(IDS), model(IDS), atol=1e-5, rtol=1e-5)
+    assert all(float(a.lora_B.detach().abs().max()) == 0.0 for a in adapters(merged).values())
+
+
+@pytest.mark.parametrize("bad, msg", [
+    (["lora.targets=[q,foo]"], "lora.targets"),
+    (["reference.from_policy_base=true"], "lora.rank > 0"),
+    (LORA + ["reference.sync_every=2", "reference.sync_mode=ema"], "sync_mode=ema"),
+    (LORA + ["reference.cpu_offload=true"], "reference.cpu_offload"),
+])
+def test_bad_lora_config_names_the_key(bad, msg):
+    with pytest.raises(Exception, match=msg):
+        load_config(RLConfig, None, BASE + list(bad))
+
+
+def _lora_trainer(tp, dp, overrides, dtype):
+    from rl.train import assemble
+
+    cfg = load_config(RLConfig, None, BASE + LORA + list(overrides))
+    mc = ModelConfig(**MODEL)
+    state = init_parallel(ParallelDims(dp, tp), "cpu", mc.n_heads, mc.n_kv_heads)
+    kv = kv_replica_group(state, mc.n_kv_heads)
+    policy = build_model(mc, state.tp_group, kv, seed=11, dtype=dtype)
+    # B != 0 from the start, so that the first step moves A as well as B (B = 0 gives dL/dA = 0)
+    init_adapters(apply_lora(policy, cfg.lora), seed=3, b_std=0.05)
+    return assemble(cfg, state, mc, load_tokenizer(None), policy, None), state
+
+
+def _lora_steps(tp, dp, overrides):
+    from parallel.comm import gather_from_tp
+
+    trainer, state = _lora_trainer(tp, dp, overrides, torch.float64)
+    recs = [trainer.step(s) for s in range(2)]
+    with torch.no_grad():
+        logits = gather_from_tp(trainer.policy(IDS), state.tp_group)[..., :256]
+    keys = ("reward_mean", "kl_mean", "pg_loss", "grad_norm", "entropy", "ratio_mean", "kl_loss")
+    return [{k: r[k] for k in keys} for r in recs], logits
+
+
+@pytest.fixture(scope="module")
+def lora_single():
+    torch.set_num_threads(1)
+    return _lora_steps(1, 1, GRPO)
+
+
+def _same(single, got):
+    for a, b in zip(single[0], got[0]):
+        for k in a:
+            assert b[k] == pytest.approx(a[k], rel=1e-10, abs=1e-12), k
+    torch.testing.assert_close(got[1], single[1], atol=1e-10, rtol=0)
+
+
+def test_lora_step_kl_is_against_the_base(lora_single):
+    recs, _ = lora_single
+    # B != 0 here: the adapted policy already differs from its base (the reference) at step 0
+    assert recs[0]["kl_mean"] > 0.0 and recs[0]["grad_norm"] > 0.0
+
+
+@pytest.mark.slow
+def test_lora_grpo_tp2_dp2_matches_single_process(dist_pools, lora_single):
+    for r in dist_pools.run(4, _lora_steps, 2, 2, GRPO):
+        _same(lora_single, r)
+
+
+@pytest.mark.slow
+def test_lora_grpo_tp2_matches_single_process(dist_pools, lora_single):
+    for r in dist_pools.run(2, _lora_steps, 2, 1, GRPO):
+        _same(lora_single, r)
