@@ -67,6 +67,10 @@ def kv_heads_per_rank(cfg: ModelConfig, tp: int) -> int:
 
 def tp_slice(name: str, cfg: ModelConfig, tp_rank: int, tp: int) -> TPSlice:
     """The rows (or columns) of the full tensor `name` that TP rank `tp_rank` of `tp` holds."""
+    if ".lora.lora_" in name:  # a LoRA factor: sharded like its base weight (parallel/lora.py)
+        from parallel.lora import lora_tp_slice
+
+        return lora_tp_slice(name, cfg, tp_rank, tp)
     shape = full_param_shapes(cfg).get(name)
     if shape is None:
         raise KeyError(f"unknown parameter '{name}'")

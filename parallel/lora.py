@@ -185,6 +185,26 @@ def lora_tp_replicas(name: str, model_cfg, tp: int) -> int:
     return 1 if row else tp_replicas(base + ".weight", model_cfg, tp)
 
 
+def lora_tp_slice(name: str, model_cfg, tp_rank: int, tp: int):
+    """core/shards.TPSlice of a factor: column B takes W's rows, row A takes W's columns, the other
+    factor is replicated."""
+    from core.shards import TPSlice, tp_slice
+
+    base, which = name.split(".lora.lora_")
+    row = base.split(".")[-1] in ("wo", "w_down")
+    if (which == "A") != row:
+        return TPSlice(None)
+    return tp_slice(base + ".weight", model_cfg, tp_rank, tp)
+
+
+def lora_full_shape(name: str, model_cfg, tp: int, local_shape: tuple) -> tuple[int, int]:
+    """The unsharded shape of factor `name` whose TP-local shape is `local_shape` (the rank is in it)."""
+    base, which = name.split(".lora.lora_")
+    rank = local_shape[0] if which == "A" else local_shape[1]
+    a, b = full_adapter_shapes(model_cfg, base + ".weight", rank)
+    return a if which == "A" else b
+
+
 @torch.no_grad()
 def init_adapters(model, seed: int, b_std: float = 0.0) -> None:
     """A ~ N(0, 1/in_features) from a generator keyed by (seed, name), the same full tensor for every

@@ -136,3 +136,28 @@ def test_lora_grpo_tp2_dp2_matches_single_process(dist_pools, lora_single):
 def test_lora_grpo_tp2_matches_single_process(dist_pools, lora_single):
     for r in dist_pools.run(2, _lora_steps, 2, 1, GRPO):
         _same(lora_single, r)
+
+
+def _save_adapted_tp2(path):
+    from core.ckpt import save_model_weights
+
+    state = init_parallel(ParallelDims(1, 2), "cpu", MODEL["n_heads"], MODEL["n_kv_heads"])
+    mc = ModelConfig(**MODEL)
+    model = build_model(mc, state.tp_group, kv_replica_group(state, mc.n_kv_heads), seed=11)
+    init_adapters(apply_lora(model, LoRAConfig(rank=4, alpha=8)), seed=3, b_std=0.05)
+    save_model_weights(model, path, state)
+    return True
+
+
+@pytest.mark.slow
+def test_adapters_saved_at_tp2_load_at_tp1(dist_pools, tmp_path):
+    from core.ckpt import load_model_weights
+
+    path = str(tmp_path / "m")
+    assert dist_pools.run(2, _save_adapted_tp2, path) == [True, True]
+    mc, want = _adapted()  # the same seeds, built and initialised in one process
+    got = build_model(mc, seed=5)
+    apply_lora(got, LoRAConfig(rank=4, alpha=8))
+    load_model_weights(got, path, None)
+    with torch.no_grad():
+        assert torch.equal(got(IDS), want(IDS))

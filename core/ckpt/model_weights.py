@@ -91,6 +91,10 @@ def param_specs(module: nn.Module, cfg: ModelConfig, tp: int) -> list[ParamSpec]
     for name, p in module.named_parameters():
         name = clean_name(name)
         model_name = name.removeprefix("body.")
+        if ".lora.lora_" in model_name:  # a LoRA factor (parallel/lora.py): sliced like its base weight
+            from parallel.lora import lora_full_shape
+
+            shapes = {**shapes, model_name: lora_full_shape(model_name, cfg, tp, tuple(p.shape))}
         if model_name not in shapes:
             out.append(ParamSpec(name, None, tuple(p.shape), p))
             continue
