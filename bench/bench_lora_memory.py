@@ -42,9 +42,16 @@ def build(lora_rank: int):
     return assemble(cfg, state, mc, WideVocabTokenizer(load_tokenizer(None)), policy, ref)
 
 
-def _step_tracker():
+class _NoHook:
+    def remove(self) -> None:
+        pass
+
+
+def _step_tracker(frozen):
     """MemTracker that accepts the step's many root forwards (every decoding step, each pass): its
-    per-module statistics are cleared before a root module runs again; the device peak is kept."""
+    per-module statistics are cleared before a root module runs again; the device peak is kept.
+    `frozen` parameters get no gradient hook (MemTracker would try to hook them and fail; they have
+    no gradient to count)."""
     from torch.distributed._tools.mem_tracker import MemTracker
 
     class StepMemTracker(MemTracker):
@@ -55,7 +62,10 @@ def _step_tracker():
                 self.reset_mod_stats()
                 super()._pre_fw_hook(module, inputs)
 
-    return StepMemTracker()
+    mt = StepMemTracker()
+    for p in frozen:
+        mt._param_to_grad_hook_handles[p] = (_NoHook(), _NoHook())
+    return mt
 
 
 def step_peak(lora_rank: int) -> dict:
@@ -63,7 +73,7 @@ def step_peak(lora_rank: int) -> dict:
     tr.step(0)
     gc.collect()
     models = [tr.policy] + ([] if tr.cfg.reference.from_policy_base else [tr.ref])
-    mt = _step_tracker()
+    mt = _step_tracker([p for m in models for p in m.parameters() if not p.requires_grad])
     mt.track_external(*models, tr.opt.opt)
     with mt:
         tr.step(1)
@@ -87,9 +97,10 @@ def main(argv=None) -> dict:
     torch.manual_seed(0)
     full, lora = step_peak(0), step_peak(a.rank)
     mib = lambda b: f"{b / 2**20:.1f}"  # noqa: E731
-    print("| side | step peak MiB | params | grads | optimizer state | activations+temps | reference weights |")
+    print("| side | step peak MiB | params | grads | optimizer state | activations+temps | ref weights |")
     print("|---|---:|---:|---:|---:|---:|---:|")
-    for name, r in (("full fine-tuning + separate reference", full), (f"LoRA r={a.rank}, adapters-off reference", lora)):
+    sides = (("full fine-tuning + separate reference", full), (f"LoRA r={a.rank}, adapters-off reference", lora))
+    for name, r in sides:
         act = r.get("peak_Activation", 0) + r.get("peak_Temp", 0)
         print(f"| {name} | {mib(r['peak_total'])} | {mib(r.get('peak_Parameter', 0))} | "
               f"{mib(r.get('peak_Gradient', 0))} | {mib(r.get('peak_Optstate', 0))} | {mib(act)} | "
