@@ -62,6 +62,19 @@ def _step_tracker(frozen):
                 self.reset_mod_stats()
                 super()._pre_fw_hook(module, inputs)
 
+        # a module whose statistics were cleared: its per-module numbers are lost, the device peak is not
+        def _post_fw_hook(self, module, inputs, outputs):
+            if module in self.memory_tracking:
+                super()._post_fw_hook(module, inputs, outputs)
+
+        def _pre_bw_hook(self, module, args):
+            if module in self.memory_tracking:
+                super()._pre_bw_hook(module, args)
+
+        def _post_bw_hook(self, module, args):
+            if module in self.memory_tracking:
+                super()._post_bw_hook(module, args)
+
     mt = StepMemTracker()
     for p in frozen:
         mt._param_to_grad_hook_handles[p] = (_NoHook(), _NoHook())

@@ -31,15 +31,13 @@ from __future__ import annotations
 
 import contextlib
 import math
-import zlib
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from parallel.comm import group_rank, group_size
-from parallel.dims import derive_seed
+from parallel.fsdp import full_tensor
 from parallel.layers import ColumnParallelLinear, RowParallelLinear, tie_replicas
 
 # target key -> (submodule of a Block, layer attribute, Hugging Face module path below the layer)
@@ -152,78 +150,6 @@ def has_adapters(model) -> bool:
     return hasattr(model, "layers") and bool(adapters(model))
 
 
-def full_adapter_shapes(model_cfg, name: str, rank: int) -> tuple[tuple[int, int], tuple[int, int]]:
-    """The unsharded (A, B) shapes of the adapter on base weight `name`."""
-    from core.shards import full_param_shapes
-
-    out, inp = full_param_shapes(model_cfg)[name]
-    return (rank, inp), (out, rank)
-
-
-def tp_local(full: torch.Tensor, name: str, which: str, model_cfg, tp_rank: int, tp: int) -> torch.Tensor:
-    """This rank's slice of a full adapter factor (`which` "A" or "B") on base weight `name`:
-    column layers shard B's rows like W's rows, row layers shard A's columns like W's columns."""
-    from core.shards import tp_slice
-
-    sl = tp_slice(name, model_cfg, tp_rank, tp)
-    leaf = name.split(".")[-2]
-    row = leaf in ("wo", "w_down")
-    if (row and which == "A") or (not row and which == "B"):
-        return full.narrow(1 if row else 0, sl.start, sl.stop - sl.start).contiguous()
-    return full.clone()
-
-
-def lora_tp_replicas(name: str, model_cfg, tp: int) -> int:
-    """How many TP ranks hold identical copies of the factor `name` (`...{wq}.lora.lora_A`): the
-    replicated factor (column A, row B) on all tp; a column B like its base weight's rows."""
-    from core.shards import tp_replicas
-
-    base, which = name.split(".lora.lora_")
-    row = base.split(".")[-1] in ("wo", "w_down")
-    if (which == "A") != row:
-        return tp
-    return 1 if row else tp_replicas(base + ".weight", model_cfg, tp)
-
-
-def lora_tp_slice(name: str, model_cfg, tp_rank: int, tp: int):
-    """core/shards.TPSlice of a factor: column B takes W's rows, row A takes W's columns, the other
-    factor is replicated."""
-    from core.shards import TPSlice, tp_slice
-
-    base, which = name.split(".lora.lora_")
-    row = base.split(".")[-1] in ("wo", "w_down")
-    if (which == "A") != row:
-        return TPSlice(None)
-    return tp_slice(base + ".weight", model_cfg, tp_rank, tp)
-
-
-def lora_full_shape(name: str, model_cfg, tp: int, local_shape: tuple) -> tuple[int, int]:
-    """The unsharded shape of factor `name` whose TP-local shape is `local_shape` (the rank is in it)."""
-    base, which = name.split(".lora.lora_")
-    rank = local_shape[0] if which == "A" else local_shape[1]
-    a, b = full_adapter_shapes(model_cfg, base + ".weight", rank)
-    return a if which == "A" else b
-
-
-@torch.no_grad()
-def init_adapters(model, seed: int, b_std: float = 0.0) -> None:
-    """A ~ N(0, 1/in_features) from a generator keyed by (seed, name), the same full tensor for every
-    layout; B = 0 (the adapted model starts as the base), or N(0, b_std^2) likewise keyed (tests)."""
-    tp_group = model.tp_group
-    tp, rank = group_size(tp_group), group_rank(tp_group)
-    for name, ad in adapters(model).items():
-        a_shape, b_shape = full_adapter_shapes(model.cfg, name, ad.lora_A.shape[0])
-        for which, shape, std in (("A", a_shape, 1.0 / math.sqrt(a_shape[1])), ("B", b_shape, b_std)):
-            p = ad.lora_A if which == "A" else ad.lora_B
-            if std == 0.0:
-                p.zero_()
-                continue
-            key = f"{name[:-len('.weight')]}.lora_{which}"
-            g = torch.Generator().manual_seed(derive_seed(seed, zlib.crc32(key.encode())))
-            full = torch.randn(shape, generator=g, dtype=torch.float64, device="cpu") * std
-            p.copy_(tp_local(full, name, which, model.cfg, rank, tp).to(device=p.device, dtype=p.dtype))
-
-
 @contextlib.contextmanager
 def adapters_disabled(model):
     """The base model through the same modules: every adapter skipped inside the block."""
@@ -240,8 +166,6 @@ def adapters_disabled(model):
 
 def lora_delta(ad: LoRAAdapter) -> torch.Tensor:
     """s * B A in fp32, the TP-local [out_l, in_l] update the adapter adds to W (gathered over dp)."""
-    from parallel.fsdp import full_tensor
-
     return full_tensor(ad.lora_B).float() @ full_tensor(ad.lora_A).float() * ad.scaling
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import tempfile
 from dataclasses import replace
 
 import torch
@@ -22,7 +23,9 @@ import torch.distributed as dist
 
 import core.ckpt as ckpt
 from core.ckpt import raise_on_all_ranks, world_group
+from core.ckpt.adapters import write_lora_config
 from core.config import ConfigError, ModelConfig, from_dict, load_config
+from core.lora import init_adapters
 from core.model import Transformer
 from core.model_shapes import PRESETS
 from core.optim import build_optimizer
@@ -40,7 +43,7 @@ from core.runtime.run import Run, check_not_stopped, record_stop, saving, start_
 from core.tokenizer import TOKENIZER_FILES, load_tokenizer
 from parallel.dims import launch_world_size, resolve_device
 from parallel.fsdp import FSDPOptions, freeze, parallelize
-from parallel.lora import apply_lora, has_adapters, init_adapters
+from parallel.lora import apply_lora, has_adapters
 from rl.config import RLConfig
 from rl.experience.prompts import PromptSampler, data_hashes, load_prompt_data
 from rl.experience.rewards import build_reward
@@ -220,10 +223,12 @@ def save_final_model(trainer: RLTrainer, run: Run, tokenizer, step: int) -> str:
     """Write `{out_dir}/model`: the policy's full weights (gathered over TP and DP) and the tokenizer
     files, all hashed in the manifest, so `tools.convert_hf export` gives a folder `transformers`
     loads. Collective."""
-    with saving(f"the final model {run.final_model_dir} (step {step})"):
+    with saving(f"the final model {run.final_model_dir} (step {step})"), tempfile.TemporaryDirectory() as tmp:
+        extra = tokenizer_files(tokenizer)
+        if trainer.cfg.lora.enabled:  # base + adapters + their config: tools.convert_hf export --merge-lora / --peft
+            extra.append(write_lora_config(tmp, trainer.cfg.lora))
         return ckpt.save_model_weights(trainer.policy, run.final_model_dir, run.state,
-                                       tokenizer_fingerprint=tokenizer.fingerprint, step=step,
-                                       extra_files=tokenizer_files(tokenizer))
+                                       tokenizer_fingerprint=tokenizer.fingerprint, step=step, extra_files=extra)
 
 
 def _report(rec: dict, step: int, cfg: RLConfig, is_main: bool) -> str | None:

@@ -7,10 +7,11 @@ import pytest
 import torch
 
 from core.config import ModelConfig, load_config
+from core.lora import init_adapters
 from core.model import build_model
 from core.tokenizer import load_tokenizer
 from parallel.dims import ParallelDims, init_parallel, kv_replica_group
-from parallel.lora import LoRAConfig, adapters, adapters_disabled, apply_lora, init_adapters, merge_adapters
+from parallel.lora import LoRAConfig, adapters, adapters_disabled, apply_lora, merge_adapters
 from rl.config import RLConfig
 from tests.test_rl_trainer import BASE, GRPO, MODEL
 
