@@ -1,0 +1,76 @@
+"""A LoRA model out of kltron: merged weights and a PEFT adapter folder give the adapted model's
+logits in `transformers` (and `peft`, when installed); a PEFT folder reads back to the same factors."""
+
+import pytest
+import torch
+
+from core.ckpt import CheckpointError, save_model_weights
+from core.ckpt.adapters import write_lora_config
+from core.config import ModelConfig
+from core.lora import init_adapters
+from core.model import build_model
+from parallel.lora import LoRAConfig, adapters, apply_lora
+from tools.convert_hf import export_hf
+from tools.peft_io import read_peft
+
+transformers = pytest.importorskip("transformers")
+
+MODEL = dict(vocab_size=256, hidden_size=32, n_layers=2, n_heads=4, n_kv_heads=2, intermediate_size=64,
+             max_seq_len=64, bos_id=1, eos_id=2, pad_id=0)
+LORA = LoRAConfig(rank=4, alpha=8, targets=["q", "k", "v", "o", "gate", "up", "down"])
+IDS = torch.arange(3, 3 + 2 * 12).view(2, 12) % 250 + 3
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    torch.set_num_threads(1)
+    tmp = tmp_path_factory.mktemp("lora")
+    mc = ModelConfig(**MODEL)
+    base = build_model(mc, seed=11)
+    save_model_weights(base, str(tmp / "base"), None)
+    model = build_model(mc, seed=11)
+    init_adapters(apply_lora(model, LORA), seed=3, b_std=0.05)
+    save_model_weights(model, str(tmp / "adapted"), None, extra_files=[write_lora_config(str(tmp), LORA)])
+    with torch.no_grad():
+        want = model(IDS)[..., :256]
+    return tmp, model, want
+
+
+def test_plain_export_of_a_lora_checkpoint_is_refused(saved, tmp_path):
+    tmp, _, _ = saved
+    with pytest.raises(CheckpointError, match="--merge-lora"):
+        export_hf(str(tmp / "adapted"), str(tmp_path / "x"))
+
+
+def test_merged_export_gives_the_adapted_logits(saved, tmp_path):
+    tmp, _, want = saved
+    export_hf(str(tmp / "adapted"), str(tmp_path / "merged"), merge_lora=True)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "merged")).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(hf(IDS).logits, want, atol=1e-5, rtol=1e-5)
+
+
+def test_peft_folder_reads_back_to_the_same_factors(saved, tmp_path):
+    tmp, model, _ = saved
+    export_hf(str(tmp / "adapted"), str(tmp_path / "peft"), peft=True)
+    lora, factors = read_peft(str(tmp_path / "peft"))
+    assert (lora.rank, lora.alpha, sorted(lora.targets)) == (4, 8.0, sorted(LORA.targets))
+    for name, ad in adapters(model).items():
+        stem = name[:-len(".weight")]
+        assert torch.equal(factors[f"{stem}.lora.lora_A"], ad.lora_A.detach())
+        assert torch.equal(factors[f"{stem}.lora.lora_B"], ad.lora_B.detach())
+
+
+def test_peft_loads_the_adapter_on_the_exported_base(saved, tmp_path):
+    peft = pytest.importorskip("peft")
+    tmp, _, want = saved
+    export_hf(str(tmp / "base"), str(tmp_path / "base_hf"))
+    export_hf(str(tmp / "adapted"), str(tmp_path / "peft"), peft=True)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "base_hf")).eval()
+    with torch.no_grad():
+        base_logits = hf(IDS).logits
+    pm = peft.PeftModel.from_pretrained(hf, str(tmp_path / "peft")).eval()
+    with torch.no_grad():
+        got = pm(IDS).logits
+    assert (got - base_logits).abs().max() > 1e-3  # the adapter was applied
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
