@@ -92,7 +92,8 @@ def step_peak(lora_rank: int) -> dict:
         tr.step(1)
     peak: dict = {}
     for d in mt.get_tracker_snapshot("peak").values():
-        for k, v in d.items():
+        for k, v in d.items():  # keys: "Total" and the _MemRefType members (PARAM, GRAD, OPT, ACT, TEMP, ...)
+            k = str(k).split(".")[-1]
             peak[k] = peak.get(k, 0) + v
     nbytes = lambda ts: sum(t.numel() * t.element_size() for t in ts)  # noqa: E731
     return {"lora_rank": lora_rank, "peak_total": peak["Total"], **{f"peak_{k}": v for k, v in peak.items()},
@@ -114,9 +115,9 @@ def main(argv=None) -> dict:
     print("|---|---:|---:|---:|---:|---:|---:|")
     sides = (("full fine-tuning + separate reference", full), (f"LoRA r={a.rank}, adapters-off reference", lora))
     for name, r in sides:
-        act = r.get("peak_Activation", 0) + r.get("peak_Temp", 0)
-        print(f"| {name} | {mib(r['peak_total'])} | {mib(r.get('peak_Parameter', 0))} | "
-              f"{mib(r.get('peak_Gradient', 0))} | {mib(r.get('peak_Optstate', 0))} | {mib(act)} | "
+        act = r.get("peak_ACT", 0) + r.get("peak_TEMP", 0)
+        print(f"| {name} | {mib(r['peak_total'])} | {mib(r.get('peak_PARAM', 0))} | "
+              f"{mib(r.get('peak_GRAD', 0))} | {mib(r.get('peak_OPT', 0))} | {mib(act)} | "
               f"{mib(r['reference_param_bytes'])} |")
     ratio = lora["peak_total"] / full["peak_total"]
     print(f"LoRA / full step peak: {ratio:.3f}")

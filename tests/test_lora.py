@@ -162,3 +162,18 @@ def test_adapters_saved_at_tp2_load_at_tp1(dist_pools, tmp_path):
     load_model_weights(got, path, None)
     with torch.no_grad():
         assert torch.equal(got(IDS), want(IDS))
+
+
+def test_budget_counts_the_adapters_only_and_no_reference():
+    from core.runtime.budget import Batch, Layout, lora_params, param_counts, step_budget
+
+    mc, model = _adapted()
+    n = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    assert lora_params(mc, 1, 4, LoRAConfig().targets) == n
+    batch = Batch(rollout_rows=8, update_rows=4, seq_len=32, response_len=16)
+    full = step_budget(mc, Layout(), batch, "tp")
+    lora = step_budget(mc, Layout(), batch, "policy_base", lora_rank=4)
+    assert lora["parts"]["reference"] == 0 and full["parts"]["reference"] == param_counts(mc, 1)["total"] * 4
+    assert lora["parts"]["gradients"] == 4 * n and lora["parts"]["AdamW state"] == 8 * n
+    assert lora["parts"]["policy weights"] == full["parts"]["policy weights"] + 4 * n
+    assert lora["peak"] < full["peak"]
