@@ -301,6 +301,10 @@ class RLConfig:
         if ref.from_policy_base is None:
             ref.from_policy_base = lora.enabled
         if not ref.from_policy_base:
+            if lora.enabled and (ref.sync_every or ref.sync_below is not None):
+                raise ValueError("reference.sync_every / sync_below with lora.rank > 0 and a separate reference: "
+                                 "copying the policy's frozen base into it changes nothing; use "
+                                 "reference.from_policy_base=true (a sync merges the adapters into the base)")
             return
         if not lora.enabled:
             raise ValueError("reference.from_policy_base=true is the policy with its LoRA adapters off: it needs "

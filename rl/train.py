@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 import core.ckpt as ckpt
 from core.ckpt import raise_on_all_ranks, world_group
-from core.ckpt.adapters import write_lora_config
+from core.ckpt.adapters import AdapterView, base_pointer, check_base_pointer, write_lora_config
 from core.config import ConfigError, ModelConfig, from_dict, load_config
 from core.lora import init_adapters
 from core.model import Transformer
@@ -166,10 +166,23 @@ def build(cfg: RLConfig, stop_request: StopRequest | None = None) -> tuple[RLTra
     critic = None
     if cfg.algo.name == "ppo":
         critic = _load(Critic, model_cfg, start, what="critic", **load)
-    return assemble(cfg, state, model_cfg, tokenizer, policy, ref, critic, data), run, tokenizer
+    trainer = assemble(cfg, state, model_cfg, tokenizer, policy, ref, critic, data)
+    # LoRA on a base that never changes: checkpoints hold the adapters and name this base (core/ckpt/adapters.py)
+    trainer.lora_base = base_pointer(start) if cfg.lora.enabled and not _synced(cfg) else None
+    return trainer, run, tokenizer
+
+
+def _synced(cfg: RLConfig) -> bool:
+    return bool(cfg.reference.sync_every) or cfg.reference.sync_below is not None
+
+
+def _adapters_only(trainer: RLTrainer) -> bool:
+    return getattr(trainer, "lora_base", None) is not None
 
 
 def _modules(trainer: RLTrainer) -> dict:
+    if _adapters_only(trainer):  # the frozen base is the start checkpoint's: only the adapters are state
+        return {"adapters": (AdapterView(trainer.policy), trainer.opt)}
     mods = {"policy": (trainer.policy, trainer.opt)}
     if trainer.critic is not None:
         mods["critic"] = (trainer.critic, trainer.critic_opt)
@@ -189,6 +202,8 @@ def _extra_state(trainer: RLTrainer) -> dict:
              "reward_kl_window": trainer.recorder.reward_kl.state_dict()}
     if _sampler(trainer) is not None:
         extra["prompt_sampler"] = _sampler(trainer).state_dict()
+    if _adapters_only(trainer):
+        extra["lora_base"] = trainer.lora_base
     return extra
 
 
@@ -197,6 +212,8 @@ def _resume(trainer: RLTrainer, run: Run) -> int:
     extra = run.resume(_modules(trainer))
     if extra is None:
         return 0
+    if _adapters_only(trainer) or "lora_base" in extra:
+        check_base_pointer(extra.get("lora_base"), getattr(trainer, "lora_base", None), run.ckpt_root)
     trainer.controller.load_state_dict(extra["kl_controller"])
     trainer.ref_sync.load_state_dict(extra["ref_sync"])
     trainer.reward_norm.load_state_dict(extra["reward_norm"])

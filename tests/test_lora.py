@@ -177,3 +177,40 @@ def test_budget_counts_the_adapters_only_and_no_reference():
     assert lora["parts"]["gradients"] == 4 * n and lora["parts"]["AdamW state"] == 8 * n
     assert lora["parts"]["policy weights"] == full["parts"]["policy weights"] + 4 * n
     assert lora["peak"] < full["peak"]
+
+
+def test_adapter_checkpoint_holds_only_the_adapters(tmp_path):
+    from core.ckpt import load_train_checkpoint, save_train_checkpoint
+    from core.ckpt.adapters import AdapterView
+    from core.config import OptimConfig
+    from core.optim import build_optimizer
+
+    mc, model = _adapted()
+    opt = build_optimizer(model, OptimConfig(lr=1e-2, warmup_steps=0), mc, 10)
+    model(IDS).float().pow(2).mean().backward()
+    opt.step()
+    path = save_train_checkpoint(str(tmp_path / "ck"), 0, None, {"adapters": (AdapterView(model), opt)})
+    _, fresh = _adapted(b_std=0.0)
+    opt2 = build_optimizer(fresh, OptimConfig(lr=1e-2, warmup_steps=0), mc, 10)
+    load_train_checkpoint(path, None, {"adapters": (AdapterView(fresh), opt2)})
+    with torch.no_grad():
+        assert torch.equal(fresh(IDS), model(IDS))
+    from safetensors import safe_open
+
+    with safe_open(f"{path}/adapters.safetensors", "pt") as f:
+        assert set(f.keys()) == {n for n, p in model.named_parameters() if p.requires_grad}
+
+
+def test_resume_onto_another_base_is_refused(tmp_path):
+    from core.ckpt import CheckpointError, save_model_weights
+    from core.ckpt.adapters import base_pointer, check_base_pointer
+
+    mc = ModelConfig(**MODEL)
+    save_model_weights(build_model(mc, seed=11), str(tmp_path / "a"), None)
+    save_model_weights(build_model(mc, seed=12), str(tmp_path / "b"), None)
+    a, b = base_pointer(str(tmp_path / "a")), base_pointer(str(tmp_path / "b"))
+    check_base_pointer(a, base_pointer(str(tmp_path / "a")), "ck")
+    with pytest.raises(CheckpointError, match="manifest sha256"):
+        check_base_pointer(a, b, "ck")
+    with pytest.raises(CheckpointError, match="lora.rank"):
+        check_base_pointer(None, b, "ck")
