@@ -214,3 +214,38 @@ def test_resume_onto_another_base_is_refused(tmp_path):
         check_base_pointer(a, b, "ck")
     with pytest.raises(CheckpointError, match="lora.rank"):
         check_base_pointer(None, b, "ck")
+
+
+def test_hard_sync_merges_into_the_base():
+    from rl.models.lora_ref import BaseReference
+    from rl.models.reference import sync_reference
+
+    _, model = _adapted()
+    ref = BaseReference(model)
+    with torch.no_grad():
+        before = model(IDS)
+        sync_reference(model, ref, "hard")
+        torch.testing.assert_close(ref(IDS), before, atol=1e-5, rtol=1e-5)  # the new reference: the old policy
+        torch.testing.assert_close(model(IDS), before, atol=1e-5, rtol=1e-5)
+    assert not list(ref.parameters())  # it owns no weights
+
+
+def _merged_logits(tp, dp):
+    from parallel.comm import gather_from_tp
+    from parallel.fsdp import FSDPOptions, parallelize
+
+    state = init_parallel(ParallelDims(dp, tp), "cpu", MODEL["n_heads"], MODEL["n_kv_heads"])
+    mc = ModelConfig(**MODEL)
+    model = build_model(mc, state.tp_group, kv_replica_group(state, mc.n_kv_heads), seed=11, dtype=torch.float64)
+    init_adapters(apply_lora(model, LoRAConfig(rank=4, alpha=8)), seed=3, b_std=0.05)
+    model = parallelize(model, state.dp_mesh, FSDPOptions())
+    merge_adapters(model)
+    with torch.no_grad(), adapters_disabled(model):
+        return gather_from_tp(model(IDS), state.tp_group)[..., :256]
+
+
+@pytest.mark.slow
+def test_merge_under_tp2_fsdp2_matches_single_process(dist_pools):
+    want = _merged_logits(1, 1)
+    for got in dist_pools.run(4, _merged_logits, 2, 2):
+        torch.testing.assert_close(got, want, atol=1e-10, rtol=0)
