@@ -62,6 +62,7 @@ class LoRAConfig:
     targets: list[str] = field(default_factory=lambda: list(TARGETS))
     rslora: bool = False  # scale alpha / sqrt(rank) instead of alpha / rank
     seed: int = 0  # A's initialisation (keyed further by each adapter's name)
+    init_from: str | None = None  # a PEFT adapter folder to start from (rank, alpha, targets must match)
 
     def __post_init__(self):
         if self.rank < 0:

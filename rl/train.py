@@ -23,9 +23,9 @@ import torch.distributed as dist
 
 import core.ckpt as ckpt
 from core.ckpt import raise_on_all_ranks, world_group
-from core.ckpt.adapters import AdapterView, base_pointer, check_base_pointer, write_lora_config
+from core.ckpt.adapters import AdapterView, base_pointer, check_base_pointer, peft_factors, write_lora_config
 from core.config import ConfigError, ModelConfig, from_dict, load_config
-from core.lora import init_adapters
+from core.lora import init_adapters, load_adapter_factors
 from core.model import Transformer
 from core.model_shapes import PRESETS
 from core.optim import build_optimizer
@@ -117,6 +117,8 @@ def assemble(cfg: RLConfig, state, model_cfg, tokenizer, policy, ref, critic=Non
     total = cfg.train.steps * cfg.algo.epochs * cfg.algo.mini_batches
     if cfg.lora.enabled and not has_adapters(policy):  # frozen base, fp32 adapters (parallel/lora.py)
         init_adapters(apply_lora(policy, cfg.lora), cfg.lora.seed)
+        if cfg.lora.init_from:  # continue from a PEFT adapter
+            load_adapter_factors(policy, peft_factors(cfg.lora), f"lora.init_from={cfg.lora.init_from}")
     policy = parallelize(policy, state.dp_mesh, opts).set_mixed_precision(mp)
     if cfg.train.compile:
         policy.compile_blocks()

@@ -5,13 +5,12 @@ import pytest
 import torch
 
 from core.ckpt import CheckpointError, save_model_weights
-from core.ckpt.adapters import write_lora_config
+from core.ckpt.adapters import read_peft, write_lora_config
 from core.config import ModelConfig
 from core.lora import init_adapters
 from core.model import build_model
 from parallel.lora import LoRAConfig, adapters, apply_lora
 from tools.convert_hf import export_hf
-from tools.peft_io import read_peft
 
 transformers = pytest.importorskip("transformers")
 
@@ -74,3 +73,37 @@ def test_peft_loads_the_adapter_on_the_exported_base(saved, tmp_path):
         got = pm(IDS).logits
     assert (got - base_logits).abs().max() > 1e-3  # the adapter was applied
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def _from_peft_tp2(folder):
+    from core.ckpt.adapters import peft_factors
+    from core.lora import load_adapter_factors
+    from parallel.comm import gather_from_tp
+    from parallel.dims import ParallelDims, init_parallel, kv_replica_group
+
+    state = init_parallel(ParallelDims(1, 2), "cpu", MODEL["n_heads"], MODEL["n_kv_heads"])
+    mc = ModelConfig(**MODEL)
+    model = build_model(mc, state.tp_group, kv_replica_group(state, mc.n_kv_heads), seed=11)
+    cfg = LoRAConfig(rank=4, alpha=8, init_from=folder)
+    init_adapters(apply_lora(model, cfg), seed=99)  # overwritten by the folder's factors
+    load_adapter_factors(model, peft_factors(cfg), "test")
+    with torch.no_grad():
+        return gather_from_tp(model(IDS), state.tp_group)[..., :256]
+
+
+@pytest.mark.slow
+def test_peft_folder_continues_training_at_tp2(saved, tmp_path, dist_pools):
+    tmp, _, want = saved
+    folder = str(tmp_path / "peft")
+    export_hf(str(tmp / "adapted"), folder, peft=True)
+    for got in dist_pools.run(2, _from_peft_tp2, folder):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_peft_folder_with_another_rank_is_refused(saved, tmp_path):
+    from core.ckpt.adapters import peft_factors
+
+    tmp, _, _ = saved
+    export_hf(str(tmp / "adapted"), str(tmp_path / "peft"), peft=True)
+    with pytest.raises(CheckpointError, match="lora.rank"):
+        peft_factors(LoRAConfig(rank=8, alpha=8, init_from=str(tmp_path / "peft")))

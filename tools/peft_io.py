@@ -10,8 +10,8 @@ factors as `<base>.lora.lora_A` [r, in] / `<base>.lora.lora_B` [out, r] (full, u
 
 The PEFT folder uses PEFT's names (base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight)
 and config keys (r, lora_alpha, use_rslora, target_modules), so `peft.PeftModel.from_pretrained`
-applies it to the base exported by plain `export` of the starting checkpoint. `read_peft` maps such
-a folder back to kltron's names and LoRA config (to continue training from a PEFT adapter).
+applies it to the base exported by plain `export` of the starting checkpoint. core/ckpt/adapters.py's
+`read_peft` maps such a folder back to kltron's names and LoRA config (`lora.init_from`).
 """
 
 from __future__ import annotations
@@ -29,7 +29,6 @@ from parallel.lora import TARGETS, LoRAConfig
 _HF_MODULE = {attr: hf for _, attr, hf in TARGETS.values()}  # wq -> self_attn.q_proj
 _KEY = {attr: key for key, (_, attr, _) in TARGETS.items()}  # wq -> q
 _FACTOR_RE = re.compile(r"^layers\.(\d+)\.(attn|mlp)\.(\w+)\.lora\.lora_([AB])$")
-_PEFT_RE = re.compile(r"^base_model\.model\.model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+_proj)\.lora_([AB])\.weight$")
 
 
 class AdapterError(CheckpointError):
@@ -61,15 +60,6 @@ def peft_name(name: str) -> str:
     return f"base_model.model.model.layers.{m.group(1)}.{_HF_MODULE[m.group(3)]}.lora_{m.group(4)}.weight"
 
 
-def kltron_name(key: str) -> str:
-    m = _PEFT_RE.match(key)
-    inv = {hf.split(".")[1]: (sub, attr) for sub, attr, hf in TARGETS.values()}
-    if m is None or m.group(3) not in inv:
-        raise AdapterError(f"not a PEFT LoRA key of a Llama-family model: '{key}'")
-    sub, attr = inv[m.group(3)]
-    return f"layers.{m.group(1)}.{sub}.{attr}.lora.lora_{m.group(4)}"
-
-
 def peft_config(lora: LoRAConfig, base_model: str | None = None) -> dict:
     return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": lora.rank, "lora_alpha": lora.alpha,
             "lora_dropout": lora.dropout, "use_rslora": lora.rslora, "bias": "none", "fan_in_fan_out": False,
@@ -89,27 +79,3 @@ def write_peft(factors: dict[str, torch.Tensor], lora: LoRAConfig, out: str, bas
     with open(os.path.join(out, "adapter_config.json"), "w") as f:
         json.dump(peft_config(lora, base_model), f, indent=2)
     return out
-
-
-def read_peft(folder: str) -> tuple[LoRAConfig, dict[str, torch.Tensor]]:
-    """(LoRA config, {kltron factor name: full tensor}) of a PEFT LoRA adapter folder."""
-    from safetensors.torch import load_file
-
-    cfg_path, w_path = os.path.join(folder, "adapter_config.json"), os.path.join(folder, "adapter_model.safetensors")
-    for p in (cfg_path, w_path):
-        if not os.path.isfile(p):
-            raise AdapterError(f"{folder}: no {os.path.basename(p)} (a PEFT LoRA adapter folder has both)")
-    with open(cfg_path) as f:
-        c = json.load(f)
-    if c.get("peft_type") != "LORA" or c.get("bias", "none") != "none" or c.get("modules_to_save"):
-        raise AdapterError(f"{cfg_path}: only plain LoRA adapters convert (peft_type LORA, bias none, no "
-                           f"modules_to_save)")
-    mods = c.get("target_modules") or []
-    by_proj = {hf.split(".")[1]: key for key, (_, _, hf) in TARGETS.items()}
-    bad = [m for m in mods if m not in by_proj]
-    if bad or isinstance(mods, str):
-        raise AdapterError(f"{cfg_path}: target_modules {mods!r}: supported {sorted(by_proj)}")
-    lora = LoRAConfig(rank=int(c["r"]), alpha=float(c["lora_alpha"]), rslora=bool(c.get("use_rslora", False)),
-                      dropout=float(c.get("lora_dropout", 0.0)), targets=[by_proj[m] for m in mods])
-    factors = {kltron_name(k): t for k, t in load_file(w_path).items()}
-    return lora, factors
