@@ -37,7 +37,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from parallel.fsdp import full_tensor
+from parallel.fsdp import full_tensor, local_tensor
 from parallel.layers import ColumnParallelLinear, RowParallelLinear, tie_replicas
 
 # target key -> (submodule of a Block, layer attribute, Hugging Face module path below the layer)
@@ -166,8 +166,11 @@ def adapters_disabled(model):
 
 
 def lora_delta(ad: LoRAAdapter) -> torch.Tensor:
-    """s * B A in fp32, the TP-local [out_l, in_l] update the adapter adds to W (gathered over dp)."""
-    return full_tensor(ad.lora_B).float() @ full_tensor(ad.lora_A).float() * ad.scaling
+    """s * B A in fp32 (float64 for float64 factors), the TP-local [out_l, in_l] update the adapter adds
+    to W (the factors gathered over dp)."""
+    b, a = full_tensor(ad.lora_B), full_tensor(ad.lora_A)
+    acc = torch.promote_types(b.dtype, torch.float32)
+    return b.to(acc) @ a.to(acc) * ad.scaling
 
 
 @torch.no_grad()
@@ -179,16 +182,12 @@ def merge_adapters(model, reset: bool = True) -> None:
         _add_to_param(_layer_of(model, name).weight, lora_delta(ad))
     if reset:
         for ad in adapters(model).values():
-            _local(ad.lora_B).zero_()
+            local_tensor(ad.lora_B).zero_()
 
 
 def _layer_of(model, name: str):
     parts = name.split(".")  # layers.{i}.{sub}.{attr}.weight
     return getattr(getattr(model.layers[int(parts[1])], parts[2]), parts[3])
-
-
-def _local(t):
-    return t.to_local() if hasattr(t, "to_local") else t
 
 
 def _add_to_param(p: torch.Tensor, delta: torch.Tensor) -> None:
@@ -198,6 +197,6 @@ def _add_to_param(p: torch.Tensor, delta: torch.Tensor) -> None:
         rep = DTensor.from_local(delta.to(p.device), p.device_mesh, [Replicate()] * len(p.placements),
                                  run_check=False)
         delta = rep.redistribute(p.device_mesh, p.placements).to_local()
-    local = _local(p)
-    local.copy_((local.to(torch.float64 if local.dtype == torch.float64 else torch.float32)
-                 + delta.to(local.device)).to(local.dtype))
+    local = local_tensor(p)
+    acc = torch.promote_types(local.dtype, delta.dtype)  # add in fp32 (or wider), round into W once
+    local.copy_((local.to(acc) + delta.to(device=local.device, dtype=acc)).to(local.dtype))
