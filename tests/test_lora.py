@@ -249,3 +249,29 @@ def test_merge_under_tp2_fsdp2_matches_single_process(dist_pools):
     want = _merged_logits(1, 1)
     for got in dist_pools.run(4, _merged_logits, 2, 2):
         torch.testing.assert_close(got, want, atol=1e-10, rtol=0)
+
+
+def _collectives():
+    from parallel.comm import count_comm
+
+    state = init_parallel(ParallelDims(1, 2), "cpu", MODEL["n_heads"], MODEL["n_kv_heads"])
+    mc = ModelConfig(**MODEL)
+    model = build_model(mc, state.tp_group, kv_replica_group(state, mc.n_kv_heads), seed=11)
+    init_adapters(apply_lora(model, LoRAConfig(rank=4, alpha=8)), seed=3, b_std=0.05)
+    with torch.no_grad(), adapters_disabled(model), count_comm() as off:
+        model(IDS)
+    with count_comm() as fwd:
+        loss = model(IDS).pow(2).mean()
+    with count_comm() as bwd:
+        loss.backward()
+    return [r.shape for r in off.records], [r.shape for r in fwd.records], [(r.kind, r.shape) for r in bwd.records]
+
+
+@pytest.mark.slow
+def test_adapters_add_no_forward_collective_and_one_small_backward_all_reduce_each(dist_pools):
+    off, fwd, bwd = dist_pools.run(2, _collectives)[0]
+    assert fwd == off  # the row adapters ride on the layers' own all-reduce
+    layers, H, r = MODEL["n_layers"], MODEL["hidden_size"], 4
+    assert sum(s == (r, H) for _, s in bwd) == 5 * layers  # dL/dA of q, k, v, gate, up
+    assert sum(s == (H, r) for _, s in bwd) == 2 * layers  # dL/dB of o, down
+    assert all(k == "all_reduce:sum" for k, s in bwd if s in ((r, H), (H, r)))
