@@ -107,3 +107,16 @@ def test_peft_folder_with_another_rank_is_refused(saved, tmp_path):
     export_hf(str(tmp / "adapted"), str(tmp_path / "peft"), peft=True)
     with pytest.raises(CheckpointError, match="lora.rank"):
         peft_factors(LoRAConfig(rank=8, alpha=8, init_from=str(tmp_path / "peft")))
+
+
+def test_tools_load_a_lora_model_folder_as_the_adapted_model(saved):
+    from core.ckpt import load_model_weights
+    from core.ckpt.adapters import adapt_to_checkpoint
+
+    tmp, _, want = saved
+    got = adapt_to_checkpoint(build_model(ModelConfig(**MODEL), seed=5), str(tmp / "adapted"))
+    load_model_weights(got, str(tmp / "adapted"), None)
+    plain = adapt_to_checkpoint(build_model(ModelConfig(**MODEL), seed=5), str(tmp / "base"))
+    assert not adapters(plain)  # a checkpoint without adapters leaves the model plain
+    with torch.no_grad():
+        assert torch.equal(got(IDS)[..., :256], want)

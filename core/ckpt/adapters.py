@@ -20,7 +20,7 @@ from core.ckpt.atomic import CheckpointError, sha256_file
 from core.ckpt.manifest import MANIFEST, resolve_checkpoint
 from core.ckpt.safetensors_read import open_safetensors
 from core.shards import LORA_TAG
-from parallel.lora import TARGETS, LoRAConfig
+from parallel.lora import TARGETS, LoRAConfig, apply_lora
 
 LORA_CONFIG = "lora_config.json"
 _PEFT_RE = re.compile(r"^base_model\.model\.model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+_proj)\.lora_([AB])\.weight$")
@@ -143,3 +143,13 @@ def peft_factors(cfg: LoRAConfig) -> dict[str, torch.Tensor]:
             raise CheckpointError(f"lora.init_from={cfg.init_from}: its adapter_config.json gives {key} {got!r}, "
                                   f"this run's lora.{key} is {want!r}: set lora.{key} to match")
     return factors
+
+
+def adapt_to_checkpoint(model: nn.Module, path: str) -> nn.Module:
+    """Attach zero adapters to `model` (a Transformer on a real device, before loading) when the
+    model checkpoint at `path` holds LoRA factors (its `lora_config.json`), so that loading it gives
+    the adapted model; a checkpoint without them leaves `model` as it is."""
+    folder = resolve_checkpoint(path)
+    if os.path.isfile(os.path.join(folder, LORA_CONFIG)):
+        apply_lora(model, read_lora_config(folder))
+    return model
