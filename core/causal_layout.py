@@ -52,3 +52,54 @@ def single_piece_rows(document_ids: torch.Tensor, prefix_ids: torch.Tensor) -> b
     ok = (valid[:, 1:] <= valid[:, :-1]).all(1) & (new_doc.long().sum(1) <= 1) \
         & ((prefix_ids == document_ids[:, :1]) | ~valid).all(1)
     return bool(ok.all())
+
+
+def attention_mask_4d(key_valid: torch.Tensor, q_len: int) -> torch.Tensor:
+    """key_valid [B, L] (1 = real token) -> bool [B, 1, S, L]: causal over the last S positions,
+    no attention to padding, and every query sees itself so padded queries stay finite."""
+    L = key_valid.shape[1]
+    q_pos = torch.arange(L - q_len, L, device=key_valid.device)
+    k_pos = torch.arange(L, device=key_valid.device)
+    causal = k_pos[None, :] <= q_pos[:, None]  # (S, L)
+    mask = causal[None] & key_valid.bool()[:, None, :]  # (B, S, L)
+    mask = mask | (k_pos[None, :] == q_pos[:, None])[None]
+    return mask.unsqueeze(1)
+
+
+def document_mask_4d(document_ids: torch.Tensor, prefix_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """document_ids [B, S] (packed sequences: each row several documents, each a contiguous run of
+    one id) -> bool [B, 1, S, S]: block-diagonal causal, a query sees the earlier keys of its own
+    document only. prefix_ids [B, S] (shared prompts): a query also sees the earlier keys of document
+    prefix_ids[q] (its group's prompt); prefix_ids == document_ids gives exactly the mask without."""
+    S = document_ids.shape[1]
+    pos = torch.arange(S, device=document_ids.device)
+    causal = pos[None, :] <= pos[:, None]  # (S, S)
+    same = document_ids[:, :, None] == document_ids[:, None, :]  # (B, S, S)
+    if prefix_ids is not None:
+        same = same | (prefix_ids[:, :, None] == document_ids[:, None, :])
+    return (causal[None] & same).unsqueeze(1)
+
+
+def document_positions(document_ids: torch.Tensor) -> torch.Tensor:
+    """document_ids [B, S] -> position_ids [B, S] that restart at 0 where each document starts."""
+    B, S = document_ids.shape
+    pos = torch.arange(S, device=document_ids.device).expand(B, S)
+    starts = torch.ones_like(document_ids, dtype=torch.bool)
+    starts[:, 1:] = document_ids[:, 1:] != document_ids[:, :-1]
+    first = torch.where(starts, pos, torch.zeros_like(pos)).cummax(-1).values  # (B, S) where each doc starts
+    return pos - first
+
+
+def check_packed(input_ids: torch.Tensor, document_ids, attention_mask, kv_cache, prefix_ids=None,
+                 position_ids=None) -> None:
+    if prefix_ids is not None and (document_ids is None or position_ids is None):
+        raise ValueError("Transformer.forward: prefix_ids (shared prompts) need document_ids and position_ids")
+    if document_ids is None:
+        return
+    if kv_cache is not None or attention_mask is not None:
+        raise ValueError("Transformer.forward: document_ids (packed sequences) take no kv_cache and no "
+                         "attention_mask (the documents are the mask)")
+    for name, t in (("document_ids", document_ids), ("prefix_ids", prefix_ids)):
+        if t is not None and t.shape != input_ids.shape:
+            raise ValueError(f"Transformer.forward: {name} {tuple(t.shape)} must have the shape of "
+                             f"input_ids {tuple(input_ids.shape)}")

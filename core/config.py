@@ -80,6 +80,9 @@ class ParallelConfig:
     cpu_offload: bool = False
     timeout_s: float = 600.0  # collective timeout: a rank frozen this long ends the run with an error
     watchdog_s: float = 0.0  # > 0: name the rank and phase that has not advanced in this many seconds
+    # every token's forward bits independent of the batch: the rollout's decode log-probs equal the
+    # trainer's, bit for bit (parallel/invariant.py; cost: docs/design.md "Batch-invariant mode")
+    batch_invariant: bool = False
 
     def resolve_dp(self, world_size: int) -> int:
         """parallel.dp (-1: world_size // tp), after checking parallel.tp, .dp and .timeout_s by name."""
@@ -111,6 +114,8 @@ def check_parallel(p: ParallelConfig, world_size: int) -> None:
         raise ConfigError(f"parallel.tp={p.tp} does not divide the world size {world_size}")
     if p.tp > world_size:
         raise ConfigError(f"parallel.tp={p.tp} is larger than the world size {world_size}")
+    if not isinstance(p.batch_invariant, bool):
+        raise ConfigError(f"parallel.batch_invariant must be true or false, got {p.batch_invariant!r}")
     if p.mixed_precision not in ("fp32", "bf16", "auto"):
         raise ConfigError(f"parallel.mixed_precision must be fp32, bf16 or auto, got {p.mixed_precision!r}")
     if not (math.isfinite(p.timeout_s) and p.timeout_s > 0):

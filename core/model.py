@@ -20,11 +20,27 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from core.causal_layout import left_pad_shift, roll_rows, single_piece_rows
+from core.causal_layout import (  # the mask helpers live there; imported from here too
+    attention_mask_4d,
+    check_packed,
+    document_mask_4d,
+    document_positions,
+    left_pad_shift,
+    roll_rows,
+    single_piece_rows,
+)
 from core.config import ModelConfig
 from core.shards import full_param_shapes, kv_heads_per_rank, tp_slice
 from parallel.comm import copy_to_tp, group_rank, group_size
 from parallel.dims import derive_seed
+from parallel.invariant import (
+    CachePositions,
+    CanonicalLayout,
+    batch_invariant,
+    invariant_attend,
+    invariant_layout,
+    silu,
+)
 from parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, vocab_parallel_logits
 
 # ---------------------------------------------------------------------------------------------
@@ -107,57 +123,6 @@ class KVCache:
                 store[i] = store[i].index_select(0, rows)
 
 
-def attention_mask_4d(key_valid: torch.Tensor, q_len: int) -> torch.Tensor:
-    """key_valid [B, L] (1 = real token) -> bool [B, 1, S, L]: causal over the last S positions,
-    no attention to padding, and every query sees itself so padded queries stay finite."""
-    L = key_valid.shape[1]
-    q_pos = torch.arange(L - q_len, L, device=key_valid.device)
-    k_pos = torch.arange(L, device=key_valid.device)
-    causal = k_pos[None, :] <= q_pos[:, None]  # (S, L)
-    mask = causal[None] & key_valid.bool()[:, None, :]  # (B, S, L)
-    mask = mask | (k_pos[None, :] == q_pos[:, None])[None]
-    return mask.unsqueeze(1)
-
-
-def document_mask_4d(document_ids: torch.Tensor, prefix_ids: torch.Tensor | None = None) -> torch.Tensor:
-    """document_ids [B, S] (packed sequences: each row several documents, each a contiguous run of
-    one id) -> bool [B, 1, S, S]: block-diagonal causal, a query sees the earlier keys of its own
-    document only. prefix_ids [B, S] (shared prompts): a query also sees the earlier keys of document
-    prefix_ids[q] (its group's prompt); prefix_ids == document_ids gives exactly the mask without."""
-    S = document_ids.shape[1]
-    pos = torch.arange(S, device=document_ids.device)
-    causal = pos[None, :] <= pos[:, None]  # (S, S)
-    same = document_ids[:, :, None] == document_ids[:, None, :]  # (B, S, S)
-    if prefix_ids is not None:
-        same = same | (prefix_ids[:, :, None] == document_ids[:, None, :])
-    return (causal[None] & same).unsqueeze(1)
-
-
-def document_positions(document_ids: torch.Tensor) -> torch.Tensor:
-    """document_ids [B, S] -> position_ids [B, S] that restart at 0 where each document starts."""
-    B, S = document_ids.shape
-    pos = torch.arange(S, device=document_ids.device).expand(B, S)
-    starts = torch.ones_like(document_ids, dtype=torch.bool)
-    starts[:, 1:] = document_ids[:, 1:] != document_ids[:, :-1]
-    first = torch.where(starts, pos, torch.zeros_like(pos)).cummax(-1).values  # (B, S) where each doc starts
-    return pos - first
-
-
-def check_packed(input_ids: torch.Tensor, document_ids, attention_mask, kv_cache, prefix_ids=None,
-                 position_ids=None) -> None:
-    if prefix_ids is not None and (document_ids is None or position_ids is None):
-        raise ValueError("Transformer.forward: prefix_ids (shared prompts) need document_ids and position_ids")
-    if document_ids is None:
-        return
-    if kv_cache is not None or attention_mask is not None:
-        raise ValueError("Transformer.forward: document_ids (packed sequences) take no kv_cache and no "
-                         "attention_mask (the documents are the mask)")
-    for name, t in (("document_ids", document_ids), ("prefix_ids", prefix_ids)):
-        if t is not None and t.shape != input_ids.shape:
-            raise ValueError(f"Transformer.forward: {name} {tuple(t.shape)} must have the shape of "
-                             f"input_ids {tuple(input_ids.shape)}")
-
-
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, tp_group, kv_replica_group, device=None, dtype=None):
         super().__init__()
@@ -178,14 +143,18 @@ class Attention(nn.Module):
         k = self.wk(x).view(B, S, self.nkv_l, self.hd).transpose(1, 2)  # (B, nkv_l, S, hd)
         v = self.wv(x).view(B, S, self.nkv_l, self.hd).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if cache is not None:
+        if cache is not None and isinstance(mask, CachePositions):  # each key at its position
+            k, v = mask.write(cache.k[layer], cache.v[layer], k, v, cache.length + S)
+        elif cache is not None:
             start = cache.length
             cache.k[layer][:, :, start:start + S] = k
             cache.v[layer][:, :, start:start + S] = v
             k = cache.k[layer][:, :, :start + S]  # (B, nkv_l, L, hd)
             v = cache.v[layer][:, :, :start + S]
         gqa = self.nh_l != self.nkv_l
-        if mask is None:
+        if isinstance(mask, (CanonicalLayout, CachePositions)):
+            y = invariant_attend(mask, q, k, v)
+        elif mask is None:
             y = F.scaled_dot_product_attention(q, k, v, is_causal=S > 1, enable_gqa=gqa)
         else:
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
@@ -204,7 +173,7 @@ class MLP(nn.Module):
 
     def forward(self, x):
         x = copy_to_tp(x, self.tp_group)  # backward: one all-reduce of dL/dx for gate and up together
-        return self.w_down(F.silu(self.w_gate(x)) * self.w_up(x))
+        return self.w_down(silu(self.w_gate(x)) * self.w_up(x))
 
 
 class Block(nn.Module):
@@ -252,6 +221,8 @@ class Transformer(nn.Module):
                              persistent=False)
         self.compute_dtype: torch.dtype | None = None  # None: compute in the weights' dtype (no autocast)
         self._compiled_layers: list | None = None  # torch.compile'd blocks (a plain list: not submodules)
+        # parallel.batch_invariant: each token's bits independent of the batch (parallel/invariant.py)
+        self.batch_invariant = False
 
     # -----------------------------------------------------------------------------------------
     # precision and compilation
@@ -315,6 +286,10 @@ class Transformer(nn.Module):
         prefix_ids [B, S] (shared prompts, with document_ids and position_ids): a token also sees the
         earlier tokens of document prefix_ids (its group's prompt; `document_mask_4d`).
         """
+        with batch_invariant(self.batch_invariant):
+            return self._forward(input_ids, position_ids, attention_mask, kv_cache, head, document_ids, prefix_ids)
+
+    def _forward(self, input_ids, position_ids, attention_mask, kv_cache, head, document_ids, prefix_ids):
         B, S = input_ids.shape
         past = kv_cache.length if kv_cache is not None else 0
         check_packed(input_ids, document_ids, attention_mask, kv_cache, prefix_ids, position_ids)
@@ -326,7 +301,8 @@ class Transformer(nn.Module):
             else:
                 position_ids = torch.arange(past, past + S, device=input_ids.device).expand(B, S)
         mask, shift = None, None
-        real = input_ids.device.type != "meta"  # the causal-layout checks read values (a host sync); meta has none
+        # the causal-layout checks read values (a host sync); meta has none; the invariant layouts need none
+        real = input_ids.device.type != "meta" and not self.batch_invariant
         if real and attention_mask is not None and kv_cache is None and S > 1:  # causal in disguise: causal_layout
             shift = left_pad_shift(attention_mask)
         if attention_mask is not None and shift is None:
@@ -336,6 +312,9 @@ class Transformer(nn.Module):
         if document_ids is not None and not (real and single_piece_rows(
                 document_ids, prefix_ids if prefix_ids is not None else document_ids)):
             mask = document_mask_4d(document_ids, prefix_ids)  # packed: block-diagonal causal attention
+        if self.batch_invariant:  # every token's keys laid out at their positions (parallel/invariant.py)
+            mask = invariant_layout(input_ids, position_ids, attention_mask, past if kv_cache is not None else None,
+                                    document_ids, prefix_ids)
         if shift is not None and not bool(shift.any()):
             shift = None  # no leading padding: the mask is causal as the rows stand
         if shift is not None:  # each row's real tokens from position 0: causal attention is the mask
@@ -343,7 +322,8 @@ class Transformer(nn.Module):
         with self._autocast(input_ids.device):
             x = self.embed(input_ids)  # (B, S, H), replicated over tp
             cos, sin = rope_cos_sin(self.inv_freq, position_ids, self.compute_dtype or x.dtype)
-            layers = self._compiled_layers if self._compiled_layers and kv_cache is None else self.layers
+            compiled = self._compiled_layers and kv_cache is None and not self.batch_invariant
+            layers = self._compiled_layers if compiled else self.layers
             for i, block in enumerate(layers):
                 x = block(x, cos, sin, mask, kv_cache, i)
             if shift is not None:

@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from parallel import invariant
+
 # ---------------------------------------------------------------------------------------------
 # counting
 
@@ -180,6 +182,8 @@ class _ReduceFromTP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
         # each rank holds a partial product over its slice of the input features; sum them
+        if invariant.enabled() and group_size(group) > 1:
+            return ordered_sum(x, group)
         return all_reduce(x.contiguous().clone(), "sum", group)
 
     @staticmethod
@@ -209,6 +213,17 @@ class _GatherFromTP(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return split_along(grad, ctx.dim, ctx.group), None, None
+
+
+def ordered_sum(x: torch.Tensor, group) -> torch.Tensor:
+    """The sum over `group` of x, added in rank order (batch-invariant mode): a ring all-reduce adds
+    an element's partial sums in an order set by the chunk it falls in, i.e. by the tensor's size,
+    so one token's row would round differently in a decode step and in a full forward."""
+    parts = all_gather_along(x.contiguous()[None], 0, group)
+    out = parts[0].clone()
+    for r in range(1, parts.shape[0]):
+        out += parts[r]
+    return out
 
 
 def copy_to_tp(x: torch.Tensor, group) -> torch.Tensor:

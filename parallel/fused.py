@@ -49,6 +49,7 @@ from typing import NamedTuple
 
 import torch
 
+from parallel import invariant
 from parallel.comm import group_size
 from parallel.vocab_stats import (
     KL_DIRECTIONS,
@@ -94,6 +95,9 @@ class HeadMatmul:
 
     def __call__(self, h: torch.Tensor, keep: torch.Tensor | None = None) -> torch.Tensor:
         h = rows(h, keep)
+        n = h.shape[0]
+        if invariant.enabled():  # a token's logits independent of the chunk's row count
+            h = invariant.pad_rows(h)
         with no_autocast(h.device.type):  # under a caller's autocast the matmul would round to bf16
             if self.out_dtype:
                 z = torch.mm(h, self.w.T, out_dtype=self.sh.dtype)
@@ -105,7 +109,16 @@ class HeadMatmul:
                     torch.mm(h, self.w[a:b].to(self.sh.dtype).T, out=z[:, a:b])
             else:
                 z = h.to(self.w.dtype) @ self.w.T  # a fresh tensor: scaled in place
+        z = z[:n]
         return z.div_(self.sh.temperature) if self.sh.temperature != 1.0 else z
+
+
+def head_logits(hidden: torch.Tensor, weight_local: torch.Tensor, group=None) -> torch.Tensor:
+    """hidden [*, H] -> this rank's logits [*, Vp/tp] computed as the fused heads compute them (in fp32
+    for a bf16/fp16 weight; rows padded in batch-invariant mode): the batch-invariant decode head, so the
+    sampler sees the trainer's logits bit for bit."""
+    sh = vocab_shard(weight_local.shape[0], group, None, 1.0, weight_local.dtype, fp32=True)
+    return HeadMatmul(weight_local, sh)(hidden.reshape(-1, hidden.shape[-1])).view(*hidden.shape[:-1], -1)
 
 
 def no_autocast(device_type: str):

@@ -21,7 +21,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from parallel import invariant
 from parallel.comm import copy_to_tp, group_rank, group_size, reduce_from_tp
+from parallel.fused import head_logits
 
 
 def tie_replicas(w: torch.Tensor, replica_group) -> torch.Tensor:
@@ -57,7 +59,7 @@ class ColumnParallelLinear(nn.Module):
         w, b = tie_replicas(self.weight, self.replica_group), self.bias
         if b is not None:
             b = tie_replicas(b, self.replica_group)
-        y = F.linear(x, w, b)
+        y = linear(x, w, b)
         if self.lora is not None and self.lora.enabled:  # parallel/lora.py: x is already past "f"
             y = y + self.lora(x)
         return y
@@ -74,7 +76,7 @@ class RowParallelLinear(nn.Module):
         self.lora = None  # a parallel.lora.LoRAAdapter, attached by apply_lora
 
     def forward(self, x_local: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x_local, self.weight)
+        y = linear(x_local, self.weight)
         if self.lora is not None and self.lora.enabled:  # parallel/lora.py: partial, summed by the same g
             y = y + self.lora(x_local)
         # each rank multiplied its slice of the input features: sum the partial outputs
@@ -109,4 +111,11 @@ def vocab_parallel_logits(hidden: torch.Tensor, weight_local: torch.Tensor, tp_g
     """hidden [*, H] replicated over tp -> logits_local [*, Vp/tp], sharded on the vocabulary.
     Padded columns come out as 0 here; the vocab-parallel functions exclude them by vocab_size."""
     hidden = copy_to_tp(hidden, tp_group)  # backward: sum of every shard's dL/dhidden
+    if invariant.enabled():  # the fused heads' logits, bit for bit (fp32 for a bf16 weight, rows padded)
+        return head_logits(hidden, weight_local, tp_group)
     return F.linear(hidden, weight_local)
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear, or its batch-invariant form while parallel.invariant's mode is on."""
+    return invariant.inv_linear(x, w, b) if invariant.enabled() else F.linear(x, w, b)

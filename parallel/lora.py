@@ -38,7 +38,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from parallel.fsdp import full_tensor, local_tensor
-from parallel.layers import ColumnParallelLinear, RowParallelLinear, tie_replicas
+from parallel.layers import ColumnParallelLinear, RowParallelLinear, linear, tie_replicas
 
 # target key -> (submodule of a Block, layer attribute, Hugging Face module path below the layer)
 TARGETS = {
@@ -107,7 +107,8 @@ class LoRAAdapter(nn.Module):
         dtype = x.dtype
         if not torch.is_autocast_enabled(x.device.type):
             x = x.to(a.dtype)  # fp32 adapters on bf16 activations outside autocast
-        return (F.linear(F.linear(x, a), b) * self.scaling).to(dtype)
+        # parallel.layers.linear: the batch-invariant form in that mode, like the base's product
+        return (linear(linear(x, a), b) * self.scaling).to(dtype)
 
 
 def _adapted(model) -> list[tuple[str, str, nn.Module]]:

@@ -130,6 +130,7 @@ def assemble(cfg: RLConfig, state, model_cfg, tokenizer, policy, ref, critic=Non
         ref = parallelize(freeze(ref), state.dp_mesh, FSDPOptions(fsdp=p.fsdp, mixed_precision=mp,
                                                                    cpu_offload=cfg.reference.cpu_offload))
         ref.set_mixed_precision(mp)
+    policy.batch_invariant = ref.batch_invariant = p.batch_invariant  # rollout, reference, old, update alike
     opt = build_optimizer(policy, cfg.optim, model_cfg, total, state.tp_group, state.dp_group)
     critic_opt = None
     if critic is not None:

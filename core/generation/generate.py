@@ -18,8 +18,9 @@ The decode loop:
   - finished rows leave the batch: when the live rows fall to 3/4 of the batch, the batch and its
     cache are compacted to the live rows, so they stop costing compute;
   - the LM head of the sampled positions computes its logits as the trainer's fused head does
-    (parallel/fused.py's HeadMatmul: float32 output from bf16 operands), so under bf16 compute the
-    sampler draws from the distribution the trainer scores, not from bf16-rounded logits;
+    (parallel/fused.py's head_logits: float32 output from bf16 operands, rows padded in batch-invariant
+    mode), so under bf16 compute the sampler draws from the distribution the trainer scores, not from
+    bf16-rounded logits;
   - `record=True` keeps, per response token, log mu(y) (the distribution actually drawn from:
     tempered, truncated by top-k / top-p / min-p and renormalised) and log pi_T(y) (tempered, full
     vocabulary); `record_hidden=True` also the final hidden state [H] that produced the token's
@@ -41,8 +42,8 @@ import torch
 from core.generation.sampling import sample_from_sharded_logits, tempered_logprob
 from core.model import KVCache, Transformer
 from parallel.comm import all_reduce, copy_to_tp, group_rank
-from parallel.fused import HeadMatmul
-from parallel.vocab_stats import vocab_shard
+from parallel.fused import head_logits
+from parallel.invariant import key_capacity
 
 __all__ = ["GenerationOutput", "generate", "sample_from_sharded_logits"]
 
@@ -93,9 +94,7 @@ def _last_position_head(tp_group):
     float32, hidden [B, H]). The logits are those of the trainer's fused head (HeadMatmul with float32
     reductions): float32 output of the bf16 operands under bf16 compute, never rounded to bf16."""
     def head(hidden, weight_local):
-        h = copy_to_tp(hidden[:, -1], tp_group)
-        sh = vocab_shard(weight_local.shape[0], tp_group, None, 1.0, weight_local.dtype, True)
-        return HeadMatmul(weight_local, sh)(h), hidden[:, -1]
+        return head_logits(copy_to_tp(hidden[:, -1], tp_group), weight_local, tp_group), hidden[:, -1]
     return head
 
 
@@ -244,7 +243,8 @@ def generate(model: Transformer, prompt_ids: torch.Tensor, prompt_mask: torch.Te
         raise ValueError(f"generate: min_new_tokens must be >= 0, got {min_new_tokens}")
     sample_kw = dict(vocab_size=vocab, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed,
                      step=step, tp_group=tp_group, compile=compile_sampler)
-    cache = KVCache.empty(cfg, B, total, model.tp, dev, model.activation_dtype)  # bf16 when computing in bf16
+    cap = key_capacity(total) if model.batch_invariant else total  # invariant: whole key blocks (parallel/invariant.py)
+    cache = KVCache.empty(cfg, B, cap, model.tp, dev, model.activation_dtype)  # bf16 when computing in bf16
     seqs = torch.full((B, total), pad_id, dtype=torch.long, device=dev)
     seqs[:, :P] = prompt_ids
     mask = torch.zeros((B, total), dtype=torch.long, device=dev)

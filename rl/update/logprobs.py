@@ -16,6 +16,7 @@ take it as `packed=` and return the padded [B, N] shapes (0 where no head token)
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -24,6 +25,7 @@ import torch
 from parallel.comm import copy_to_tp
 from parallel.fused import fused_head
 from parallel.fused_loss import fused_head_loss
+from parallel.invariant import batch_invariant
 from rl.update.micro_batches import gather_tokens, scatter_tokens
 
 
@@ -132,17 +134,58 @@ def _rollout_kl(h, w, rollout_h, m, tp_group, vocab_size, temperature, chunk_siz
                       kl="reverse", mask=m).kl
 
 
+@contextlib.contextmanager
+def _root_gathered(model):
+    """Under FSDP2, the root's parameters (embedding, final norm, LM head) gathered for a head-only
+    computation outside forward, resharded after; otherwise nothing to do."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # pragma: no cover
+        FSDPModule = ()
+    if not isinstance(model, FSDPModule):
+        yield
+        return
+    model.unshard()
+    try:
+        yield
+    finally:
+        model.reshard()
+
+
+@torch.no_grad()
+def stats_from_hidden(model, hidden: torch.Tensor, targets: torch.Tensor, *, tp_group=None, vocab_size: int,
+                      temperature: float = 1.0, chunk_size: int | None = None, entropy: bool = True,
+                      kl: str | None = None, ref_hidden: torch.Tensor | None = None,
+                      ref_weight: torch.Tensor | None = None, mask: torch.Tensor | None = None) -> TokenStats:
+    """`policy_token_stats` from final hidden states [B, N, H] already computed (the rollout's, recorded by
+    `generate(record_hidden=True)`): the policy's head alone, its weight as forward hands it to the head
+    (in the compute dtype), in the model's batch-invariant mode. With the mode on and the weights that
+    sampled, these are the bits a full forward would give (parallel/invariant.py): no trunk forward."""
+    B, N = targets.shape
+    fn = _stats_head(tp_group, vocab_size, temperature, chunk_size, entropy, kl, ref_weight)
+    with _root_gathered(model), batch_invariant(getattr(model, "batch_invariant", False)):
+        w = model.head_weight
+        if model.compute_dtype is not None:
+            w, hidden = w.to(model.compute_dtype), hidden.to(model.compute_dtype)
+        out = fn(hidden.reshape(B * N, -1), w, targets.reshape(-1),
+                 None if ref_hidden is None else ref_hidden.reshape(B * N, -1),
+                 None if mask is None else mask.reshape(B * N))
+    return _stats(out, (B, N))
+
+
 @torch.no_grad()
 def logprobs_from_hidden(hidden: torch.Tensor, weight_local: torch.Tensor, targets: torch.Tensor, *, tp_group=None,
                          vocab_size: int, temperature: float = 1.0, chunk_size: int | None = None,
-                         mask: torch.Tensor | None = None) -> torch.Tensor:
+                         mask: torch.Tensor | None = None, invariant: bool = False) -> torch.Tensor:
     """Log-probs [B, N] of `targets` [B, N] from final hidden states [B, N, H] and a local head
     weight [Vp/tp, H] (e.g. what `reference_hidden` returned): no second forward of the model.
-    0 where `mask` [B, N] is False."""
+    0 where `mask` [B, N] is False. `invariant`: the head in batch-invariant mode (as the model's
+    forward runs it with `batch_invariant` on: the same bits as the policy's head for the same weights)."""
     B, N = targets.shape
-    out = fused_head(hidden.reshape(B * N, -1), weight_local, targets.reshape(-1), tp_group, vocab_size=vocab_size,
-                     temperature=temperature, chunk_size=chunk_size, entropy=False,
-                     mask=None if mask is None else mask.reshape(B * N))
+    with batch_invariant(invariant):
+        out = fused_head(hidden.reshape(B * N, -1), weight_local, targets.reshape(-1), tp_group, vocab_size=vocab_size,
+                         temperature=temperature, chunk_size=chunk_size, entropy=False,
+                         mask=None if mask is None else mask.reshape(B * N))
     return out.logprobs.view(B, N)
 
 

@@ -28,7 +28,14 @@ from rl.experience.rollout import Rollout
 from rl.objectives.advantages import gae, kl_shaped_rewards, outcome_advantages, whiten
 from rl.objectives.controller import KLController
 from rl.objectives.kl import HEAD_DIRECTION, kl_from_config, sanitize
-from rl.update.logprobs import PolicyHeads, TokenStats, critic_values, logprobs_from_hidden, reference_hidden
+from rl.update.logprobs import (
+    PolicyHeads,
+    TokenStats,
+    critic_values,
+    logprobs_from_hidden,
+    reference_hidden,
+    stats_from_hidden,
+)
 from rl.update.micro_batches import MicroBatch
 from rl.update.mini_batches import mini_batches
 from rl.update.shared_layout import LayoutCost, share_rollout
@@ -91,7 +98,8 @@ class ExperienceMaker:
         shared = share_rollout(ro, cost=self.layout_cost) if cfg.algo.share_prompts else None
         with self.timer("ref_logprobs"):
             ref_h, ref_w = reference_hidden(self.ref, ro.sequences, ro.attention_mask, ro.prompt_len, packed=shared)
-            ref_logp = logprobs_from_hidden(ref_h, ref_w, ro.responses_ids, **self.heads.settings(), mask=mask)
+            ref_logp = logprobs_from_hidden(ref_h, ref_w, ro.responses_ids, **self.heads.settings(), mask=mask,
+                                            invariant=getattr(self.ref, "batch_invariant", False))
         deferred = self._deferred_rows(ro, step)
         with self.timer("old_logprobs"):
             kl_dir = HEAD_DIRECTION[cfg.kl.direction] if exact or truncates(cfg) else None
@@ -146,6 +154,8 @@ class ExperienceMaker:
         """The old-log-prob pass (policy, no grad) over every local row but `deferred`: TokenStats [B, N],
         0 on the deferred rows (filled in by the update). With every row deferred (one mini-batch) no
         forward runs, on every rank alike (the same count of rows is deferred on each)."""
+        if getattr(self.policy, "batch_invariant", False) and ro.rollout_hidden is not None:
+            return self._old_from_rollout(ro, deferred, **kw)
         if deferred is None:
             return self.heads.token_stats(self.policy, ro, packed=shared, **kw)
         B, N = ro.response_mask.shape
@@ -172,6 +182,20 @@ class ExperienceMaker:
             full[rows] = t
             return full
         return TokenStats(*(back(t) for t in out))
+
+
+    def _old_from_rollout(self, ro: Rollout, deferred: torch.Tensor | None, *, rollout_hidden, **kw) -> TokenStats:
+        """The old-log-prob pass without its forward: in batch-invariant mode the rollout's recorded final
+        hidden states are bit for bit the ones a forward of the policy that sampled would give, so the
+        head alone on them gives the old log-probs, entropy and exact KL (0 on the `deferred` rows, which
+        the update fills as usual). The rollout-vs-training KL of these rows is 0 by construction; the
+        deferred rows measure it against the update's own forward."""
+        mask = ro.response_mask.clone()
+        if deferred is not None:
+            mask[deferred] = False
+        out = stats_from_hidden(self.policy, ro.rollout_hidden, ro.responses_ids, **self.heads.settings(),
+                                mask=mask, **kw)
+        return out._replace(rollout_kl=torch.zeros(mask.shape, dtype=torch.float32, device=mask.device))
 
 
 def fill_deferred(data: StepData, mb: MicroBatch, cur: TokenStats, mask: torch.Tensor, exact: bool) -> None:

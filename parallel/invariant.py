@@ -1,0 +1,299 @@
+"""Batch-invariant operations: each token's result has the same bits whatever else is in the batch.
+
+Used by the model, the TP layers and the fused heads while `batch_invariant(True)` is active
+(`Transformer.batch_invariant`, config key `parallel.batch_invariant`). The rollout's decode-time
+forward (one position at a time against a KV cache, a few rows) and the trainer's full forward
+(thousands of rows, packed or padded or shared-prompt) then give a token the same hidden state,
+logits and log-prob, bit for bit. What varies with the batch's shape, and how each is fixed here
+(measured by scripts/invariance_probe.py, docs/design.md "Batch-invariant mode"):
+
+  - matmuls: the BLAS picks its kernel by the number of rows M (fp32 CPU: gemv at M = 1, another
+    kernel at M = 2..3, and the rows of a tail that a thread's share leaves differ again). `inv_linear`
+    pads the rows to a multiple of ROW_BLOCK, so every row goes through the full-block kernel;
+  - attention: SDPA splits the keys by the query and key lengths and the kernel, and the padding and
+    packing offsets move a key's place in a vector lane. `inv_attention` sums over the keys of a
+    query's own sequence in their position order, in blocks of KEY_BLOCK positions from position 0,
+    the blocks added one after another; keys past the query weigh exactly 0, so the total length
+    and the number of queries do not matter; `canonical_layout` lays any batch (padded, packed,
+    shared prompts) out so that a token's keys stand at their positions;
+  - fp32 silu: ATen's vectorized and scalar-tail formulas round differently, and which rows fall in the
+    tail depends on the tensor's size; `silu` pads the flat tensor to whole vectors;
+  - the TP all-reduce of the row-parallel layers (ring order depends on the tensor's size):
+    parallel/comm.py gathers the partial sums and adds them in rank order while the mode is on.
+
+What is already invariant and left alone (same probe): RMSNorm's mean over the hidden size, the
+per-token reductions over the vocabulary, the vocab-parallel max and the rank-ordered sums.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import threading
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+ROW_BLOCK = 8  # matmul rows are padded to a multiple of this (the BLAS's full-block kernel for every row)
+KEY_BLOCK = 64  # attention sums keys in blocks of this many positions, from position 0
+POINTWISE_BLOCK = 64  # elements: two AVX-512 vectors of bf16, four of fp32 (no scalar tail)
+QUERY_BLOCK = 128  # a full forward's queries in blocks of this many positions (skips the keys after them)
+
+_state = threading.local()
+
+
+def enabled() -> bool:
+    """Whether the batch-invariant operations are active on this thread."""
+    return getattr(_state, "on", False)
+
+
+@contextlib.contextmanager
+def batch_invariant(on: bool = True):
+    """Switch the batch-invariant operations on (or off) inside the block; nests."""
+    prev = enabled()
+    _state.on = bool(on)
+    try:
+        yield
+    finally:
+        _state.on = prev
+
+
+def pad_rows(x: torch.Tensor, multiple: int = ROW_BLOCK) -> torch.Tensor:
+    """x [M, K] with zero rows appended up to a multiple of `multiple` rows (x itself when none)."""
+    extra = -x.shape[0] % multiple
+    return x if extra == 0 else torch.cat([x, x.new_zeros(extra, *x.shape[1:])])
+
+
+def inv_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear with each row's bits independent of the number of rows: the rows, flattened, padded to a
+    multiple of ROW_BLOCK (the bias is added after, elementwise)."""
+    lead = x.shape[:-1]
+    flat = x.reshape(-1, x.shape[-1])
+    y = F.linear(pad_rows(flat), weight)[: flat.shape[0]]
+    if bias is not None:
+        y = y + bias.to(y.dtype)
+    return y.reshape(*lead, weight.shape[0])
+
+
+def silu(x: torch.Tensor) -> torch.Tensor:
+    """F.silu; in the mode over a flat copy padded to a multiple of POINTWISE_BLOCK elements. ATen runs a
+    pointwise op vectorized over whole pairs of vectors and the tail with the scalar formula, and fp32
+    silu's two round differently (the probe): without the padding, a token's activations would depend on
+    whether its row ends the tensor (the MLP's [M, I/tp] when M x I/tp is not a multiple of 32)."""
+    if not enabled():
+        return F.silu(x)
+    flat = x.reshape(-1)
+    extra = -flat.numel() % POINTWISE_BLOCK
+    if extra:
+        flat = torch.cat([flat, flat.new_zeros(extra)])
+    return F.silu(flat)[: x.numel()].view(x.shape)
+
+
+# ---------------------------------------------------------------------------------------------
+# attention over a sequence's own keys, in position order
+
+
+def inv_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor,
+                  k_pos: torch.Tensor, k_valid: torch.Tensor) -> torch.Tensor:
+    """Causal attention whose result for a query depends only on it and its sequence's keys.
+
+    q [B, h, S, hd]; k, v [B, h, L, hd] with key j of row b at position j (`k_pos` [B, L] must be
+    arange(L) where `k_valid` [B, L]; the canonical layouts guarantee it); q_pos [B, S]. A query at
+    position p sees the valid keys at positions <= p. In fp32 whatever the inputs' dtype.
+
+    The queries are padded to whole tiles of ROW_BLOCK (the matmuls' row count), the keys to whole
+    blocks of KEY_BLOCK positions. The softmax max is exact in any order; the sums over keys (the
+    normaliser and the weighted values) are taken per block (a fixed-shape reduction and a
+    [rows, KEY_BLOCK] @ [KEY_BLOCK, hd] matmul) and the blocks added in order from position 0. A key
+    past the query contributes an exact 0 to both sums (exp(-inf) = 0; x + 0 = x), so neither the
+    total key length L (cache size, longest row) nor the number of queries S changes a bit of a
+    query's result: tests/test_batch_invariant.py checks it for several block sizes."""
+    del k_pos  # the layout contract; kept in the signature so call sites state it
+    B, h, S, hd = q.shape
+    L = k.shape[2]
+    out_dtype = q.dtype
+    qf, kf, vf = q.float() * (1.0 / math.sqrt(hd)), k.float(), v.float()
+    Sp = S + (-S % ROW_BLOCK)
+    Lp = L + (-L % KEY_BLOCK)
+    if Sp != S:
+        qf = torch.cat([qf, qf.new_zeros(B, h, Sp - S, hd)], 2)
+    if Lp != L:
+        kf = torch.cat([kf, kf.new_zeros(B, h, Lp - L, hd)], 2)
+        vf = torch.cat([vf, vf.new_zeros(B, h, Lp - L, hd)], 2)
+        k_valid = torch.cat([k_valid, k_valid.new_zeros(B, Lp - L)], 1)
+    qp = torch.cat([q_pos, q_pos.new_zeros(B, Sp - S)], 1) if Sp != S else q_pos
+    j = torch.arange(Lp, device=q.device)
+    see = (j[None, None, :] <= qp[:, :, None]) & k_valid.bool()[:, None, :]  # (B, Sp, Lp)
+    # every matmul operand contiguous: ATen's batched matmul picks its path by the operands' strides too
+    # (a KV cache's slice has the cache's stride), and the paths round differently (tp 4, fp32)
+    qf, kf, vf = qf.contiguous(), kf.contiguous(), vf.contiguous()
+    s = torch.matmul(qf, kf.transpose(-1, -2))  # (B, h, Sp, Lp): one dot product of hd per entry
+    s = s.masked_fill(~see[:, None], float("-inf"))
+    m = s.amax(-1, keepdim=True)  # a max is exact in any order
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))  # a query that sees nothing: all weights 0
+    e = torch.exp(s - m)  # (B, h, Sp, Lp), exactly 0 where not seen
+    den = qf.new_zeros(B, h, Sp, 1)
+    num = qf.new_zeros(B, h, Sp, hd)
+    for a in range(0, Lp, KEY_BLOCK):  # in position order: the same additions for every layout
+        eb = e[..., a:a + KEY_BLOCK]
+        den = den + eb.sum(-1, keepdim=True)
+        num = num + torch.matmul(eb.contiguous(), vf[:, :, a:a + KEY_BLOCK].contiguous())
+    y = num / torch.where(den > 0, den, torch.ones_like(den))
+    return y[:, :, :S].to(out_dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# layouts: every token's keys at their positions
+
+
+@dataclass
+class CanonicalLayout:
+    """A batch [B, S] re-laid as D sequences [D, Lc], token at column = its position.
+
+    gather [D, Lc]: flat index (into B*S) of the token at that position of sequence d, -1 where none
+    (a shared-prompt response's sequence holds its prompt's tokens, then its own). own_seq, own_col
+    [n]: for each real token (flat index own_tok [n]) the sequence and column whose query output it
+    takes."""
+
+    gather: torch.Tensor
+    own_tok: torch.Tensor
+    own_seq: torch.Tensor
+    own_col: torch.Tensor
+    shape: tuple  # (B, S)
+
+    @property
+    def valid(self) -> torch.Tensor:
+        return self.gather >= 0
+
+    def to_canonical(self, x: torch.Tensor) -> torch.Tensor:
+        """x [B, h, S, hd] -> [D, h, Lc, hd] (zeros where no token)."""
+        B, h, S, hd = x.shape
+        flat = x.transpose(1, 2).reshape(B * S, h, hd)
+        g = self.gather
+        out = flat[g.clamp(min=0).reshape(-1)].view(*g.shape, h, hd)
+        out = out.masked_fill(~self.valid[:, :, None, None], 0.0)
+        return out.transpose(1, 2)
+
+    def from_canonical(self, y: torch.Tensor) -> torch.Tensor:
+        """y [D, h, Lc, hd] -> [B, h, S, hd]: each real token's own output, 0 on padding."""
+        B, S = self.shape
+        D, h, Lc, hd = y.shape
+        vals = y.transpose(1, 2)[self.own_seq, self.own_col]  # (n, h, hd)
+        out = y.new_zeros(B * S, h, hd).index_put((self.own_tok,), vals)
+        return out.view(B, S, h, hd).transpose(1, 2)
+
+    def attend(self, q, k, v) -> torch.Tensor:
+        """Attention of physical q [B, nh, S, hd] over k, v [B, nkv, S, hd] through the canonical layout."""
+        qc, kc, vc = self.to_canonical(q), self.to_canonical(k), self.to_canonical(v)
+        D, Lc = self.gather.shape
+        pos = torch.arange(Lc, device=q.device).expand(D, Lc)
+        out = []
+        for a in range(0, Lc, QUERY_BLOCK):  # causal: a block of queries reads the keys up to its end only
+            e = min(a + QUERY_BLOCK, Lc)
+            qb = qc[:, :, a:e].contiguous()  # the operands laid out as a full forward's (no strided slices)
+            kb, vb = kc[:, :, :e].contiguous(), vc[:, :, :e].contiguous()
+            out.append(grouped_attention(qb, kb, vb, pos[:, a:e], self.valid[:, :e]))
+        return self.from_canonical(torch.cat(out, 2) if len(out) > 1 else out[0])
+
+
+def canonical_layout(position_ids: torch.Tensor, valid: torch.Tensor, document_ids: torch.Tensor | None = None,
+                     prefix_ids: torch.Tensor | None = None) -> CanonicalLayout:
+    """The canonical layout of a batch [B, S]: `valid` marks real tokens; a sequence is a row (no
+    document_ids) or one document of a row (document ids < 0: padding); with prefix_ids, a document
+    whose tokens carry another document's id there also holds that document's tokens (its prompt).
+    Positions must number each sequence's tokens 0, 1, ... (the prompt's first)."""
+    B, S = position_ids.shape
+    dev = position_ids.device
+    rows = torch.arange(B, device=dev)[:, None].expand(B, S)
+    if document_ids is None:
+        doc = torch.zeros_like(position_ids)
+    else:
+        doc = document_ids
+        valid = valid & (document_ids >= 0)
+    key = (rows * (int(doc.max()) + 2 if doc.numel() else 1) + doc).reshape(-1)
+    tok = valid.reshape(-1).nonzero()[:, 0]  # (n,) flat indices of real tokens
+    seq_keys, seq_of = torch.unique(key[tok], return_inverse=True)  # (D,), (n,)
+    pos = position_ids.reshape(-1)[tok].long()
+    D = seq_keys.numel()
+    Lc = int(pos.max()) + 1 if tok.numel() else 1
+    gather = torch.full((D, Lc), -1, dtype=torch.long, device=dev)
+    gather[seq_of, pos] = tok
+    if prefix_ids is not None and tok.numel():
+        pre_key = (rows * (int(doc.max()) + 2) + prefix_ids).reshape(-1)[tok]
+        first = torch.full((D,), tok.numel(), dtype=torch.long, device=dev).scatter_reduce(
+            0, seq_of, torch.arange(tok.numel(), device=dev), "amin")
+        seq_pre = pre_key[first]  # (D,) each sequence's prompt key
+        borrow = (seq_pre[:, None] == key[tok][None, :]) & (seq_pre[:, None] != seq_keys[:, None])  # (D, n)
+        d, u = borrow.nonzero(as_tuple=True)
+        gather[d, pos[u]] = tok[u]
+    return CanonicalLayout(gather, tok, seq_of, pos, (B, S))
+
+
+
+# ---------------------------------------------------------------------------------------------
+# the model's entry points
+
+
+@dataclass
+class CachePositions:
+    """With a KV cache: the new tokens' positions [B, S] and which are real [B, S]. Each real token's
+    keys are written at its position (not its column), so a row's keys stand at positions 0, 1, ...
+    whatever its left padding, as in the canonical layout."""
+
+    pos: torch.Tensor
+    valid: torch.Tensor
+
+    def __post_init__(self):
+        # the real tokens' (row, column) and position, found once for all layers
+        self.b, self.s = self.valid.nonzero(as_tuple=True)
+        self.p = self.pos[self.b, self.s]
+
+    def write(self, ck: torch.Tensor, cv: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: int):
+        """Store k, v [B, nkv, S, hd] into the cache's layers ck, cv [B, nkv, max_len, hd] at the real
+        tokens' positions -> the cache's keys and values [B, nkv, L, hd], L = `length` rounded up to
+        KEY_BLOCK where the cache holds that many (the entries past `length` are never seen; a cache
+        sized by `key_capacity` spares inv_attention a padded copy of every layer's keys per step)."""
+        ck[self.b, :, self.p] = k[self.b, :, self.s]
+        cv[self.b, :, self.p] = v[self.b, :, self.s]
+        L = min(length + (-length % KEY_BLOCK), ck.shape[2])
+        return ck[:, :, :L], cv[:, :, :L]
+
+
+def key_capacity(length: int) -> int:
+    """A KV cache's length for `length` positions in batch-invariant mode: rounded up to KEY_BLOCK."""
+    return length + (-length % KEY_BLOCK)
+
+
+def invariant_layout(input_ids, position_ids, attention_mask, past: int | None, document_ids, prefix_ids):
+    """The layout the batch-invariant attention reads: the new tokens' cache positions (`past` = the
+    KV cache's length, None without a cache), else the canonical layout of the batch (padded rows,
+    packed documents, shared prompts)."""
+    B, S = input_ids.shape
+    start = past or 0
+    valid = (attention_mask[:, start:start + S].bool() if attention_mask is not None
+             else torch.ones(B, S, dtype=torch.bool, device=input_ids.device))
+    if past is not None:
+        return CachePositions(position_ids, valid)
+    return canonical_layout(position_ids, valid, document_ids, prefix_ids)
+
+
+def invariant_attend(layout, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Attention of q [B, nh, S, hd] over k, v [B, nkv, L, hd] through `layout` (CanonicalLayout or
+    CachePositions). Grouped heads as SDPA's enable_gqa (query head i reads KV head i // (nh / nkv))."""
+    if isinstance(layout, CanonicalLayout):
+        return layout.attend(q, k, v)
+    seen = torch.ones(k.shape[0], k.shape[2], dtype=torch.bool, device=k.device)  # j <= position: written
+    return grouped_attention(q, k, v, layout.pos, seen)
+
+
+def grouped_attention(q, k, v, q_pos: torch.Tensor, k_valid: torch.Tensor) -> torch.Tensor:
+    """inv_attention with the g = nh / nkv query heads that share a KV head stacked as rows of one
+    matrix (their keys and values are read once, never repeated per head): q [B, nh, S, hd] -> rows
+    [B, nkv, g * S, hd], row i * S + s the query at position q_pos[:, s] of head i of the group."""
+    B, nh, S, hd = q.shape
+    nkv = k.shape[1]
+    g = nh // nkv
+    rows = q.reshape(B, nkv, g * S, hd)
+    y = inv_attention(rows, k, v, q_pos.repeat(1, g) if g > 1 else q_pos, None, k_valid)
+    return y.reshape(B, nh, S, hd)
