@@ -13,6 +13,7 @@ from core.tokenizer import load_tokenizer
 from parallel.dims import ParallelDims, init_parallel, kv_replica_group
 from parallel.lora import LoRAConfig, adapters, adapters_disabled, apply_lora, merge_adapters
 from rl.config import RLConfig
+from rl.models.lora_ref import BaseReference
 from tests.test_rl_trainer import BASE, GRPO, MODEL
 
 LORA = ["lora.rank=4", "lora.alpha=8"]
@@ -275,3 +276,18 @@ def test_adapters_add_no_forward_collective_and_one_small_backward_all_reduce_ea
     assert sum(s == (r, H) for _, s in bwd) == 5 * layers  # dL/dA of q, k, v, gate, up
     assert sum(s == (H, r) for _, s in bwd) == 2 * layers  # dL/dB of o, down
     assert all(k == "all_reduce:sum" for k, s in bwd if s in ((r, H), (H, r)))
+
+
+@pytest.mark.slow
+def test_batch_invariant_lora_step0_kl_against_the_base_is_exactly_zero():
+    """With B = 0 the adapted policy is its base: under parallel.batch_invariant the exact KL against
+    the adapters-off reference is exactly 0 and the old-log-prob pass equals the update's forward."""
+    from bench.bench_rl_step import CONFIGS, build_trainer
+
+    torch.set_num_threads(1)
+    flag = ["parallel.batch_invariant=true", "lora.rank=4", "lora.alpha=8"]
+    drift = build_trainer(CONFIGS["tiny"], "grpo", extra=flag + ["algo.old_from_update=false"])
+    assert isinstance(drift.ref, BaseReference)
+    assert drift.step(0)["logp_drift"] == 0.0
+    exact = build_trainer(CONFIGS["tiny"], "grpo", extra=flag + ["kl.exact=true"]).step(0)
+    assert exact["kl_mean"] == 0.0
