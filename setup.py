@@ -23,6 +23,7 @@ setup(
         "dev": ["pytest>=8", "ruff>=0.6", "transformers>=4.45", "matplotlib", "hypothesis"],
         "plot": ["matplotlib"],
         "data": ["pyarrow"],  # Parquet prompt sets
+        "peft": ["peft", "transformers>=4.45"],  # tools.convert_hf export --peft, checked by tests with peft
         "math": ["math-verify"],  # symbolic answer equality in rl.experience.math_reward
         "tensorboard": ["tensorboard"],  # monitor.tensorboard=true (core/runtime/monitor.py)
         # monitor.wandb=offline; not in dev: a 20 MB wheel, 62 MB installed (a Go binary), 14+ dependencies

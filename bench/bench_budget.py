@@ -102,8 +102,10 @@ def projections():
                     for kl in KL_METHODS:
                         lay = Layout(tp=tp, dp=dp, fsdp=True, compute_dtype="bf16", activation_checkpointing=ac)
                         label = f"{name} tp{tp}xdp{dp}{' AC' if ac else ''} ref={placement} kl={kl}"
+                        # the policy's base as reference exists with LoRA only: rank 16 on every projection
+                        lora = dict(lora_rank=16) if placement == "policy_base" else {}
                         out.append((label, dict(model=name, tp=tp, dp=dp, ac=ac, placement=placement, kl=kl,
-                                                **step_budget(cfg, lay, batch, placement, kl))))
+                                                **step_budget(cfg, lay, batch, placement, kl, **lora))))
     return out
 
 

@@ -67,6 +67,8 @@ def kv_heads_per_rank(cfg: ModelConfig, tp: int) -> int:
 
 def tp_slice(name: str, cfg: ModelConfig, tp_rank: int, tp: int) -> TPSlice:
     """The rows (or columns) of the full tensor `name` that TP rank `tp_rank` of `tp` holds."""
+    if LORA_TAG in name:
+        return lora_tp_slice(name, cfg, tp_rank, tp)
     shape = full_param_shapes(cfg).get(name)
     if shape is None:
         raise KeyError(f"unknown parameter '{name}'")
@@ -100,6 +102,8 @@ def tp_replicas(name: str, cfg: ModelConfig, tp: int) -> int:
     parameters outside the model's own names (such a wrapper's small head) must be replicated
     over TP, so they count tp times."""
     name = name[len("body."):] if name.startswith("body.") else name
+    if LORA_TAG in name:
+        return lora_tp_replicas(name, cfg, tp)
     if name not in full_param_shapes(cfg):
         return tp
     sl = tp_slice(name, cfg, 0, tp)
@@ -109,3 +113,46 @@ def tp_replicas(name: str, cfg: ModelConfig, tp: int) -> int:
     if leaf in ("wk", "wv") and tp > cfg.n_kv_heads:
         return tp // cfg.n_kv_heads
     return 1
+
+
+# ---------------------------------------------------------------------------------------------
+# LoRA factors (parallel/lora.py): "<base>.lora.lora_A" [r, in] and "<base>.lora.lora_B" [out, r] of the
+# base weight "<base>.weight". A column-parallel base (wq, wk, wv, w_gate, w_up) shards B's rows like
+# its own and replicates A; a row-parallel base (wo, w_down) shards A's columns and replicates B.
+
+LORA_TAG = ".lora.lora_"
+
+
+def lora_factor(name: str) -> tuple[str, str, bool]:
+    """(base weight name, "A" or "B", whether the base is row-parallel) of a factor's name."""
+    base, which = name.split(LORA_TAG)
+    return base + ".weight", which, base.split(".")[-1] in ("wo", "w_down")
+
+
+def lora_tp_slice(name: str, cfg: ModelConfig, tp_rank: int, tp: int) -> TPSlice:
+    base, which, row = lora_factor(name)
+    if (which == "A") != row:  # column A, row B: replicated
+        return TPSlice(None)
+    return tp_slice(base, cfg, tp_rank, tp)
+
+
+def lora_tp_replicas(name: str, cfg: ModelConfig, tp: int) -> int:
+    base, which, row = lora_factor(name)
+    if (which == "A") != row:
+        return tp
+    return 1 if row else tp_replicas(base, cfg, tp)  # a column B: like its base's rows (KV heads)
+
+
+def lora_full_shape(name: str, cfg: ModelConfig, rank: int) -> tuple[int, int]:
+    """The unsharded shape of factor `name` for adapters of rank `rank`."""
+    base, which, _ = lora_factor(name)
+    out, inp = full_param_shapes(cfg)[base]
+    return (rank, inp) if which == "A" else (out, rank)
+
+
+def lora_local(full, name: str, cfg: ModelConfig, tp_rank: int, tp: int):
+    """This rank's TP-local tensor of the full factor `full`."""
+    sl = lora_tp_slice(name, cfg, tp_rank, tp)
+    if sl.dim is None:
+        return full.clone()
+    return full.narrow(sl.dim, sl.start, sl.stop - sl.start).contiguous()

@@ -51,6 +51,7 @@ class ColumnParallelLinear(nn.Module):
         self.weight = nn.Parameter(torch.empty(local_out_features, in_features, device=device, dtype=dtype))
         self.bias = (nn.Parameter(torch.empty(local_out_features, device=device, dtype=dtype))
                      if bias else None)
+        self.lora = None  # a parallel.lora.LoRAAdapter, attached by apply_lora
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.copy_input:
@@ -58,7 +59,10 @@ class ColumnParallelLinear(nn.Module):
         w, b = tie_replicas(self.weight, self.replica_group), self.bias
         if b is not None:
             b = tie_replicas(b, self.replica_group)
-        return linear(x, w, b)
+        y = linear(x, w, b)
+        if self.lora is not None and self.lora.enabled:  # parallel/lora.py: x is already past "f"
+            y = y + self.lora(x)
+        return y
 
 
 class RowParallelLinear(nn.Module):
@@ -69,10 +73,14 @@ class RowParallelLinear(nn.Module):
         super().__init__()
         self.tp_group = tp_group
         self.weight = nn.Parameter(torch.empty(out_features, local_in_features, device=device, dtype=dtype))
+        self.lora = None  # a parallel.lora.LoRAAdapter, attached by apply_lora
 
     def forward(self, x_local: torch.Tensor) -> torch.Tensor:
+        y = linear(x_local, self.weight)
+        if self.lora is not None and self.lora.enabled:  # parallel/lora.py: partial, summed by the same g
+            y = y + self.lora(x_local)
         # each rank multiplied its slice of the input features: sum the partial outputs
-        return reduce_from_tp(linear(x_local, self.weight), self.tp_group)
+        return reduce_from_tp(y, self.tp_group)
 
 
 class VocabParallelEmbedding(nn.Module):

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from core.config import ModelConfig, OptimConfig, ParallelConfig, TrainConfig
+from parallel.lora import LoRAConfig
 from rl.distill.config import DistillConfig, TeacherConfig, guards_off
 from rl.distill.config import resolve as resolve_distill
 from rl.experience.prompts import PromptDataConfig
@@ -166,6 +167,8 @@ class ReferenceConfig:
     # moments were built against the old reference), no after an EMA mix
     reset_optimizer: bool | None = None
     dtype: str = "fp32"  # "bf16": the reference's weights are stored and computed in bf16 (its KL stays fp32)
+    # the policy's own modules with the LoRA adapters switched off (no reference weights); null: yes with lora
+    from_policy_base: bool | None = None
 
     def __post_init__(self):
         if self.dtype not in ("fp32", "bf16"):
@@ -262,6 +265,7 @@ class RLConfig:
     init: InitConfig = field(default_factory=InitConfig)
     train: TrainConfig = field(default_factory=lambda: TrainConfig(steps=40, out_dir="runs/grpo"))
     data: PromptDataConfig | None = None  # prompts from a JSONL/Parquet file (then reward.task may be null)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)  # rank > 0: train adapters on a frozen base
     # a tokenizer file or checkpoint folder; None: the start checkpoint's folder when it holds tokenizer
     # files (a converted HF checkpoint), else the shipped sentencepiece model
     tokenizer: str | None = None
@@ -284,6 +288,7 @@ class RLConfig:
                              "the built-in task or from data.train_file)")
         n = self.rollout.prompts_per_step * self.rollout.group_size  # samples per step: the controller's clock
         self._resolve_algo_defaults()
+        self._resolve_lora_reference()
         if self.kl_ctl.horizon_steps is not None:  # a horizon in steps, converted to Ziegler's samples
             if "horizon" in self.kl_ctl.user_keys and self.kl_ctl.horizon != self.kl_ctl.horizon_steps * n:
                 raise ValueError(f"kl_ctl.horizon={self.kl_ctl.horizon} (samples) and kl_ctl.horizon_steps="
@@ -295,6 +300,32 @@ class RLConfig:
                              f"rollout.prompts_per_step x rollout.group_size = {n}: n / horizon must be < "
                              f"{MAX_N_OVER_HORIZON:g} (else beta can be driven to 0); use kl_ctl.horizon > "
                              f"{n / MAX_N_OVER_HORIZON:g}")
+
+    def _resolve_lora_reference(self):
+        """reference.from_policy_base: on by default with LoRA; it needs LoRA and excludes a reference of its own."""
+        ref, lora = self.reference, self.lora
+        if ref.from_policy_base is None:
+            ref.from_policy_base = lora.enabled
+        if not ref.from_policy_base:
+            if lora.enabled and (ref.sync_every or ref.sync_below is not None):
+                raise ValueError("reference.sync_every / sync_below with lora.rank > 0 and a separate reference: "
+                                 "copying the policy's frozen base into it changes nothing; use "
+                                 "reference.from_policy_base=true (a sync merges the adapters into the base)")
+            return
+        if not lora.enabled:
+            raise ValueError("reference.from_policy_base=true is the policy with its LoRA adapters off: it needs "
+                             "lora.rank > 0")
+        for key, bad in (("checkpoint", ref.checkpoint is not None), ("cpu_offload", ref.cpu_offload),
+                         ("dtype", ref.dtype != "fp32")):
+            if bad:
+                raise ValueError(f"reference.{key}: the reference is the policy's base (reference.from_policy_base="
+                                 f"true), it has no weights of its own; unset reference.{key} or set "
+                                 f"reference.from_policy_base=false")
+        if ref.sync_mode == "ema" and (ref.sync_every or ref.sync_below is not None):
+            raise ValueError("reference.sync_mode=ema with reference.from_policy_base=true: the base cannot move "
+                             "part-way towards the adapted policy without becoming a second model; use "
+                             "reference.sync_mode=hard (merge the adapters into the base and reset them) or "
+                             "reference.from_policy_base=false")
 
     def _resolve_algo_defaults(self):
         """kl.where='auto' (the default): PPO puts the KL in the reward per token (Ziegler et al., InstructGPT,

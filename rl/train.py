@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import tempfile
 from dataclasses import replace
 
 import torch
@@ -22,7 +23,9 @@ import torch.distributed as dist
 
 import core.ckpt as ckpt
 from core.ckpt import raise_on_all_ranks, world_group
+from core.ckpt.adapters import AdapterView, base_pointer, check_base_pointer, peft_factors, write_lora_config
 from core.config import ConfigError, ModelConfig, from_dict, load_config
+from core.lora import init_adapters, load_adapter_factors
 from core.model import Transformer
 from core.model_shapes import PRESETS
 from core.optim import build_optimizer
@@ -40,6 +43,7 @@ from core.runtime.run import Run, check_not_stopped, record_stop, saving, start_
 from core.tokenizer import TOKENIZER_FILES, load_tokenizer
 from parallel.dims import launch_world_size, resolve_device
 from parallel.fsdp import FSDPOptions, freeze, parallelize
+from parallel.lora import apply_lora, has_adapters
 from rl.config import RLConfig
 from rl.distill.config import enabled, teacher_is_reference
 from rl.distill.teacher import teacher_model_config
@@ -48,6 +52,7 @@ from rl.experience.rewards import build_reward
 from rl.experience.rollout import DataPrompts, TaskPrompts
 from rl.health.guards import CollapseGuard, Preempted
 from rl.models.critic import Critic
+from rl.models.lora_ref import BaseReference
 from rl.preflight import check_memory, check_rl_config, dry_run
 from rl.trainer import RLTrainer
 from rl.warmstart import ensure_start_checkpoint, ensure_teacher_checkpoint
@@ -113,10 +118,16 @@ def assemble(cfg: RLConfig, state, model_cfg, tokenizer, policy, ref, critic=Non
     opts = FSDPOptions(fsdp=p.fsdp, mixed_precision=mp, activation_checkpointing=p.activation_checkpointing,
                        cpu_offload=False)
     total = cfg.train.steps * cfg.algo.epochs * cfg.algo.mini_batches
+    if cfg.lora.enabled and not has_adapters(policy):  # frozen base, fp32 adapters (parallel/lora.py)
+        init_adapters(apply_lora(policy, cfg.lora), cfg.lora.seed)
+        if cfg.lora.init_from:  # continue from a PEFT adapter
+            load_adapter_factors(policy, peft_factors(cfg.lora), f"lora.init_from={cfg.lora.init_from}")
     policy = parallelize(policy, state.dp_mesh, opts).set_mixed_precision(mp)
     if cfg.train.compile:
         policy.compile_blocks()
-    if ref is not None:
+    if cfg.reference.from_policy_base:  # the policy with its adapters off: no reference weights
+        ref = BaseReference(policy)
+    elif ref is not None:
         if cfg.reference.dtype == "bf16":  # bf16 weights, half the memory; its KL path stays fp32 (fused heads)
             ref = ref.cast_weights(torch.bfloat16)
         ref = parallelize(freeze(ref), state.dp_mesh, FSDPOptions(fsdp=p.fsdp, mixed_precision=mp,
@@ -169,8 +180,8 @@ def build(cfg: RLConfig, stop_request: StopRequest | None = None) -> tuple[RLTra
     state, kv_group, device, fp = run.state, run.kv_group, run.device, tokenizer.fingerprint
     load = dict(state=state, kv_group=kv_group, device=device, tokenizer_fp=fp, verify=cfg.train.verify_checkpoints)
     policy = _load(Transformer, model_cfg, start, what="policy", **load)
-    ref = None  # pure distillation without a reference KL: the teacher stands in (teacher_is_reference)
-    if not teacher_is_reference(cfg):
+    ref = None  # the teacher stands in (pure distillation without a reference KL), or the policy's base (LoRA)
+    if not teacher_is_reference(cfg) and not cfg.reference.from_policy_base:
         ref = _load(Transformer, model_cfg, cfg.reference.checkpoint or start, what="reference", **load)
     critic = None
     if cfg.algo.name == "ppo":
@@ -179,14 +190,28 @@ def build(cfg: RLConfig, stop_request: StopRequest | None = None) -> tuple[RLTra
     if enabled(cfg.distill, cfg.algo.name):  # may differ in size, not in tokenizer or vocabulary
         t_cfg = teacher_model_config(start, cfg.teacher.checkpoint, fp)
         teacher = _load(Transformer, t_cfg, cfg.teacher.checkpoint, what="teacher", **load)
-    return assemble(cfg, state, model_cfg, tokenizer, policy, ref, critic, data, teacher), run, tokenizer
+    trainer = assemble(cfg, state, model_cfg, tokenizer, policy, ref, critic, data, teacher)
+    # LoRA on a base that never changes: checkpoints hold the adapters and name this base (core/ckpt/adapters.py)
+    trainer.lora_base = base_pointer(start) if cfg.lora.enabled and not _synced(cfg) else None
+    return trainer, run, tokenizer
+
+
+def _synced(cfg: RLConfig) -> bool:
+    return bool(cfg.reference.sync_every) or cfg.reference.sync_below is not None
+
+
+def _adapters_only(trainer: RLTrainer) -> bool:
+    return getattr(trainer, "lora_base", None) is not None
 
 
 def _modules(trainer: RLTrainer) -> dict:
+    if _adapters_only(trainer):  # the frozen base is the start checkpoint's: only the adapters are state
+        return {"adapters": (AdapterView(trainer.policy), trainer.opt)}
     mods = {"policy": (trainer.policy, trainer.opt)}
     if trainer.critic is not None:
         mods["critic"] = (trainer.critic, trainer.critic_opt)
-    if trainer.cfg.reference.sync_every or trainer.cfg.reference.sync_below is not None:
+    synced = trainer.cfg.reference.sync_every or trainer.cfg.reference.sync_below is not None
+    if synced and not trainer.cfg.reference.from_policy_base:  # a base reference merges into the policy
         mods["reference"] = (trainer.ref, None)  # a synced reference is part of the state
     return mods
 
@@ -201,6 +226,8 @@ def _extra_state(trainer: RLTrainer) -> dict:
              "reward_kl_window": trainer.recorder.reward_kl.state_dict()}
     if _sampler(trainer) is not None:
         extra["prompt_sampler"] = _sampler(trainer).state_dict()
+    if _adapters_only(trainer):
+        extra["lora_base"] = trainer.lora_base
     return extra
 
 
@@ -209,6 +236,8 @@ def _resume(trainer: RLTrainer, run: Run) -> int:
     extra = run.resume(_modules(trainer))
     if extra is None:
         return 0
+    if _adapters_only(trainer) or "lora_base" in extra:
+        check_base_pointer(extra.get("lora_base"), getattr(trainer, "lora_base", None), run.ckpt_root)
     trainer.controller.load_state_dict(extra["kl_controller"])
     trainer.ref_sync.load_state_dict(extra["ref_sync"])
     trainer.reward_norm.load_state_dict(extra["reward_norm"])
@@ -235,10 +264,12 @@ def save_final_model(trainer: RLTrainer, run: Run, tokenizer, step: int) -> str:
     """Write `{out_dir}/model`: the policy's full weights (gathered over TP and DP) and the tokenizer
     files, all hashed in the manifest, so `tools.convert_hf export` gives a folder `transformers`
     loads. Collective."""
-    with saving(f"the final model {run.final_model_dir} (step {step})"):
+    with saving(f"the final model {run.final_model_dir} (step {step})"), tempfile.TemporaryDirectory() as tmp:
+        extra = tokenizer_files(tokenizer)
+        if trainer.cfg.lora.enabled:  # base + adapters + their config: tools.convert_hf export --merge-lora / --peft
+            extra.append(write_lora_config(tmp, trainer.cfg.lora))
         return ckpt.save_model_weights(trainer.policy, run.final_model_dir, run.state,
-                                       tokenizer_fingerprint=tokenizer.fingerprint, step=step,
-                                       extra_files=tokenizer_files(tokenizer))
+                                       tokenizer_fingerprint=tokenizer.fingerprint, step=step, extra_files=extra)
 
 
 def _report(rec: dict, step: int, cfg: RLConfig, is_main: bool) -> str | None:

@@ -44,9 +44,11 @@ from core.ckpt import (
     verify_files,
     write_bytes_atomic,
 )
+from core.ckpt.adapters import LORA_CONFIG, read_lora_config
 from core.config import ModelConfig, from_dict, to_dict
 from core.shards import full_param_shapes
 from core.tokenizer import TOKENIZER_FILES, TokenizerError, load_tokenizer
+from tools.peft_io import is_factor, merged, write_peft
 
 ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "MistralForCausalLM": "mistral"}
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "keep": None}
@@ -305,15 +307,17 @@ def import_hf(hf_dir: str, out: str, dtype: str = "keep", max_shard_bytes: int |
 
 
 def export_hf(ckpt: str, hf_dir: str, max_shard_bytes: int | None = None, tokenizer_dir: str | None = None,
-              verify: bool = True) -> str:
+              verify: bool = True, merge_lora: bool = False, peft: bool = False) -> str:
     """Write config.json + model.safetensors + the tokenizer files (from `tokenizer_dir`, default the
     checkpoint itself) for checkpoint `ckpt` into `hf_dir`. `verify`: first hash the files it reads
-    against the checkpoint's manifest (a mismatch is refused by name)."""
+    against the checkpoint's manifest (a mismatch is refused by name). A checkpoint with LoRA adapters
+    (tools/peft_io.py) needs `merge_lora` (W + s B A written) or `peft` (a PEFT adapter folder instead)."""
     ckpt = resolve_checkpoint(ckpt)
     m = read_manifest(ckpt)
     if verify:
         tok = [n for n in TOKENIZER_FILES if tokenizer_dir is None and n in m.get("files", {})]
-        verify_files(ckpt, m, tensor_files(ckpt, m, "model") + tok)
+        lora_cfg = [n for n in (LORA_CONFIG,) if n in m.get("files", {})]
+        verify_files(ckpt, m, tensor_files(ckpt, m, "model") + tok + lora_cfg)
     cfg = from_dict(ModelConfig, m["model_config"])
     src = m.get("source") or {}
     os.makedirs(hf_dir, exist_ok=True)
@@ -322,8 +326,17 @@ def export_hf(ckpt: str, hf_dir: str, max_shard_bytes: int | None = None, tokeni
         raise ConvertError(f"{hf_dir}: already holds {stale[0]}; export into an empty folder")
     shapes = full_param_shapes(cfg)
     with open_safetensors_set(ckpt) as s:
+        factors = [n for n in s.keys() if is_factor(n)]
+        if factors and not (merge_lora or peft):
+            raise ConvertError(f"{ckpt}: holds LoRA adapters ({len(factors)} factors): pass --merge-lora (the "
+                               f"merged weights) or --peft (a PEFT adapter folder)")
+        if peft:
+            if not factors:
+                raise ConvertError(f"{ckpt}: --peft: the checkpoint holds no LoRA factors")
+            return write_peft({n: s.get(n) for n in factors}, read_lora_config(ckpt), hf_dir)
+        lora = read_lora_config(ckpt) if factors else None
         for n in s.keys():
-            if n not in shapes:
+            if n not in shapes and not is_factor(n):
                 raise ConvertError(f"{s.file_of(n).path}: unexpected key '{n}'")
         missing = [n for n in shapes if n not in s]
         if missing:
@@ -334,7 +347,7 @@ def export_hf(ckpt: str, hf_dir: str, max_shard_bytes: int | None = None, tokeni
         specs = {h: (s.dtype(n), shapes[n]) for h, n in out.items()}
         with StreamingWriter(hf_dir, "model", specs, max_shard_bytes, {"format": "pt"}) as w:
             for h in w.order:
-                w.write(h, s.get(out[h]))
+                w.write(h, s.get(out[h]) if lora is None else merged(s.get, out[h], lora, factors))
             w.close()
     dtypes = {dtype_name(dt) for dt, _ in specs.values()}
     config = hf_config_from_model(cfg, dtypes.pop() if len(dtypes) == 1 else "float32", src.get("config"))
@@ -363,6 +376,8 @@ def main(argv=None) -> int:
     ex.add_argument("--max-shard-bytes", type=int, default=None)
     ex.add_argument("--tokenizer-dir", default=None, help="copy the tokenizer files from here (default: --ckpt)")
     ex.add_argument("--no-verify", action="store_true", help="skip the sha256 check of the files read")
+    ex.add_argument("--merge-lora", action="store_true", help="LoRA checkpoint: write W + s B A (a plain model)")
+    ex.add_argument("--peft", action="store_true", help="LoRA checkpoint: write a PEFT adapter folder to --hf-dir")
     args = ap.parse_args(argv)
     try:
         if args.cmd == "import":
@@ -370,7 +385,7 @@ def main(argv=None) -> int:
                              args.force)
         else:
             path = export_hf(args.ckpt, args.hf_dir, args.max_shard_bytes, args.tokenizer_dir,
-                             verify=not args.no_verify)
+                             verify=not args.no_verify, merge_lora=args.merge_lora, peft=args.peft)
     except CheckpointError as e:
         print(f"kltron.convert_hf: error: {e}", file=sys.stderr)
         return 2

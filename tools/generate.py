@@ -36,6 +36,7 @@ from core.ckpt import (
     resolve_checkpoint,
     world_group,
 )
+from core.ckpt.adapters import adapt_to_checkpoint
 from core.config import ModelConfig, from_dict
 from core.generation.generate import generate
 from core.model import Transformer
@@ -79,7 +80,7 @@ def run(args) -> list[dict] | None:
     if args.chat and tok.chat_template is None:
         raise TokenizerError(f"--chat: the tokenizer {tok.path} has no chat_template (drop --chat for plain text)")
     model = Transformer(cfg, state.tp_group, kv_replica_group(state, cfg.n_kv_heads), device="meta")
-    model = model.to_empty(device=device)
+    model = adapt_to_checkpoint(model.to_empty(device=device), folder)  # a LoRA run's model: base + adapters
     load_model_weights(model, folder, state, tokenizer_fingerprint=tok.fingerprint, verify=not args.no_verify)
     dtype = args.dtype if args.dtype != "auto" else ("bf16" if device.type == "cuda" else "fp32")
     model.eval().set_mixed_precision(dtype)

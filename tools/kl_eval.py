@@ -43,6 +43,7 @@ from core.ckpt import (
     world_group,
     write_bytes_atomic,
 )
+from core.ckpt.adapters import adapt_to_checkpoint
 from core.config import ModelConfig, from_dict
 from core.model import Transformer
 from core.runtime.lifecycle import exit_process, shutdown
@@ -110,7 +111,7 @@ def _prepare(policy: str, ref: str, tokens: str):
 
 def _load(cfg: ModelConfig, path: str, state, what: str, verify: bool = True) -> Transformer:
     model = Transformer(cfg, state.tp_group, kv_replica_group(state, cfg.n_kv_heads), device="meta")
-    model = model.to_empty(device=state.device)
+    model = adapt_to_checkpoint(model.to_empty(device=state.device), path)  # a LoRA run's model: base + adapters
     load_model_weights(model, path, state, what=what, verify=verify)  # hashes the files first
     return model.eval()
 

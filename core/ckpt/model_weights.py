@@ -39,7 +39,7 @@ from core.ckpt.safetensors_write import StreamingWriter, stream_order
 from core.ckpt.tensors import assemble_full, iter_tensors
 from core.config import ModelConfig, to_dict
 from core.model import Transformer, rope_inv_freq
-from core.shards import TPSlice, full_param_shapes, tp_slice
+from core.shards import LORA_TAG, TPSlice, full_param_shapes, lora_full_shape, tp_slice
 from parallel.comm import all_gather_along, group_rank, group_size
 from parallel.fsdp import full_tensor
 
@@ -91,6 +91,9 @@ def param_specs(module: nn.Module, cfg: ModelConfig, tp: int) -> list[ParamSpec]
     for name, p in module.named_parameters():
         name = clean_name(name)
         model_name = name.removeprefix("body.")
+        if LORA_TAG in model_name:  # a LoRA factor (parallel/lora.py): sliced like its base weight
+            rank = p.shape[0] if model_name.endswith("lora_A") else p.shape[1]
+            shapes = {**shapes, model_name: lora_full_shape(model_name, cfg, rank)}
         if model_name not in shapes:
             out.append(ParamSpec(name, None, tuple(p.shape), p))
             continue

@@ -41,7 +41,7 @@ from dataclasses import dataclass
 from core.config import ModelConfig
 from parallel.vocab_stats import resolve_chunk_size
 
-PLACEMENTS = ("replicated", "tp", "tp_fsdp", "cpu_offload")
+PLACEMENTS = ("replicated", "tp", "tp_fsdp", "cpu_offload", "policy_base")  # policy_base: LoRA's adapters off
 KL_METHODS = ("gather", "vp_materialized", "fused")
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 PCIE_BYTES_PER_S = 25e9  # host->device, PCIe 4 x16 in practice
@@ -126,13 +126,28 @@ def reference_bytes(placement: str, cfg: ModelConfig, lay: Layout, ref_bytes: in
         return -(-pc["total"] // lay.dp) * (ref_bytes + master) + gathered, 0.0
     if placement == "cpu_offload":
         return gathered + pc["vocab"] * ref_bytes, pc["total"] * ref_bytes / PCIE_BYTES_PER_S
+    if placement == "policy_base":  # the policy's frozen base with its LoRA adapters off: no weights of its own
+        return 0, 0.0
     raise ValueError(f"reference placement {placement!r}: choose from {PLACEMENTS}")
 
 
+def lora_params(cfg: ModelConfig, tp: int, rank: int, targets) -> int:
+    """LoRA adapter parameters on one TP rank (parallel/lora.py): A [r, in] and B [out, r] of every
+    target in every layer, a column layer's B and a row layer's A split over tp, the other factor whole."""
+    H, hd, I = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
+    q, kv = cfg.n_heads * hd // tp, max(cfg.n_kv_heads // tp, 1) * hd
+    per = {"q": H + q, "k": H + kv, "v": H + kv, "o": q + H, "gate": H + I // tp, "up": H + I // tp,
+           "down": I // tp + H}
+    return cfg.n_layers * rank * sum(per[t] for t in targets)
+
+
 def step_budget(cfg: ModelConfig, lay: Layout, batch: Batch, placement: str = "tp", kl_method: str = "fused",
-                ref_dtype: str | None = None, ref_ema: bool = False) -> dict:
+                ref_dtype: str | None = None, ref_ema: bool = False, lora_rank: int = 0,
+                lora_targets=("q", "k", "v", "o", "gate", "up", "down")) -> dict:
     """{'parts': {name: bytes}, 'rollout_peak', 'experience_peak', 'reference_forward_peak', 'update_peak',
-    'peak', 'offload_s_per_forward'} per rank. `ref_ema`: the reference is EMA-synced (reference_bytes)."""
+    'peak', 'offload_s_per_forward'} per rank. `ref_ema`: the reference is EMA-synced (reference_bytes).
+    `lora_rank` > 0: the base is frozen (its weights stay, no gradient, no AdamW state) and only the fp32
+    adapters have gradients and AdamW state; with placement "policy_base" the reference costs nothing."""
     pc = param_counts(cfg, lay.tp)
     act_b = DTYPE_BYTES[lay.compute_dtype]
     shard = lay.dp if (lay.fsdp and lay.dp > 1) else 1
@@ -153,16 +168,22 @@ def step_budget(cfg: ModelConfig, lay: Layout, batch: Batch, placement: str = "t
              "rollout work": rollout_work(cfg, lay.tp, batch, act_b, kv_cache), "reference": ref,
              "rollout hidden": batch.rollout_rows * batch.response_len * cfg.hidden_size * act_b
              if batch.rollout_hidden else 0}
-    kept = parts["rollout hidden"]  # alive in every phase from the rollout's end
-    rollout = parts["policy weights"] + parts["AdamW state"] + ref + kv_cache + parts["rollout work"] + kept
-    # backward frees activations as it makes gradients: the head's transients meet the head's gradient
-    # only (the first made), the full gradients meet no activations; the larger of the two is the top
     head_grad = -(-pc["vocab"] // shard) * 4 // (1 if cfg.tie_embeddings else 2)
     # tied embeddings: the embedding's backward (the last) makes a dense [Vp/tp, H] gradient that
     # meets the head's, already in the shared .grad, and autograd adds the two out of place: two
     # more vocabulary-table gradients (measured: MemTracker's Temp = 3 of them at the peak)
     tied_extra = 2 * head_grad if cfg.tie_embeddings else 0
-    update = master + gathered + 2 * master + ref + kept + max(acts + head + head_grad, master + tied_extra)
+    if lora_rank:  # frozen base: no head or embedding gradient; adapters' fp32 gradients and AdamW state
+        adapter = -(-lora_params(cfg, lay.tp, lora_rank, lora_targets) // shard) * 4
+        parts.update({"policy weights": master + gathered + adapter, "gradients": adapter,
+                      "AdamW state": 2 * adapter})
+        head_grad = tied_extra = 0
+    kept = parts["rollout hidden"]  # alive in every phase from the rollout's end
+    rollout = parts["policy weights"] + parts["AdamW state"] + ref + kv_cache + parts["rollout work"] + kept
+    # backward frees activations as it makes gradients: the head's transients meet the head's gradient
+    # only (the first made), the full gradients meet no activations; the larger of the two is the top
+    update = (parts["policy weights"] + parts["AdamW state"] + ref + kept
+              + max(acts + head + head_grad, parts["gradients"] + tied_extra))
     vp_local = cfg.padded_vocab_size(lay.tp) // lay.tp
     # the reference's no-grad pass (experience phase): the copy of its head weight [Vp/tp, H] that
     # rl/update/logprobs.py's reference_hidden keeps, plus the larger of one layer's forward transients and
@@ -233,6 +254,10 @@ def projected_peak_bytes(cfg, world_size: int, device: str = "cuda") -> dict:
     batch = Batch(rows, update_rows, seq, ro.max_new_tokens, algo.kl_chunk_size, **rollout_fields(ro))
     placement = "cpu_offload" if cfg.reference.cpu_offload else ("tp_fsdp" if (par.fsdp and dp > 1) else "tp")
     rc = cfg.reference
+    if getattr(rc, "from_policy_base", False):
+        placement = "policy_base"
     ema = rc.sync_mode == "ema" and (rc.sync_every > 0 or rc.sync_below is not None)
-    out = step_budget(cfg.model, lay, batch, placement, "fused", "bf16" if rc.dtype == "bf16" else None, ema)
+    lora = getattr(cfg, "lora", None)
+    lk = dict(lora_rank=lora.rank, lora_targets=tuple(lora.targets)) if lora is not None and lora.rank else {}
+    out = step_budget(cfg.model, lay, batch, placement, "fused", "bf16" if rc.dtype == "bf16" else None, ema, **lk)
     return {**out, "layout": lay, "batch": batch, "placement": placement, "device": device}

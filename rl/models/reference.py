@@ -36,6 +36,9 @@ def sync_reference(policy, ref, mode: str = "hard", alpha: float = 1.0, master: 
     reference): {parameter name: fp32 copy of the reference's local shard}, filled from the reference
     where missing; the mix runs in it and the reference receives its rounding. A hard copy resets the
     entries it holds to the policy."""
+    if getattr(ref, "merges_on_sync", False):  # the policy's own base (rl/models/lora_ref.py): merge the adapters
+        ref.sync_from_policy()
+        return
     pol = dict(policy.named_parameters())
     for name, rp in ref.named_parameters():
         if name not in pol:
