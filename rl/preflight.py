@@ -21,6 +21,8 @@ from core.model_shapes import PRESETS, preset, shape_from_hf_config
 from core.runtime.budget import param_counts, projected_peak_bytes
 from parallel.dims import ParallelDims, launch_world_size, resolve_device
 from rl.config import RLConfig
+from rl.distill.config import enabled as distill_enabled
+from rl.distill.config import teacher_is_reference
 
 
 def check_rl_config(cfg: RLConfig, world: int) -> ParallelDims:
@@ -39,8 +41,25 @@ def check_rl_config(cfg: RLConfig, world: int) -> ParallelDims:
 
 
 def memory_plan(cfg: RLConfig, model_cfg: ModelConfig, world_size: int, device: torch.device) -> dict:
-    """core.runtime.budget's projected peak bytes per rank of one step of this exact config, model and layout."""
-    return projected_peak_bytes(replace(cfg, model=model_cfg), world_size, device.type)
+    """core.runtime.budget's projected peak bytes per rank of one step of this exact config, model and layout,
+    with the distillation teacher when there is one (`planned_teacher`)."""
+    teacher = planned_teacher(cfg, model_cfg)
+    return projected_peak_bytes(replace(cfg, model=model_cfg), world_size, device.type, teacher=teacher,
+                                teacher_is_reference=teacher is not None and teacher_is_reference(cfg))
+
+
+def planned_teacher(cfg: RLConfig, model_cfg: ModelConfig) -> ModelConfig | None:
+    """The distillation teacher's shape for a plan (None without distillation): its checkpoint's manifest,
+    else the architecture the warm start builds it with (teacher.model, else the run's model section)."""
+    if not distill_enabled(cfg.distill, cfg.algo.name):
+        return None
+    t = cfg.teacher
+    if t.checkpoint and os.path.isfile(os.path.join(t.checkpoint, "manifest.json")):
+        return from_dict(ModelConfig, ckpt.read_manifest(t.checkpoint)["model_config"])
+    if t.sft_dir is None and t.checkpoint:
+        raise ConfigError(f"teacher.checkpoint={t.checkpoint}: no kltron checkpoint there (manifest.json missing), "
+                          "so the teacher's shape is unknown to the memory plan; convert it first")
+    return t.model or model_cfg
 
 
 def check_memory(cfg: RLConfig, model_cfg: ModelConfig, world_size: int, device: torch.device) -> None:
@@ -105,6 +124,10 @@ def dry_run(cfg: RLConfig, world_size: int | None = None, hf_config: str | None 
     plan = memory_plan(cfg, model_cfg, world, device)
     print(yaml.safe_dump(to_dict(cfg), sort_keys=False), end="")
     print(f"# model: {src}: {describe_model(model_cfg)}")
+    teacher = planned_teacher(cfg, model_cfg)
+    if teacher is not None:
+        note = " (standing in for the reference)" if teacher_is_reference(cfg) else ""
+        print(f"# teacher: {describe_model(teacher)}{note}")
     print(f"# sequence: {plan['batch'].seq_len} tokens, precision {plan['layout'].compute_dtype}")
     print(f"# projected peak per rank ({world} ranks: tp={dims.tp} x dp={dims.dp}, {device.type}, reference "
           f"{plan['placement']}): {plan['peak'] / 2**30:.3f} GiB")

@@ -151,3 +151,43 @@ def test_missing_data_files_are_named_by_key(tmp_path):
     cfg = load_config(RLConfig, QWEN, [f"data.train_file={tmp_path / 'nope.jsonl'}"])
     with pytest.raises(PromptDataError, match=r"^data\.train_file=.*nope\.jsonl: no such file"):
         load_prompt_data(cfg.data, None)
+
+
+def test_the_plan_counts_a_distillation_teacher(capsys):
+    """A distillation run's plan holds the teacher: its weights (counted from its shape, equal to the built
+    model's bytes) in every phase, its hidden states and head copy through the update; pure distillation
+    loads no reference (the teacher stands in) and the dry run says so."""
+    from dataclasses import replace
+
+    import torch
+
+    from core.config import ModelConfig, load_config
+    from core.model import Transformer
+    from rl.config import RLConfig
+    from rl.preflight import dry_run, memory_plan
+
+    student = ModelConfig(vocab_size=256, hidden_size=64, n_layers=2, n_heads=4, n_kv_heads=2, intermediate_size=176,
+                          max_seq_len=64)
+    teacher = replace(student, hidden_size=128, n_layers=4, n_heads=8, n_kv_heads=4, intermediate_size=352)
+    cpu = torch.device("cpu")
+    grpo = load_config(RLConfig, None, [])
+    base = memory_plan(grpo, student, 1, cpu)
+    built = sum(p.numel() * p.element_size() for p in Transformer(teacher, None, device="meta").parameters())
+    cfg = load_config(RLConfig, None, ["distill.coef=0.5", "teacher.sft_dir=/nowhere"])
+    cfg.teacher.model = teacher
+    with_t = memory_plan(cfg, student, 1, cpu)
+    assert with_t["parts"]["teacher"] == built
+    assert with_t["rollout_peak"] == base["rollout_peak"] + built
+    B = with_t["batch"]
+    hidden = B.rollout_rows * B.response_len * teacher.hidden_size * 4 + teacher.padded_vocab_size(1) * 128 * 4
+    assert with_t["parts"]["teacher hidden"] == hidden
+    assert with_t["update_peak"] == base["update_peak"] + built + hidden
+    pure = load_config(RLConfig, None, ["algo.name=distill", "teacher.sft_dir=/nowhere", "kl_ctl.mode=fixed",
+                                        "kl_ctl.beta=0"])
+    pure.teacher.model = teacher
+    plan = memory_plan(pure, student, 1, cpu)
+    assert plan["parts"]["reference"] == 0 and plan["placement"] == "the teacher"
+    capsys.readouterr()
+    dry_run(pure, 1)
+    out = capsys.readouterr().out
+    assert "# teacher: 4 layers, hidden 128" in out and "standing in for the reference" in out

@@ -232,11 +232,14 @@ def rollout_work(cfg: ModelConfig, tp: int, batch: Batch, act_bytes: int, kv_cac
     return max(prefill, decode)
 
 
-def projected_peak_bytes(cfg, world_size: int, device: str = "cuda") -> dict:
+def projected_peak_bytes(cfg, world_size: int, device: str = "cuda", teacher: ModelConfig | None = None,
+                         teacher_is_reference: bool = False) -> dict:
     """The projected peak per rank of one RL step for an RLConfig-shaped `cfg` (sections model,
     parallel, rollout, algo, reference; duck-typed, so core does not import rl) on `world_size`
     ranks: step_budget's dict plus 'layout', 'batch' and 'device'. `device` ("cuda" or "cpu") labels the
-    result and resolves parallel.mixed_precision "auto" (bf16 on CUDA only)."""
+    result and resolves parallel.mixed_precision "auto" (bf16 on CUDA only). `teacher`: a distillation
+    teacher's shape (cfg.teacher says its placement and dtype; `add_teacher`); `teacher_is_reference`: no
+    reference is loaded, the teacher stands in."""
     par, ro, algo = cfg.parallel, cfg.rollout, cfg.algo
     tp = par.tp
     dp = par.resolve_dp(world_size)
@@ -259,5 +262,36 @@ def projected_peak_bytes(cfg, world_size: int, device: str = "cuda") -> dict:
     ema = rc.sync_mode == "ema" and (rc.sync_every > 0 or rc.sync_below is not None)
     lora = getattr(cfg, "lora", None)
     lk = dict(lora_rank=lora.rank, lora_targets=tuple(lora.targets)) if lora is not None and lora.rank else {}
+    if teacher is not None and teacher_is_reference:
+        placement = "policy_base"  # no reference is loaded: the teacher stands in for it (rl/distill/config.py)
     out = step_budget(cfg.model, lay, batch, placement, "fused", "bf16" if rc.dtype == "bf16" else None, ema, **lk)
+    if teacher is not None:
+        tc = cfg.teacher
+        t_place = "cpu_offload" if tc.cpu_offload else ("tp_fsdp" if (par.fsdp and dp > 1) else "tp")
+        out = add_teacher(out, teacher, lay, batch, t_place, "bf16" if tc.dtype == "bf16" else None)
+        placement = "the teacher" if teacher_is_reference else placement
     return {**out, "layout": lay, "batch": batch, "placement": placement, "device": device}
+
+
+def add_teacher(out: dict, teacher: ModelConfig, lay: Layout, batch: Batch, placement: str,
+                dtype: str | None = None) -> dict:
+    """`step_budget`'s dict with a frozen distillation teacher (rl/distill/teacher.py; its own shape, sharded
+    like the reference by `placement`): its weights resident in every phase; its no-grad pass in the experience
+    phase (the copy of its head weight, one layer's transients or a [chunk, Vp/tp] fp32 logits tensor); its
+    hidden states [rows, N, H_t] and head copy kept through the update, where the distillation term reads them."""
+    t_b = DTYPE_BYTES[dtype or lay.compute_dtype]
+    act_b = DTYPE_BYTES[lay.compute_dtype]
+    weights, _ = reference_bytes(placement, teacher, lay, t_b)
+    vp_local = teacher.padded_vocab_size(lay.tp) // lay.tp
+    head_copy = vp_local * teacher.hidden_size * t_b
+    hidden = batch.rollout_rows * batch.response_len * teacher.hidden_size * t_b
+    logits = head_chunk(batch.kl_chunk, batch.update_rows * batch.response_len, vp_local, teacher.hidden_size, t_b)
+    fwd = weights + head_copy + max(forward_transient(teacher, lay.tp, batch.update_rows * batch.seq_len, act_b),
+                                    logits * vp_local * 4)
+    parts = dict(out["parts"], **{"teacher": weights, "teacher hidden": hidden + head_copy})
+    rollout = out["rollout_peak"] + weights
+    resident = out["experience_peak"] - out["reference_forward_peak"]  # what the reference's pass runs beside
+    experience = max(out["experience_peak"] + weights, resident + fwd + hidden)
+    update = out["update_peak"] + weights + hidden + head_copy
+    return dict(out, parts=parts, rollout_peak=rollout, experience_peak=experience, update_peak=update,
+                teacher_forward_peak=fwd, peak=max(rollout, experience, update))
