@@ -15,7 +15,7 @@ a user would run them:
   style when the name says llama, else Qwen2), a missing `init.checkpoint` of an RL run that stand-in
   converted, a missing prompt file the shipped arithmetic word problems (GSM8K's fields);
 - reductions, never new behaviour: an `rl.train` run gets `REDUCE` appended (1 step, 2 prompts x 2
-  samples, 8 new tokens; the device stays the config's), torchrun at most 2 processes;
+  samples, 8 new tokens, 2 warm-start steps; the device stays the config's), torchrun at most 2 processes;
 - what a user must supply is stood in (the checkpoint and the training prompts, at the command's or
   the config's paths); an optional file (`data.eval_file`) only when the command names it, so a config
   default pointing at a file the user need not have fails here as it would for them;
@@ -46,7 +46,7 @@ MARKER = re.compile(r"<!--\s*doc-test:\s*skip\s*--\s*(?P<reason>\S.*?)\s*-->")
 PLACEHOLDER_ROOTS = re.compile(r"(?<![\w.~-])/(models|ckpt|data)(?=/)")
 REDUCE = ["train.steps=1", "train.progress=false", "train.save_every=0",
           "rollout.prompts_per_step=2", "rollout.group_size=2", "rollout.max_new_tokens=8", "rollout.eval_prompts=2",
-          "algo.mini_batches=1", "init.sft_steps=2"]
+          "algo.mini_batches=1", "init.sft_steps=2", "teacher.sft_steps=2"]
 MAX_PROCS = 2
 
 
