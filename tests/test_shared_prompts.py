@@ -323,7 +323,8 @@ def _tp_stats(tp: int):
                             vocab_size=131, kl="forward", ref_hidden=ref_h, ref_weight=ref_w,
                             mask=ro.response_mask, packed=sh)
     (st.logprobs * ro.response_mask).sum().backward()
-    return [t.detach().where(ro.response_mask, 0.0) for t in st], policy.norm.weight.grad.clone()
+    stats = (st.logprobs, st.entropy, st.kl)  # log-probs, entropy, exact KL
+    return [t.detach().where(ro.response_mask, 0.0) for t in stats], policy.norm.weight.grad.clone()
 
 
 @pytest.mark.slow
