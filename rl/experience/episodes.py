@@ -14,6 +14,8 @@ episode's score is the sum of its turns' rewards; GRPO groups are whole episodes
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from core.generation import multiturn as mt
@@ -61,8 +63,9 @@ def collect_episodes(policy, tokenizer, task, cfg, *, seed: int, step: int, dp_r
                      tp_group=None, dp_group=None, device="cpu", world_group=None, stats: dict | None = None,
                      timeout_s: float = 30.0) -> Rollout:
     """G episodes for each of this rank's prompts against `cfg.env` (RolloutConfig). `stats` receives
-    rollout_tokens, env_turns (mean turns per episode), tool_calls and tool_call_success (fraction of
-    tool calls that ran; nan without calls) on this rank."""
+    this rank's rollout_tokens and `env_metrics`: env_turns (mean turns per episode), tool_calls and
+    tool_call_success (fraction of tool calls that ran; nan without calls), global over DP."""
+    t0 = time.perf_counter()
     G = cfg.group_size
     source = task if hasattr(task, "rank_prompts") else TaskPrompts(task, tokenizer)
     first, prompt_ids, metas = source.rank_prompts(cfg.prompts_per_step, seed, step, dp_rank, dp_size)
@@ -123,9 +126,12 @@ def collect_episodes(policy, tokenizer, task, cfg, *, seed: int, step: int, dp_r
             break
         mt.append(policy, conv, blocks, tp_group=tp_group)
     out = mt.finish(conv)
-    if stats is not None:
-        stats.update(rollout_tokens=int(out["response_mask"].sum()), env_turns=float(turns.mean()) if B else 0.0,
-                     tool_calls=calls, tool_call_success=ok / calls if calls else float("nan"))
+    if stats is not None:  # counts summed over DP: the metrics are the global ones
+        tot = torch.tensor([float(turns.sum()), float(B), float(calls), float(ok)], dtype=torch.float64, device=device)
+        all_reduce(tot, "sum", dp_group)
+        t_sum, n, c, k = tot.tolist()
+        stats.update(rollout_tokens=int(out["response_mask"].sum()), rollout_s=time.perf_counter() - t0, env_metrics=dict(
+            env_turns=t_sum / max(n, 1.0), tool_calls=c, tool_call_success=k / c if c else float("nan")))
     responses = [tokenizer.decode([t for t, k in zip(row, m) if k and t < vocab])
                  for row, m in zip(out["sequences"][:, out["prompt_len"]:].tolist(),
                                    out["attention_mask"][:, out["prompt_len"]:].tolist())]
