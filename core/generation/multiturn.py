@@ -108,7 +108,7 @@ def decode(model, conv: Conversation, active: torch.Tensor, *, max_new_tokens: i
     was = model.training
     model.eval()
     with _keep_unsharded(model):
-        for t in range(max_new_tokens):
+        for _ in range(max_new_tokens):
             if not bool(all_reduce(live.any().to(torch.float32).reshape(1), "max", dp_group).item()):
                 break
             tok, lp = sample_from_sharded_logits(conv.logits, row_ids=row_ids, position=conv.n_resp,

@@ -23,7 +23,13 @@ from core.generation.generate import _Stopper
 from parallel.comm import all_reduce
 from rl.envs.base import Episodes
 from rl.experience.rollout import (
-    Rollout, TaskPrompts, eos_ids_of, left_pad, pad_id_of, raise_everywhere, stop_string_check,
+    Rollout,
+    TaskPrompts,
+    eos_ids_of,
+    left_pad,
+    pad_id_of,
+    raise_everywhere,
+    stop_string_check,
 )
 
 SENTINEL = "\ue000"
@@ -130,8 +136,8 @@ def collect_episodes(policy, tokenizer, task, cfg, *, seed: int, step: int, dp_r
         tot = torch.tensor([float(turns.sum()), float(B), float(calls), float(ok)], dtype=torch.float64, device=device)
         all_reduce(tot, "sum", dp_group)
         t_sum, n, c, k = tot.tolist()
-        stats.update(rollout_tokens=int(out["response_mask"].sum()), rollout_s=time.perf_counter() - t0, env_metrics=dict(
-            env_turns=t_sum / max(n, 1.0), tool_calls=c, tool_call_success=k / c if c else float("nan")))
+        stats.update(rollout_tokens=int(out["response_mask"].sum()), rollout_s=time.perf_counter() - t0,
+                     env_metrics=dict(env_turns=t_sum / max(n, 1.0), tool_calls=c, tool_call_success=k / c if c else float("nan")))
     responses = [tokenizer.decode([t for t, k in zip(row, m) if k and t < vocab])
                  for row, m in zip(out["sequences"][:, out["prompt_len"]:].tolist(),
                                    out["attention_mask"][:, out["prompt_len"]:].tolist())]
