@@ -137,7 +137,8 @@ def collect_episodes(policy, tokenizer, task, cfg, *, seed: int, step: int, dp_r
         all_reduce(tot, "sum", dp_group)
         t_sum, n, c, k = tot.tolist()
         stats.update(rollout_tokens=int(out["response_mask"].sum()), rollout_s=time.perf_counter() - t0,
-                     env_metrics=dict(env_turns=t_sum / max(n, 1.0), tool_calls=c, tool_call_success=k / c if c else float("nan")))
+                     env_metrics=dict(env_turns=t_sum / max(n, 1.0), tool_calls=c,
+                                      tool_call_success=k / c if c else float("nan")))
     responses = [tokenizer.decode([t for t, k in zip(row, m) if k and t < vocab])
                  for row, m in zip(out["sequences"][:, out["prompt_len"]:].tolist(),
                                    out["attention_mask"][:, out["prompt_len"]:].tolist())]
