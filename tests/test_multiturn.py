@@ -30,9 +30,9 @@ class _Recording:
     def step(self, text: str, ids: list[int]) -> Turn:
         obs = f"t{self.turn}x{len(ids)}"
         LOG.append((id(self), self.turn, list(ids), obs))
-        done = self.turn >= self.done_at or (len(ids) % 3 == 0 and self.turn > 0)
+        done = self.turn >= self.done_at or (sum(ids) % 3 == 0 and self.turn > 0)
         self.turn += 1
-        return Turn(obs, float(len(ids) % 2), done=done)
+        return Turn(obs, float(sum(ids) % 5) / 4, done=done)
 
 
 def recording_env(meta: dict, done_at: int = 2):
@@ -60,7 +60,7 @@ def test_ids_trained_on_are_sampled_plus_appended():
     turns_seen = set()
     for r, steps in enumerate(episodes.values()):  # episodes start in row order
         want, want_mask = [], []
-        for k, (turn, ids, obs) in enumerate(steps):
+        for k, (_, ids, obs) in enumerate(steps):
             want += ids
             want_mask += [True] * len(ids)
             if k < len(steps) - 1:  # an observation is appended only when another turn follows
@@ -123,3 +123,92 @@ def test_kv_continuation_matches_full_forward():
     ref = full[torch.arange(B), last]
     assert full.dtype == torch.float64 and conv.logits.dtype == torch.float64
     torch.testing.assert_close(conv.logits, ref, rtol=1e-10, atol=1e-10)
+
+
+def _trainer(extra=()):
+    # Adam with eps far above |g|: its first step is -lr * g / eps, linear in the gradient (no sign-like
+    # amplification of gradients that are zero up to rounding)
+    overrides = ["reward.task=arithmetic", "rollout.env=tests.test_multiturn:recording_env", "rollout.max_turns=3",
+                 "rollout.max_new_tokens=3", "optim.eps=1.0e4", "optim.weight_decay=0.0", "optim.grad_clip=1.0e9",
+                 "rollout.max_obs_tokens=6", "rollout.prompts_per_step=2", "rollout.group_size=4",
+                 "rollout.record_hidden=false", "train.progress=false", "train.steps=4", "optim.lr=1.0",
+                 "optim.warmup_steps=0", "algo.name=grpo", "algo.epochs=1", "algo.mini_batches=1",
+                 "kl_ctl.beta=0.1", "train.seed=3",
+                 "algo.old_from_update=false", "parallel.tp=1", "parallel.dp=1", *extra]
+    from rl.train import assemble
+    cfg = load_config(RLConfig, None, overrides)
+    mc = ModelConfig(**{**CFG.__dict__, "max_seq_len": 64})
+    state = init_parallel(ParallelDims(1, 1), "cpu", mc.n_heads, mc.n_kv_heads)
+    return assemble(cfg, state, mc, load_tokenizer(None), build_model(mc, seed=2), build_model(mc, seed=2))
+
+
+def _perturbed_update(extra, where: str):
+    """Parameters after one update of the same experience, with every per-token input of the loss and
+    the KL (old / reference / rollout log-probs, KL, entropy, advantages) moved at `where` positions."""
+    tr = _trainer(extra)
+    data = tr.make_experience(0)
+    ro = data.ro
+    region = ro.attention_mask[:, ro.prompt_len:].bool()
+    pos = (region & ~ro.response_mask) if where == "observation" else ro.response_mask.clone()
+    if where == "none":
+        pos[:] = False
+    for name, shift in (("old_logp", 0.7), ("ref_logp", -1.3), ("kl", 2.0), ("entropy", 1.5), ("advantages", 3.0),
+                        ("rollout_logprobs", -0.4), ("rollout_sampled_logprobs", -0.2)):
+        t = getattr(data, name)
+        if t is not None:
+            setattr(data, name, torch.where(pos, t + shift, t))
+    tr.update(data, 0)
+    return {n: p.detach().clone() for n, p in tr.policy.named_parameters()}, int(pos.sum())
+
+
+KL_PLACES = {"k3+_loss": ["kl.estimator=k3+", "kl.where=loss"],
+             "exact_loss": ["kl.exact=true", "kl.where=loss"],
+             "k3+_sequence_loss": ["kl.estimator=k3+", "kl.where=loss", "kl.gradient=sequence"],
+             "k1_reward": ["kl.estimator=k1", "kl.where=reward"]}
+
+
+@pytest.mark.parametrize("place", sorted(KL_PLACES))
+def test_observation_tokens_reach_no_gradient(place):
+    """Moving the loss's and the KL's inputs at observation positions leaves the update unchanged
+    (bitwise); moving them at sampled positions changes it (the check can fail). Every KL place:
+    the estimator or the exact KL, in the loss (token or sequence gradient) or in the reward."""
+    extra = KL_PLACES[place]
+    base, _ = _perturbed_update(extra, "none")
+    obs, n_obs = _perturbed_update(extra, "observation")
+    resp, _ = _perturbed_update(extra, "response")
+    assert n_obs > 0
+    assert all(torch.equal(base[n], obs[n]) for n in base)
+    assert any(not torch.equal(base[n], resp[n]) for n in base)
+
+
+LAYOUTS = {"rows": ["algo.share_prompts=false"], "shared": ["algo.share_prompts=true"],
+           "shared_tokens": ["algo.share_prompts=true", "algo.micro_batch_tokens=48"],
+           "packed": ["algo.share_prompts=false", "algo.micro_batch_tokens=64", "algo.pack_sequences=true"]}
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_layouts_score_episodes_with_holes(layout):
+    """Responses with holes in response_mask (observations inside the response region): every update
+    layout's old log-probs equal what the sampler recorded while continuing its KV cache (so each
+    layout conditions on the observations as the rollout did), and the update equals the plain one."""
+    tr = _trainer(LAYOUTS[layout])
+    data = tr.make_experience(0)
+    ro = data.ro
+    holes = ro.attention_mask[:, ro.prompt_len:].bool() & ~ro.response_mask
+    assert holes.any()
+    m = data.mask
+    torch.testing.assert_close(data.old_logp[m], data.rollout_logprobs[m], rtol=0, atol=2e-5)
+    got = _delta(tr, data)
+    ref = _trainer(LAYOUTS["rows"])
+    want = _delta(ref, ref.make_experience(0))
+    scale = max(float(d.abs().max()) for d in want.values())
+    assert scale > 0
+    for n in want:
+        torch.testing.assert_close(got[n], want[n], rtol=0, atol=1e-4 * scale, msg=n)
+
+
+def _delta(tr, data) -> dict:
+    """Each parameter's change in one update (linear in its gradient: see `_trainer`)."""
+    before = {n: p.detach().clone() for n, p in tr.policy.named_parameters()}
+    tr.update(data, 0)
+    return {n: p.detach() - before[n] for n, p in tr.policy.named_parameters()}
