@@ -345,6 +345,9 @@ class RLConfig:
         if a.overlong_buffer >= ro.max_new_tokens:
             raise ValueError(f"algo.overlong_buffer={a.overlong_buffer} must be below rollout.max_new_tokens="
                              f"{ro.max_new_tokens} (the punishment ramps over the last overlong_buffer tokens)")
+        if ro.env and (a.overlong_buffer or a.dynamic_sampling):
+            raise ValueError("rollout.env (multi-turn episodes) with algo.overlong_buffer or algo.dynamic_sampling: "
+                             "both read single-turn responses (max_new_tokens, one generate per round); turn them off")
         if a.dynamic_sampling and (a.name != "grpo" or ro.group_size < 2):
             raise ValueError("algo.dynamic_sampling drops prompt groups with equal rewards: it needs algo.name=grpo "
                              "and rollout.group_size >= 2")
