@@ -252,3 +252,36 @@ def test_multiturn_step_tp2_dp2_equals_single_process(dist_pools):
             for k in a:
                 assert b[k] == pytest.approx(a[k], rel=1e-6, abs=1e-9), k
         torch.testing.assert_close(logits, logits0, atol=1e-9, rtol=1e-9)
+
+
+class _Stuck:
+    def __init__(self, meta):
+        self.meta = meta
+
+    def step(self, text, ids):
+        if ids:  # every turn with tokens loops forever: the bound must stop it
+            while True:
+                pass
+        return Turn("", 0.0, done=True)
+
+
+def stuck_env(meta):
+    return _Stuck(meta)
+
+
+def broken_env(meta):
+    raise KeyError("no field 'target'")
+
+
+@pytest.mark.parametrize("spec,expect", [("tests.test_multiturn:stuck_env", "EnvTimeout"),
+                                         ("tests.test_multiturn:broken_env", "start: KeyError")])
+def test_environment_failures_are_named(spec, expect):
+    """A step past reward.timeout_s, or a factory that raises, stops the rollout naming the plug-in,
+    the prompt and the turn."""
+    tok = load_tokenizer(None)
+    model = build_model(CFG, seed=3)
+    cfg = _rollout_cfg(env=spec, prompts_per_step=1, group_size=2)
+    with pytest.raises(ValueError) as e:
+        collect_episodes(model, tok, make_task("arithmetic", max_operand=9), cfg, seed=5, step=0, timeout_s=0.3)
+    msg = str(e.value)
+    assert spec in msg and expect in msg and "prompt '" in msg, msg
