@@ -9,7 +9,7 @@ import torch
 
 from core.config import ModelConfig, load_config
 from core.generation import multiturn as mt
-from core.generation.generate import _Stopper
+from core.generation.generate import Stopper as _Stopper
 from core.model import build_model
 from core.tokenizer import load_tokenizer
 from parallel.dims import ParallelDims, init_parallel

@@ -26,7 +26,10 @@ from dataclasses import dataclass
 
 import torch
 
-from core.generation.generate import _keep_unsharded, _last_position_head, _prefill, _Stopper
+from core.generation.generate import Stopper as _Stopper
+from core.generation.generate import keep_unsharded as _keep_unsharded
+from core.generation.generate import last_position_head as _last_position_head
+from core.generation.generate import prefill as _prefill
 from core.generation.sampling import sample_from_sharded_logits, tempered_logprob
 from core.model import KVCache
 from parallel.comm import all_reduce

@@ -19,7 +19,7 @@ import time
 import torch
 
 from core.generation import multiturn as mt
-from core.generation.generate import _Stopper
+from core.generation.generate import Stopper as _Stopper
 from parallel.comm import all_reduce
 from rl.envs.base import Episodes
 from rl.experience.rollout import (
