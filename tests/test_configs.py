@@ -1,4 +1,4 @@
-"""Every shipped config in configs/ parses with load_config (RL configs: grpo_* / ppo_* / recipes_* /
+"""Every shipped config in configs/ parses with load_config (RL configs: grpo_* / ppo_* / recipes_* / multiturn_* /
 distill_*; the rest are SFT), and the RL configs' rewards build (short names resolve to
 rl.experience.math_reward's functions)."""
 
@@ -17,7 +17,7 @@ CONFIGS = sorted(glob.glob(os.path.join(REPO, "configs", "*.yaml")))
 
 
 def _cls(path):
-    return RLConfig if os.path.basename(path).startswith(("grpo", "ppo", "recipes", "distill")) else SFTConfig
+    return RLConfig if os.path.basename(path).startswith(("grpo", "ppo", "recipes", "distill", "multiturn")) else SFTConfig
 
 
 def test_configs_exist():
