@@ -1,5 +1,5 @@
-"""Every shipped config in configs/ parses with load_config (RL configs: grpo_* / ppo_* / recipes_* / multiturn_* /
-distill_*; the rest are SFT), and the RL configs' rewards build (short names resolve to
+"""Every shipped config in configs/ parses with load_config (RL configs: grpo_* / ppo_* / recipes_* /
+multiturn_* / distill_*; the rest are SFT), and the RL configs' rewards build (short names resolve to
 rl.experience.math_reward's functions)."""
 
 import glob
