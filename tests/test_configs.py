@@ -17,7 +17,8 @@ CONFIGS = sorted(glob.glob(os.path.join(REPO, "configs", "*.yaml")))
 
 
 def _cls(path):
-    return RLConfig if os.path.basename(path).startswith(("grpo", "ppo", "recipes", "distill", "multiturn")) else SFTConfig
+    rl = ("grpo", "ppo", "recipes", "distill", "multiturn")
+    return RLConfig if os.path.basename(path).startswith(rl) else SFTConfig
 
 
 def test_configs_exist():
