@@ -64,7 +64,7 @@ def test_ids_trained_on_are_sampled_plus_appended():
             want += ids
             want_mask += [True] * len(ids)
             if k < len(steps) - 1:  # an observation is appended only when another turn follows
-                app = tok.encode(render_observation(tok, obs, bool(ids) and ids[-1] in eos))
+                app = tok.encode(render_observation(tok, obs, ids[-1] if ids and ids[-1] in eos else None))
                 want += app
                 want_mask += [False] * len(app)
         turns_seen.add(len(steps))
@@ -285,3 +285,28 @@ def test_environment_failures_are_named(spec, expect):
         collect_episodes(model, tok, make_task("arithmetic", max_operand=9), cfg, seed=5, step=0, timeout_s=0.3)
     msg = str(e.value)
     assert spec in msg and expect in msg and "prompt '" in msg, msg
+
+
+class _ChatTok:
+    """A tokenizer's chat side: Qwen2.5's tools template (tests/chat_templates.py), EOS id 7 = <|im_end|>."""
+
+    def __init__(self):
+        from tests.chat_templates import QWEN25_TOOLS
+        self.chat_template = QWEN25_TOOLS
+
+    def render_chat(self, messages, add_generation_prompt=True):
+        from core.chat_template import render_chat_template
+        return render_chat_template(self.chat_template, messages, add_generation_prompt=add_generation_prompt)
+
+    def id_to_piece(self, i):
+        return {7: "<|im_end|>"}.get(i)
+
+
+def test_chat_observation_has_the_templates_turn_markers():
+    """With a chat template, the appended text closes the assistant turn (less the EOS the model sampled),
+    holds the observation in the template's tool turn, and opens the next assistant turn."""
+    tok = _ChatTok()
+    tool_turn = "<|im_start|>user\n<tool_response>\n42\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+    assert render_observation(tok, "42", eos_sampled=7) == "\n" + tool_turn
+    assert render_observation(tok, "42") == "<|im_end|>\n" + tool_turn  # the turn ended on a stop string
+    assert render_observation(load_tokenizer(None), "42") == " 42 "

@@ -35,10 +35,11 @@ from rl.experience.rollout import (
 SENTINEL = "\ue000"
 
 
-def render_observation(tokenizer, text: str, ended_with_eos: bool) -> str:
+def render_observation(tokenizer, text: str, eos_sampled: int | None = None) -> str:
     """The text appended after a model turn: with a chat template, the end of the assistant turn (less
-    the EOS the model sampled), a tool turn holding `text` (a user turn where the template has no tool
-    role) and the next assistant header; without one, the plain markers ' {text} '."""
+    the EOS `eos_sampled` the turn ended with, when it did), a tool turn holding `text` (a user turn
+    where the template has no tool role) and the next assistant header; without one, the plain
+    markers ' {text} '."""
     if getattr(tokenizer, "chat_template", None) is None:
         return f" {text} "
     head = [{"role": "user", "content": "q"}, {"role": "assistant", "content": SENTINEL}]
@@ -54,8 +55,8 @@ def render_observation(tokenizer, text: str, ended_with_eos: bool) -> str:
         raise ValueError("render_observation: the chat template renders earlier turns differently once a turn "
                          "follows (it cannot be continued token-in/token-out)")
     tail = full[cut:]
-    eos_text = getattr(tokenizer, "eos_token", None) or ""
-    if ended_with_eos and eos_text and tail.startswith(eos_text):
+    eos_text = (tokenizer.id_to_piece(eos_sampled) or "") if eos_sampled is not None else ""
+    if eos_text and tail.startswith(eos_text):
         tail = tail[len(eos_text):]
     return tail
 
@@ -114,8 +115,8 @@ def collect_episodes(policy, tokenizer, task, cfg, *, seed: int, step: int, dp_r
                 scores[r] += float(res.reward)
                 turns[r] += 1
                 calls, ok = calls + int(res.tool_call), ok + int(res.tool_call and res.tool_ok)
-                obs = _encode(tokenizer, render_observation(tokenizer, res.observation, bool(outs[r]) and
-                                                            outs[r][-1] in eos)) if not res.done else []
+                last = outs[r][-1] if outs[r] and outs[r][-1] in eos else None
+                obs = _encode(tokenizer, render_observation(tokenizer, res.observation, last)) if not res.done else []
                 if len(obs) > cfg.max_obs_tokens:
                     raise ValueError(f"observation of {len(obs)} tokens exceeds rollout.max_obs_tokens="
                                      f"{cfg.max_obs_tokens} (prompt {metas[r // G].get('prompt')!r}, turn {turn})")
