@@ -73,6 +73,8 @@ def collect_episodes(policy, tokenizer, task, cfg, *, seed: int, step: int, dp_r
     this rank's rollout_tokens and `env_metrics`: env_turns (mean turns per episode), tool_calls and
     tool_call_success (fraction of tool calls that ran; nan without calls), global over DP."""
     t0 = time.perf_counter()
+    if policy.batch_invariant:  # its key layout reads columns as positions; an episode's cache has holes
+        raise ValueError("rollout.env (multi-turn episodes) does not run with parallel.batch_invariant=true")
     G = cfg.group_size
     source = task if hasattr(task, "rank_prompts") else TaskPrompts(task, tokenizer)
     first, prompt_ids, metas = source.rank_prompts(cfg.prompts_per_step, seed, step, dp_rank, dp_size)
