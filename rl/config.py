@@ -37,6 +37,18 @@ class RolloutConfig:
     eval_prompts: int = 0  # task prompts: >0 scores this many fixed prompts; data set: caps the eval set (0: all)
     eval_every: int = 10  # held-out eval before steps 0, K, 2K, ... and after the last step (0: never)
     eval_k: int = 0  # >0: also sample k responses per eval prompt (rollout temperature): eval_mean_at_k
+    # multi-turn episodes (rl/experience/episodes.py): an environment plug-in ("module:function" or a short
+    # name of rl.envs.base.SHORT_NAMES: calculator, guess); null: single-turn responses
+    env: str | None = None
+    env_args: dict = field(default_factory=dict)  # keywords of the environment factory
+    max_turns: int = 1  # model turns per episode (max_new_tokens is per turn)
+    max_obs_tokens: int = 16  # tokens of one rendered observation (more: an error naming the prompt)
+    max_episode_tokens: int = 0  # response-region tokens per episode, sampled + appended (0: turns x per-turn room)
+
+    @property
+    def episode_tokens(self) -> int:
+        """The episode's token budget (sampled + appended ids)."""
+        return self.max_episode_tokens or self.max_turns * (self.max_new_tokens + self.max_obs_tokens)
 
     def __post_init__(self):
         for k in ("prompts_per_step", "group_size", "max_new_tokens"):
@@ -62,6 +74,11 @@ class RolloutConfig:
                              f"got {self.prefill_tokens!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError(f"rollout.stop must be a list of non-empty strings, got {self.stop!r}")
+        if self.max_turns < 1 or self.max_obs_tokens < 0 or self.max_episode_tokens < 0:
+            raise ValueError(f"rollout.max_turns must be >= 1 and max_obs_tokens, max_episode_tokens >= 0, got "
+                             f"{self.max_turns}, {self.max_obs_tokens}, {self.max_episode_tokens}")
+        if self.max_turns > 1 and not self.env:
+            raise ValueError("rollout.max_turns > 1 needs rollout.env (the environment that answers each turn)")
 
 
 ADVANTAGES = ("gae", "grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline")
@@ -359,6 +376,9 @@ class RLConfig:
         if a.overlong_buffer >= ro.max_new_tokens:
             raise ValueError(f"algo.overlong_buffer={a.overlong_buffer} must be below rollout.max_new_tokens="
                              f"{ro.max_new_tokens} (the punishment ramps over the last overlong_buffer tokens)")
+        if ro.env and (a.overlong_buffer or a.dynamic_sampling):
+            raise ValueError("rollout.env (multi-turn episodes) with algo.overlong_buffer or algo.dynamic_sampling: "
+                             "both read single-turn responses (max_new_tokens, one generate per round); turn them off")
         if a.dynamic_sampling and (a.name != "grpo" or ro.group_size < 2):
             raise ValueError("algo.dynamic_sampling drops prompt groups with equal rewards: it needs algo.name=grpo "
                              "and rollout.group_size >= 2")

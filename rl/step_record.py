@@ -51,8 +51,8 @@ class StepRecorder:
         cfg, mask, dpg = self.cfg, data.mask, self.dp_group
         q = kl_quantiles(data.kl_for_control, mask, dp_group=dpg)
         ref_lo, ref_hi = masked_range(data.old_logp - data.ref_logp, mask, dpg)  # log(pi/ref) at the samples
-        pos_mean, _ = kl_by_position(data.kl_for_control, mask, n_buckets=min(8, cfg.rollout.max_new_tokens),
-                                     max_len=cfg.rollout.max_new_tokens, dp_group=dpg)
+        L = cfg.rollout.episode_tokens if cfg.rollout.env else cfg.rollout.max_new_tokens  # response columns, at most
+        pos_mean, _ = kl_by_position(data.kl_for_control, mask, n_buckets=min(8, L), max_len=L, dp_group=dpg)
         scores = data.ro.scores.double()  # float64: sums of squares of large (bounded) rewards stay finite
         stats = torch.stack([scores.sum(), (scores ** 2).sum(), scores.new_tensor(float(scores.numel())),
                              mask.sum().double(), data.advantages.abs().sum().double()])

@@ -26,6 +26,7 @@ from core.runtime.monitor import Monitor
 from rl.config import RLConfig
 from rl.distill.metrics import distill_metrics
 from rl.experience.dynamic_sampling import collect_step
+from rl.experience.episodes import collect_episodes
 from rl.experience.rollout import collect_rollout, evaluate, pad_id_of
 from rl.models.reference import ReferenceSync
 from rl.objectives.controller import EntropyController, KLController
@@ -100,6 +101,11 @@ class RLTrainer:
         it (rl/update/step_data.py)."""
         cfg, st = self.cfg, self.state
         def collect(key: int):
+            if cfg.rollout.env:  # multi-turn episodes against an environment (rl/experience/episodes.py)
+                return collect_episodes(self.policy, self.tok, self.task, cfg.rollout, seed=cfg.train.seed, step=key,
+                                        dp_rank=st.dp_rank, dp_size=st.dims.dp, tp_group=self.tp_group,
+                                        dp_group=self.dp_group, device=st.device, world_group=self.world_group,
+                                        stats=self.rollout_stats, timeout_s=cfg.reward.timeout_s)
             return collect_rollout(self.policy, self.tok, self.task, self.reward_fn, cfg.rollout, seed=cfg.train.seed,
                                    step=key, dp_rank=st.dp_rank, dp_size=st.dims.dp, tp_group=self.tp_group,
                                    dp_group=self.dp_group, device=st.device, world_group=self.world_group,
@@ -108,6 +114,9 @@ class RLTrainer:
             ro, self.rollout_stats["recipe_metrics"] = collect_step(
                 collect, cfg, step, tokenizer=self.tok, pad_id=pad_id_of(self.tok), dp_rank=st.dp_rank,
                 dp_group=self.dp_group, stats=self.rollout_stats)
+            if cfg.rollout.env:  # env_turns, tool_calls, tool_call_success (global over DP) into the record
+                self.rollout_stats["recipe_metrics"] = {**(self.rollout_stats["recipe_metrics"] or {}),
+                                                        **self.rollout_stats.get("env_metrics", {})}
         return self.experience.make_experience(ro, step)
 
     def update(self, data: StepData, step: int) -> dict:

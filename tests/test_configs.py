@@ -1,5 +1,5 @@
 """Every shipped config in configs/ parses with load_config (RL configs: grpo_* / ppo_* / recipes_* /
-distill_*; the rest are SFT), and the RL configs' rewards build (short names resolve to
+multiturn_* / distill_*; the rest are SFT), and the RL configs' rewards build (short names resolve to
 rl.experience.math_reward's functions)."""
 
 import glob
@@ -17,7 +17,8 @@ CONFIGS = sorted(glob.glob(os.path.join(REPO, "configs", "*.yaml")))
 
 
 def _cls(path):
-    return RLConfig if os.path.basename(path).startswith(("grpo", "ppo", "recipes", "distill")) else SFTConfig
+    rl = ("grpo", "ppo", "recipes", "distill", "multiturn")
+    return RLConfig if os.path.basename(path).startswith(rl) else SFTConfig
 
 
 def test_configs_exist():

@@ -308,3 +308,8 @@ class _Record:
             if self.hidden is None:
                 self.hidden = hid.new_zeros(self.B, self.N, hid.shape[-1])
             self.hidden[at, t] = hid[live]
+
+
+# the pieces core/generation/multiturn.py resumes a batch with (prefill, the stop test, the sampled
+# positions' head, FSDP's gathered parameters for a decode loop), under public names
+keep_unsharded, last_position_head, prefill, Stopper = _keep_unsharded, _last_position_head, _prefill, _Stopper

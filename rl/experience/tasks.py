@@ -24,6 +24,8 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
+from rl.envs.guess import GuessTask
+
 CHARSET = "0123456789abcdefghijklmnopqrstuvwxyz+-=: "
 
 
@@ -107,7 +109,10 @@ TASKS = {"arithmetic": ArithmeticTask, "rev": StringTask, "sort": StringTask, "c
 
 
 def make_task(name: str, **kwargs):
-    """A built-in task by name: 'arithmetic', 'rev', 'sort' or 'copy' (kwargs go to the dataclass)."""
+    """A built-in task by name: 'arithmetic', 'rev', 'sort', 'copy' or 'guess' (the guessing game's
+    prompts, rl/envs/guess.py) (kwargs go to the dataclass)."""
+    if name == "guess":
+        return GuessTask(name=name, **kwargs)
     if name not in TASKS:
         raise ValueError(f"unknown task {name!r}; built-in tasks: {sorted(TASKS)}")
     if TASKS[name] is StringTask:
