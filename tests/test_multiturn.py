@@ -310,3 +310,14 @@ def test_chat_observation_has_the_templates_turn_markers():
     assert render_observation(tok, "42", eos_sampled=7) == "\n" + tool_turn
     assert render_observation(tok, "42") == "<|im_end|>\n" + tool_turn  # the turn ended on a stop string
     assert render_observation(load_tokenizer(None), "42") == " 42 "
+
+
+@pytest.mark.slow
+def test_bench_puts_the_same_tokens_through_both_rollouts():
+    """bench/bench_multiturn.py compares like with like: the single-turn and the 4-turn rollout hold the
+    same number of tokens after the prompt (sampled + appended) per row."""
+    from bench import bench_multiturn
+
+    out = bench_multiturn.main(["--rows", "2", "--total", "32", "--turns", "4", "--obs", "4", "--reps", "1"])
+    assert out["tokens"]["single"] == out["tokens"]["multi"] == 2 * 32
+    assert out["median_s"]["single"] > 0 and out["median_s"]["multi"] > 0
