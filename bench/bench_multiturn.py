@@ -37,9 +37,10 @@ def episode(model, ids, mask, total: int, turns: int, obs: int) -> int:
     conv = mt.start(model, ids, mask, columns=total, pad_id=0)
     kw = dict(vocab_size=model.cfg.vocab_size, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=SEED, step=0)
     stopper = Stopper(set(), None, None, ids.device)
-    active = torch.ones(B, dtype=torch.bool)
-    budget = torch.full((B,), total, dtype=torch.long)
-    rows = torch.arange(B)
+    dev = ids.device
+    active = torch.ones(B, dtype=torch.bool, device=dev)
+    budget = torch.full((B,), total, dtype=torch.long, device=dev)
+    rows = torch.arange(B, device=dev)
     per = total // turns - obs
     observation = [5 + (i % 50) for i in range(obs)]
     for _ in range(turns):

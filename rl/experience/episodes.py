@@ -102,8 +102,8 @@ def collect_episodes(policy, tokenizer, task, cfg, *, seed: int, step: int, dp_r
     raise_everywhere(error, world_group)
     running = torch.ones(B, dtype=torch.bool, device=device)
     budget = torch.full((B,), budget_n, dtype=torch.long, device=device)
-    scores = torch.zeros(B, dtype=torch.float64)
-    turns = torch.zeros(B, dtype=torch.float64)
+    scores = torch.zeros(B, dtype=torch.float64, device="cpu")  # host-side: filled per row from the environment
+    turns = torch.zeros(B, dtype=torch.float64, device="cpu")
     calls = ok = 0
     for turn in range(cfg.max_turns):
         outs = mt.decode(policy, conv, running, max_new_tokens=cfg.max_new_tokens, budget=budget, stopper=stopper,
