@@ -5,7 +5,7 @@ packed), the fused head or not, all against one process with one micro-batch per
 import pytest
 import torch
 
-from tests.test_rl_trainer import _trainer
+from tests.test_rl_trainer import _steps_and_logits
 
 pytestmark = pytest.mark.slow  # 2-step trainer runs in float64: 5-10 s each on a 2-core machine
 
@@ -42,14 +42,7 @@ LAYOUTS = {  # single-process variants of the same update
 
 
 def _run(tp, dp, overrides):
-    from parallel.comm import gather_from_tp
-
-    trainer, state = _trainer(tp, dp, overrides, dtype=torch.float64)
-    recs = [trainer.step(s) for s in range(2)]
-    ids = torch.arange(3, 3 + 2 * 12).view(2, 12) % 250 + 3
-    with torch.no_grad():
-        logits = gather_from_tp(trainer.policy(ids), state.tp_group)[..., :256]
-    return [{k: r[k] for k in KEYS if k in r} for r in recs], logits
+    return _steps_and_logits(tp, dp, overrides, keys=KEYS, optional=KEYS)
 
 
 def _same(a, b):

@@ -49,7 +49,13 @@ def _trainer(tp, dp, overrides, dtype=torch.float32):
     return assemble(cfg, state, mc, load_tokenizer(None), policy, ref, critic), state
 
 
-def _steps_and_logits(tp, dp, overrides):
+STEP_KEYS = ("reward_mean", "kl_mean", "kl_p50", "kl_p90", "kl_p99", "pg_loss", "grad_norm", "entropy", "ratio_mean",
+             "clipfrac", "logp_drift", "kl_loss")
+
+
+def _steps_and_logits(tp, dp, overrides, keys=STEP_KEYS, optional=()):
+    """Two float64 steps at tp x dp: each step's metrics `keys` (those in `optional` only where the step
+    records them) and the logits of a fixed batch after them, gathered over tp."""
     from parallel.comm import gather_from_tp
 
     # float64: a layout's rounding order stays ~1e-16, so 2 clipped AdamW steps cannot magnify it to the tolerance
@@ -58,9 +64,7 @@ def _steps_and_logits(tp, dp, overrides):
     ids = torch.arange(3, 3 + 2 * 12).view(2, 12) % 250 + 3
     with torch.no_grad():
         logits = gather_from_tp(trainer.policy(ids), state.tp_group)[..., :256]
-    keys = ("reward_mean", "kl_mean", "kl_p50", "kl_p90", "kl_p99", "pg_loss", "grad_norm", "entropy", "ratio_mean",
-            "clipfrac", "logp_drift", "kl_loss")
-    return [{k: r[k] for k in keys} for r in recs], logits
+    return [{k: r[k] for k in keys if k in r or k not in optional} for r in recs], logits
 
 
 def _compare(single, got):
