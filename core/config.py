@@ -83,6 +83,9 @@ class ParallelConfig:
     # every token's forward bits independent of the batch: the rollout's decode log-probs equal the
     # trainer's, bit for bit (parallel/invariant.py; cost: docs/design.md "Batch-invariant mode")
     batch_invariant: bool = False
+    # Megatron sequence parallelism inside TP: norms, residuals and the embedding's output hold [B, S/tp, H] in
+    # full-sequence forwards (core/seq_parallel.py; docs/design.md "Sequence parallelism"); no effect at tp=1
+    sequence_parallel: bool = False
 
     def resolve_dp(self, world_size: int) -> int:
         """parallel.dp (-1: world_size // tp), after checking parallel.tp, .dp and .timeout_s by name."""
@@ -116,6 +119,8 @@ def check_parallel(p: ParallelConfig, world_size: int) -> None:
         raise ConfigError(f"parallel.tp={p.tp} is larger than the world size {world_size}")
     if not isinstance(p.batch_invariant, bool):
         raise ConfigError(f"parallel.batch_invariant must be true or false, got {p.batch_invariant!r}")
+    if not isinstance(p.sequence_parallel, bool):
+        raise ConfigError(f"parallel.sequence_parallel must be true or false, got {p.sequence_parallel!r}")
     if p.mixed_precision not in ("fp32", "bf16", "auto"):
         raise ConfigError(f"parallel.mixed_precision must be fp32, bf16 or auto, got {p.mixed_precision!r}")
     if not (math.isfinite(p.timeout_s) and p.timeout_s > 0):

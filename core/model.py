@@ -2,8 +2,8 @@
 
 Shapes use B batch, S query length, L key length (cache + S), H hidden, hd head dim, nh/nkv the
 model's heads, and the local counts nh_l = nh/tp, nkv_l = max(nkv/tp, 1) on each TP rank.
-Activations between blocks are replicated over the TP group; attention heads and MLP columns are
-sharded; logits are sharded on the padded vocabulary. Parameter names and shards: core/shards.py.
+Activations between blocks are replicated over the TP group (`sequence_parallel`: split on S, core/
+seq_parallel.py); heads and MLP columns are sharded; logits on the padded vocabulary. Shards: core/shards.py.
 
 The same seed gives the same full model for every layout: each parameter's full tensor is drawn
 from a generator keyed by (seed, name), then each rank keeps its slice.
@@ -30,8 +30,9 @@ from core.causal_layout import (  # the mask helpers live there; imported from h
     single_piece_rows,
 )
 from core.config import ModelConfig
+from core.seq_parallel import pad_to_multiple, sp_active
 from core.shards import full_param_shapes, kv_heads_per_rank, tp_slice
-from parallel.comm import copy_to_tp, group_rank, group_size
+from parallel.comm import copy_to_tp, gather_from_tp, group_rank, group_size
 from parallel.dims import derive_seed
 from parallel.invariant import (
     CachePositions,
@@ -42,23 +43,25 @@ from parallel.invariant import (
     silu,
 )
 from parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, vocab_parallel_logits
+from parallel.seq_comm import gather_seq, reduce_grad_over_tp
 
 # ---------------------------------------------------------------------------------------------
 # building blocks
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float, device=None, dtype=None):
+    def __init__(self, dim: int, eps: float, device=None, dtype=None, tp_group=None):
         super().__init__()
-        self.eps = eps
+        self.eps, self.tp_group = eps, tp_group
         self.weight = nn.Parameter(torch.ones(dim, device=device, dtype=dtype))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, seq_parallel: bool = False) -> torch.Tensor:
         # statistics in fp32 or wider (fp64 stays fp64: a float64 check of gradients summed over rows that
         # share activations, rl/update/shared_layout.py, would otherwise see fp32 rounding of each backward)
         xf = x.to(torch.promote_types(x.dtype, torch.float32))
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        w = reduce_grad_over_tp(self.weight, self.tp_group) if seq_parallel else self.weight  # SP: grad summed
+        return w * xf.to(x.dtype)
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
@@ -136,9 +139,10 @@ class Attention(nn.Module):
         self.wv = ColumnParallelLinear(H, self.nkv_l * self.hd, tp_group, bias=b, replica_group=kv_replica_group, **kw)
         self.wo = RowParallelLinear(self.nh_l * self.hd, H, tp_group, device=device, dtype=dtype)
 
-    def forward(self, x, cos, sin, mask, cache: KVCache | None, layer: int):
+    def forward(self, x, cos, sin, mask, cache: KVCache | None, layer: int, sp: bool = False):
+        # f: one all-reduce of dL/dx for q, k, v together (SP: gather S, reduce-scatter dL/dx)
+        x = gather_seq(x, self.tp_group) if sp else copy_to_tp(x, self.tp_group)
         B, S, _ = x.shape
-        x = copy_to_tp(x, self.tp_group)  # backward: one all-reduce of dL/dx for q, k and v together
         q = self.wq(x).view(B, S, self.nh_l, self.hd).transpose(1, 2)  # (B, nh_l, S, hd)
         k = self.wk(x).view(B, S, self.nkv_l, self.hd).transpose(1, 2)  # (B, nkv_l, S, hd)
         v = self.wv(x).view(B, S, self.nkv_l, self.hd).transpose(1, 2)
@@ -158,7 +162,7 @@ class Attention(nn.Module):
             y = F.scaled_dot_product_attention(q, k, v, is_causal=S > 1, enable_gqa=gqa)
         else:
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
-        return self.wo(y.transpose(1, 2).reshape(B, S, self.nh_l * self.hd))  # (B, S, H)
+        return self.wo(y.transpose(1, 2).reshape(B, S, self.nh_l * self.hd), sp)  # (B, S or S/tp, H)
 
 
 class MLP(nn.Module):
@@ -171,22 +175,22 @@ class MLP(nn.Module):
         self.w_up = ColumnParallelLinear(H, cfg.intermediate_size // tp, tp_group, **kw)
         self.w_down = RowParallelLinear(cfg.intermediate_size // tp, H, tp_group, device=device, dtype=dtype)
 
-    def forward(self, x):
-        x = copy_to_tp(x, self.tp_group)  # backward: one all-reduce of dL/dx for gate and up together
-        return self.w_down(silu(self.w_gate(x)) * self.w_up(x))
+    def forward(self, x, sp: bool = False):
+        x = gather_seq(x, self.tp_group) if sp else copy_to_tp(x, self.tp_group)
+        return self.w_down(silu(self.w_gate(x)) * self.w_up(x), sp)
 
 
 class Block(nn.Module):
     def __init__(self, cfg: ModelConfig, tp_group, kv_replica_group, device=None, dtype=None):
         super().__init__()
-        self.attn_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, device, dtype)
+        self.attn_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, device, dtype, tp_group)
         self.attn = Attention(cfg, tp_group, kv_replica_group, device, dtype)
-        self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, device, dtype)
+        self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, device, dtype, tp_group)
         self.mlp = MLP(cfg, tp_group, device, dtype)
 
-    def forward(self, x, cos, sin, mask=None, cache=None, layer=0):
-        x = x + self.attn(self.attn_norm(x), cos, sin, mask, cache, layer)
-        return x + self.mlp(self.mlp_norm(x))
+    def forward(self, x, cos, sin, mask=None, cache=None, layer=0, sp=False):
+        x = x + self.attn(self.attn_norm(x, sp), cos, sin, mask, cache, layer, sp)
+        return x + self.mlp(self.mlp_norm(x, sp), sp)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -211,7 +215,7 @@ class Transformer(nn.Module):
         self.embed = VocabParallelEmbedding(self.padded_vocab, cfg.hidden_size, tp_group, device, dtype)
         self.layers = nn.ModuleList(Block(cfg, tp_group, kv_replica_group, device, dtype)
                                     for _ in range(cfg.n_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, device, dtype)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, device, dtype, tp_group)
         self.with_lm_head = with_lm_head
         if with_lm_head and not cfg.tie_embeddings:
             self.lm_head = nn.Module()
@@ -223,6 +227,7 @@ class Transformer(nn.Module):
         self._compiled_layers: list | None = None  # torch.compile'd blocks (a plain list: not submodules)
         # parallel.batch_invariant: each token's bits independent of the batch (parallel/invariant.py)
         self.batch_invariant = False
+        self.sequence_parallel = False  # parallel.sequence_parallel (core/seq_parallel.py)
 
     # -----------------------------------------------------------------------------------------
     # precision and compilation
@@ -279,6 +284,7 @@ class Transformer(nn.Module):
         head. A vocab-parallel head must pass `hidden` through `parallel.comm.copy_to_tp` first
         (so dL/dhidden is summed over the vocabulary shards); a replicated head must not.
         Running it inside forward keeps FSDP2's gather of the head weight around the call.
+        With `sequence_parallel` the head still gets all S positions (gathered, backward a slice).
 
         document_ids [B, S] (packed sequences; no kv_cache, no attention_mask): several documents per
         row, each a contiguous run of one id; attention is block-diagonal causal (no token sees
@@ -300,6 +306,10 @@ class Transformer(nn.Module):
                 position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)[:, past:past + S]
             else:
                 position_ids = torch.arange(past, past + S, device=input_ids.device).expand(B, S)
+        sp, S_in = sp_active(self, kv_cache), S
+        if sp:  # S padded at the end to a multiple of tp (core/seq_parallel.py)
+            S, input_ids, position_ids, attention_mask, document_ids, prefix_ids = pad_to_multiple(
+                self.tp, input_ids, position_ids, attention_mask, document_ids, prefix_ids)
         mask, shift = None, None
         # the causal-layout checks read values (a host sync); meta has none; the invariant layouts need none
         real = input_ids.device.type != "meta" and not self.batch_invariant
@@ -320,17 +330,19 @@ class Transformer(nn.Module):
         if shift is not None:  # each row's real tokens from position 0: causal attention is the mask
             input_ids, position_ids = roll_rows(input_ids, shift), roll_rows(position_ids, shift)
         with self._autocast(input_ids.device):
-            x = self.embed(input_ids)  # (B, S, H), replicated over tp
+            x = self.embed(input_ids, sp)  # (B, S, H), replicated over tp; sequence-parallel (B, S/tp, H)
             cos, sin = rope_cos_sin(self.inv_freq, position_ids, self.compute_dtype or x.dtype)
             compiled = self._compiled_layers and kv_cache is None and not self.batch_invariant
             layers = self._compiled_layers if compiled else self.layers
             for i, block in enumerate(layers):
-                x = block(x, cos, sin, mask, kv_cache, i)
+                x = block(x, cos, sin, mask, kv_cache, i, sp)
+            x = self.norm(x, sp)  # per token: commutes with the roll below
+            x = gather_from_tp(x, self.tp_group, dim=1) if sp else x  # SP: all S to the head; bwd a slice
             if shift is not None:
                 x = roll_rows(x, shift, inverse=True)
+            x = x[:, :S_in]
             if kv_cache is not None:
                 kv_cache.length = past + S
-            x = self.norm(x)
             w = self.head_weight if self.with_lm_head else None
             if self.compute_dtype is not None:  # the head's matmul operands in the compute dtype
                 x = x.to(self.compute_dtype)

@@ -122,6 +122,7 @@ def build(cfg: SFTConfig) -> SFTJob:
     opts = FSDPOptions(fsdp=p.fsdp, mixed_precision=mp,
                        activation_checkpointing=p.activation_checkpointing, cpu_offload=p.cpu_offload)
     model = parallelize(model, state.dp_mesh, opts)
+    model.sequence_parallel = cfg.parallel.sequence_parallel  # core/seq_parallel.py
     model.train()
     model.set_mixed_precision(mp)  # bf16: autocast over the fp32 master weights
     if cfg.train.compile:

@@ -13,6 +13,10 @@ checkpoint), so these classes carry no init policy.
 
 * by the caller, once for all the column-parallel layers reading the same x (q, k, v; gate, up),
   or by the layer itself when built with `copy_input=True`.
+
+Sequence parallelism (`seq_parallel=True` in forward; parallel/seq_comm.py): the caller gathers the
+sequence before the column-parallel layers, and the row-parallel layer and the embedding end in a
+reduce-scatter along the sequence (dim 1 of [B, S, H]) instead of g's all-reduce.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import torch.nn.functional as F
 from parallel import invariant
 from parallel.comm import copy_to_tp, group_rank, group_size, reduce_from_tp
 from parallel.fused import head_logits
+from parallel.seq_comm import scatter_seq
 
 
 def tie_replicas(w: torch.Tensor, replica_group) -> torch.Tensor:
@@ -75,11 +80,13 @@ class RowParallelLinear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, local_in_features, device=device, dtype=dtype))
         self.lora = None  # a parallel.lora.LoRAAdapter, attached by apply_lora
 
-    def forward(self, x_local: torch.Tensor) -> torch.Tensor:
+    def forward(self, x_local: torch.Tensor, seq_parallel: bool = False) -> torch.Tensor:
         y = linear(x_local, self.weight)
         if self.lora is not None and self.lora.enabled:  # parallel/lora.py: partial, summed by the same g
             y = y + self.lora(x_local)
         # each rank multiplied its slice of the input features: sum the partial outputs
+        if seq_parallel:  # [B, S, H] partial -> this rank's [B, S/tp, H] of the sum
+            return scatter_seq(y, self.tp_group)
         return reduce_from_tp(y, self.tp_group)
 
 
@@ -96,14 +103,17 @@ class VocabParallelEmbedding(nn.Module):
         self.vocab_start = group_rank(tp_group) * self.local_vocab
         self.weight = nn.Parameter(torch.empty(self.local_vocab, hidden, device=device, dtype=dtype))
 
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, ids: torch.Tensor, seq_parallel: bool = False) -> torch.Tensor:
         if group_size(self.tp_group) == 1:
             return F.embedding(ids, self.weight)
         local = ids - self.vocab_start
         outside = (local < 0) | (local >= self.local_vocab)
         out = F.embedding(local.masked_fill(outside, 0), self.weight)
         out = out.masked_fill(outside.unsqueeze(-1), 0.0)
-        # exactly one rank owns each id; the sum delivers every row to every rank
+        # exactly one rank owns each id; the sum delivers every row to every rank (under sequence
+        # parallelism: each rank's tokens to it, [B, S/tp, H])
+        if seq_parallel:
+            return scatter_seq(out, self.tp_group)
         return reduce_from_tp(out, self.tp_group)
 
 

@@ -146,6 +146,8 @@ def assemble(cfg: RLConfig, state, model_cfg, tokenizer, policy, ref, critic=Non
     policy.batch_invariant = ref.batch_invariant = p.batch_invariant  # rollout, reference, old, update alike
     if teacher is not None:
         teacher.batch_invariant = p.batch_invariant  # the teacher's pass too
+    for m in [m for m in (policy, ref, teacher, getattr(critic, "body", None)) if hasattr(m, "sequence_parallel")]:
+        m.sequence_parallel = p.sequence_parallel  # core/seq_parallel.py: full-sequence forwards only
     opt = build_optimizer(policy, cfg.optim, model_cfg, total, state.tp_group, state.dp_group)
     critic_opt = None
     if critic is not None:
