@@ -128,7 +128,9 @@ def dry_run(cfg: RLConfig, world_size: int | None = None, hf_config: str | None 
     if teacher is not None:
         note = " (standing in for the reference)" if teacher_is_reference(cfg) else ""
         print(f"# teacher: {describe_model(teacher)}{note}")
-    print(f"# sequence: {plan['batch'].seq_len} tokens, precision {plan['layout'].compute_dtype}")
+    lay = plan["layout"]
+    print(f"# sequence: {plan['batch'].seq_len} tokens, precision {lay.compute_dtype}, sequence parallelism "
+          f"{'on' if lay.sp and lay.tp > 1 else 'off'}, context parallelism cp={lay.cp}")
     print(f"# projected peak per rank ({world} ranks: tp={dims.tp} x dp={dims.dp}, {device.type}, reference "
           f"{plan['placement']}): {plan['peak'] / 2**30:.3f} GiB")
     for phase in ("rollout_peak", "experience_peak", "update_peak"):
