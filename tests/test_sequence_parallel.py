@@ -145,6 +145,27 @@ def test_batch_invariant_bits_and_kv_cache_unchanged(dist_pools):
     dist_pools.run(2, _invariant_and_cache)
 
 
+def _lora_grads(sp: bool) -> dict:
+    from core.lora import init_adapters
+    from parallel.lora import LoRAConfig, apply_lora
+
+    state = init_parallel(ParallelDims(1, 2), "cpu", CFG.n_heads, CFG.n_kv_heads)
+    model = build_model(CFG, state.tp_group, kv_replica_group(state, CFG.n_kv_heads), seed=3, dtype=torch.float64)
+    init_adapters(apply_lora(model, LoRAConfig(rank=2)), 0, b_std=0.1)  # B != 0: A's gradient is not zero
+    model.sequence_parallel = sp
+    ids, mask, _ = _batch(7)
+    model(ids, attention_mask=mask, head=lambda h, w: (h * mask[..., None]).pow(2).sum()).backward()
+    return {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+
+
+def test_lora_adapters_same_gradients_with_sp(dist_pools):
+    """LoRA's own collectives (parallel/lora.py) sit inside the TP pairs: SP changes none of its gradients."""
+    off, on = (dist_pools.run(2, _lora_grads, sp)[0] for sp in (False, True))
+    assert len(off) == 2 * 2 * 7
+    for n in off:
+        torch.testing.assert_close(on[n], off[n], **TOL, msg=lambda s, k=n: f"{k}: {s}")
+
+
 def _uneven() -> str:
     init_parallel(ParallelDims(1, 2), "cpu")
     with pytest.raises(SequenceSplitError) as e:
