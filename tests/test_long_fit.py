@@ -58,3 +58,18 @@ def test_cli_writes_the_table(tmp_path):
     text = out.read_text()
     assert text.startswith("| tp | cp | dp | SP | KL path | 32k on 80 GB |")
     assert text.count("\n| ") == 32 and "llama3-8b, 32k-token responses, 80 GB GPUs:" in text
+
+
+def test_kl_memory_project_splits_tokens_over_cp(tmp_path):
+    """tools.kl_memory --project --cp 4: each rank's head over T / 4 tokens, the row as projected at T / 4 without
+    cp; the gathered-logits row near the budget's seven fp32 [T / cp, Vp] tensors (tools/long_fit's KL path)."""
+    from tools import kl_memory
+
+    common = ["--hidden", "64", "--vocab", "1000", "--dtype", "bf16", "--project", "--methods", "gather,fused_exact"]
+    cp = kl_memory.main(["--tokens", "4096", "--cp", "4", "--json", str(tmp_path / "a.json"), *common])
+    plain = kl_memory.main(["--tokens", "1024", "--json", str(tmp_path / "b.json"), *common])
+    for a, b in zip(cp, plain):
+        assert (a["tokens"], a["tokens_total"], a["cp"]) == (1024, 4096, 4)
+        assert a["peak_bytes"] == b["peak_bytes"] and a["name"] == b["name"]
+    gather = next(r for r in cp if r["name"] == "gather")["peak_bytes"]
+    assert abs(gather - 7 * 1024 * 1024 * 4) <= 0.15 * gather  # Vp = 1024 (1000 padded to 64)
