@@ -30,10 +30,12 @@ import torch
 
 from parallel import invariant
 from parallel.comm import all_gather_along, copy_to_tp, group_size, ordered_sum, reduce_scatter_along, split_along
+from parallel.dims import LayoutError
 
 
-class SequenceSplitError(ValueError):
-    """A sequence that does not split evenly over the tensor-parallel ranks."""
+class SequenceSplitError(LayoutError):
+    """A sequence that does not split evenly over the tensor-parallel ranks (pure arithmetic on S and tp,
+    so every rank raises it before the collective)."""
 
 
 class _GatherSeq(torch.autograd.Function):
