@@ -118,7 +118,7 @@ def project(report=None) -> str:
              "|---|---|---|---|---|" + "---:|" * 9 + "---|---|"]
     for _, b in rows:
         p = {k: v / GB for k, v in b["parts"].items()}
-        acts = p["activations"] + p["norm activations"] + p["CP attention"]
+        acts = p["activations"] + p["sequence activations"] + p["CP attention"]
         lines.append(f"| {b['model']} | {b['tp']}x{b['dp']} | {'on' if b['ac'] else 'off'} | {b['placement']} "
                      f"| {b['kl']} | {p['policy weights']:.1f} | {p['gradients']:.1f} | {p['AdamW state']:.1f} "
                      f"| {acts:.1f} | {p['KL head']:.1f} | {p['rollout KV cache']:.1f} "

@@ -31,8 +31,8 @@ from core.causal_layout import (  # the mask helpers live there; imported from h
 )
 from core.config import ModelConfig
 from core.seq_parallel import pad_to_multiple, sp_active
-from core.shards import full_param_shapes, kv_heads_per_rank, tp_slice
-from parallel.comm import copy_to_tp, gather_from_tp, group_rank, group_size
+from core.shards import full_param_shapes, kv_heads_per_rank, local_shard
+from parallel.comm import gather_from_tp, group_rank, group_size
 from parallel.dims import derive_seed
 from parallel.invariant import (
     CachePositions,
@@ -42,8 +42,14 @@ from parallel.invariant import (
     invariant_layout,
     silu,
 )
-from parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, vocab_parallel_logits
-from parallel.seq_comm import gather_seq, reduce_grad_over_tp
+from parallel.layers import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    column_parallel,
+    vocab_parallel_logits,
+)
+from parallel.seq_comm import reduce_grad_over_tp
 
 # ---------------------------------------------------------------------------------------------
 # building blocks
@@ -140,12 +146,12 @@ class Attention(nn.Module):
         self.wo = RowParallelLinear(self.nh_l * self.hd, H, tp_group, device=device, dtype=dtype)
 
     def forward(self, x, cos, sin, mask, cache: KVCache | None, layer: int, sp: bool = False):
-        # f: one all-reduce of dL/dx for q, k, v together (SP: gather S, reduce-scatter dL/dx)
-        x = gather_seq(x, self.tp_group) if sp else copy_to_tp(x, self.tp_group)
-        B, S, _ = x.shape
-        q = self.wq(x).view(B, S, self.nh_l, self.hd).transpose(1, 2)  # (B, nh_l, S, hd)
-        k = self.wk(x).view(B, S, self.nkv_l, self.hd).transpose(1, 2)  # (B, nkv_l, S, hd)
-        v = self.wv(x).view(B, S, self.nkv_l, self.hd).transpose(1, 2)
+        # f once for q, k, v: one all-reduce of dL/dx (SP: gather S, reduce-scatter dL/dx; parallel/layers.py)
+        q, k, v = column_parallel(x, (self.wq, self.wk, self.wv), self.tp_group, sp)
+        B, S = q.shape[:2]
+        q = q.view(B, S, self.nh_l, self.hd).transpose(1, 2)  # (B, nh_l, S, hd)
+        k = k.view(B, S, self.nkv_l, self.hd).transpose(1, 2)  # (B, nkv_l, S, hd)
+        v = v.view(B, S, self.nkv_l, self.hd).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is not None and isinstance(mask, CachePositions):  # each key at its position
             k, v = mask.write(cache.k[layer], cache.v[layer], k, v, cache.length + S)
@@ -176,8 +182,8 @@ class MLP(nn.Module):
         self.w_down = RowParallelLinear(cfg.intermediate_size // tp, H, tp_group, device=device, dtype=dtype)
 
     def forward(self, x, sp: bool = False):
-        x = gather_seq(x, self.tp_group) if sp else copy_to_tp(x, self.tp_group)
-        return self.w_down(silu(self.w_gate(x)) * self.w_up(x), sp)
+        gate, up = column_parallel(x, (self.w_gate, self.w_up), self.tp_group, sp)  # f once, as Attention's
+        return self.w_down(silu(gate) * up, sp)
 
 
 class Block(nn.Module):
@@ -376,19 +382,6 @@ class Transformer(nn.Module):
             full = torch.randn(shape, generator=g, dtype=torch.float32, device="cpu") * std
             p.copy_(local_shard(full, name, cfg, self.tp_rank, self.tp).to(p.dtype))
         self.inv_freq = rope_inv_freq(cfg).to(self.embed.weight.device)
-
-
-def local_shard(full: torch.Tensor, name: str, cfg: ModelConfig, tp_rank: int, tp: int) -> torch.Tensor:
-    """This rank's local tensor from the full tensor: the slice of core/shards, zero-padded."""
-    sl = tp_slice(name, cfg, tp_rank, tp)
-    if sl.dim is None:
-        return full.clone()
-    part = full.narrow(sl.dim, sl.start, sl.stop - sl.start)
-    if sl.pad:
-        pad_shape = list(part.shape)
-        pad_shape[sl.dim] = sl.pad
-        part = torch.cat([part, part.new_zeros(pad_shape)], dim=sl.dim)
-    return part.contiguous()
 
 
 def build_model(cfg: ModelConfig, tp_group=None, kv_replica_group=None, seed: int | None = 0,

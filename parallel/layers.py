@@ -14,9 +14,10 @@ checkpoint), so these classes carry no init policy.
 * by the caller, once for all the column-parallel layers reading the same x (q, k, v; gate, up),
   or by the layer itself when built with `copy_input=True`.
 
-Sequence parallelism (`seq_parallel=True` in forward; parallel/seq_comm.py): the caller gathers the
-sequence before the column-parallel layers, and the row-parallel layer and the embedding end in a
-reduce-scatter along the sequence (dim 1 of [B, S, H]) instead of g's all-reduce.
+Sequence parallelism (`seq_parallel=True`; parallel/seq_comm.py): `column_parallel` gathers the
+sequence before the column-parallel layers (and keeps only this rank's slice for their backward),
+and the row-parallel layer and the embedding end in a reduce-scatter along the sequence (dim 1 of
+[B, S, H]) instead of g's all-reduce.
 """
 
 from __future__ import annotations
@@ -26,9 +27,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from parallel import invariant
-from parallel.comm import copy_to_tp, group_rank, group_size, reduce_from_tp
+from parallel.comm import all_gather_along, copy_to_tp, group_rank, group_size, reduce_from_tp, reduce_scatter_along
 from parallel.fused import head_logits
-from parallel.seq_comm import scatter_seq
+from parallel.seq_comm import gather_seq, scatter_seq
 
 
 def tie_replicas(w: torch.Tensor, replica_group) -> torch.Tensor:
@@ -129,3 +130,56 @@ def vocab_parallel_logits(hidden: torch.Tensor, weight_local: torch.Tensor, tp_g
 def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear, or its batch-invariant form while parallel.invariant's mode is on."""
     return invariant.inv_linear(x, w, b) if invariant.enabled() else F.linear(x, w, b)
+
+
+def column_parallel(x: torch.Tensor, layers, tp_group, seq_parallel: bool = False) -> list[torch.Tensor]:
+    """The column-parallel `layers` (q, k, v; gate, up) reading one input, "f" applied once: x replicated
+    [B, S, H] through `copy_to_tp`; with `seq_parallel`, x this rank's [B, S/tp, H], gathered along the
+    sequence. The gathered path keeps x's slice, not the gathered x, for the weight gradients and gathers
+    it again in backward (Megatron's way; `_GatherLinears`), unless an adapter or the batch-invariant
+    mode needs the layers' own forward (then autograd keeps the gathered x, as `gather_seq` does)."""
+    if not seq_parallel or group_size(tp_group) == 1:
+        x = copy_to_tp(x, tp_group)  # backward: every shard contributed a partial dL/dx; one all-reduce for all
+        return [layer(x) for layer in layers]
+    if invariant.enabled() or any(layer.lora is not None and layer.lora.enabled for layer in layers):
+        x = gather_seq(x, tp_group)
+        return [layer(x) for layer in layers]
+    ws = [tie_replicas(layer.weight, layer.replica_group) for layer in layers]
+    bs = [None if layer.bias is None else tie_replicas(layer.bias, layer.replica_group) for layer in layers]
+    return list(_GatherLinears.apply(x, tp_group, len(layers), *ws, *bs))
+
+
+class _GatherLinears(torch.autograd.Function):
+    """All-gather along the sequence, then y_i = x W_i^T (+ b_i) for every layer, as one node that saves
+    this rank's [B, S/tp, H] slice of x instead of the gathered [B, S, H]: backward gathers it again for
+    dW_i = dy_i^T x, and reduce-scatters dL/dx = sum_i dy_i W_i along the sequence. Under autocast the
+    slice is cast to the autocast dtype before the gather (what F.linear would cast) and the products run
+    in it; dL/dx is summed in x's own dtype, as autograd sums the separate casts' gradients."""
+
+    @staticmethod
+    def forward(ctx, x_local, group, n, *wb):
+        dev = x_local.device.type
+        dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x_local.dtype
+        ctx.group, ctx.in_dtype, ctx.dtype = group, x_local.dtype, dtype
+        ws, bs = wb[:n], wb[n:]
+        ctx.bias_dtypes = [None if b is None else b.dtype for b in bs]
+        x_local = x_local.to(dtype).contiguous()
+        x = all_gather_along(x_local, 1, group)
+        ctx.save_for_backward(x_local, *ws)
+        return tuple(F.linear(x, w.to(dtype), None if b is None else b.to(dtype)) for w, b in zip(ws, bs))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        x_local, *ws = ctx.saved_tensors
+        x = all_gather_along(x_local, 1, ctx.group)  # the slice kept in forward, gathered again
+        x2 = x.reshape(-1, x.shape[-1])
+        dx, dws, dbs = None, [], []
+        for w, g, b_dtype in zip(ws, grads, ctx.bias_dtypes):
+            g2 = g.reshape(-1, g.shape[-1]).to(ctx.dtype)
+            d = (g2 @ w.to(ctx.dtype)).to(ctx.in_dtype)
+            dx = d if dx is None else dx + d
+            dws.append((g2.t() @ x2).to(w.dtype))
+            dbs.append(None if b_dtype is None else g2.sum(0).to(b_dtype))
+        # every rank's column shards gave a partial dL/dx for every token: sum, keep this rank's tokens
+        dx_local = reduce_scatter_along(dx.view(*x.shape[:-1], -1), 1, ctx.group)
+        return (dx_local, None, None, *dws, *dbs)

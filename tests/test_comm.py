@@ -139,11 +139,13 @@ def test_sequence_collectives(dist_pools):
 
 def test_sequence_parallel_model_collective_count(dist_pools):
     """With SP the forward's g's become reduce-scatters of the [B, S, H] partials and its f's all-gathers of
-    [B, S/tp, H] slices (plus one before the head); backward mirrors them, and adds an all-reduce of each RMSNorm's
-    weight gradient ([H]: 2L + 1 of them) beside the head's f."""
+    [B, S/tp, H] slices (plus one before the head); backward mirrors them, gathers each column group's input
+    slice again (Megatron's: the slice is what forward kept), and adds an all-reduce of each RMSNorm's weight
+    gradient ([H]: 2L + 1 of them) beside the head's f."""
     fwd, bwd, _, _ = dist_pools.run(2, _model_collectives, True)[0]
     L, B, S, H, tp = 3, 2, 8, 32, 2
     act, shard = B * S * H * 4, B * S // tp * H * 4
     assert fwd == {"reduce_scatter:sum": (1 + 2 * L, (1 + 2 * L) * act), "all_gather": (2 * L + 1, (2 * L + 1) * shard)}
-    assert bwd == {"reduce_scatter:sum": (2 * L, 2 * L * act), "all_gather": (2 * L + 1, (2 * L + 1) * shard),
+    # backward all-gathers: the row layers' and the embedding's dL/dy, and each column group's input slice again
+    assert bwd == {"reduce_scatter:sum": (2 * L, 2 * L * act), "all_gather": (4 * L + 1, (4 * L + 1) * shard),
                    "all_reduce:sum": (1 + 2 * L + 1, act + (2 * L + 1) * H * 4)}

@@ -166,10 +166,12 @@ def test_plain_data_parallel_without_fsdp(dist_pools):
 @pytest.mark.parametrize("dp,tp,fsdp", [
     pytest.param(1, 2, True, id="dp1_tp2", marks=pytest.mark.slow),
     pytest.param(2, 2, True, id="dp2_tp2_fsdp", marks=pytest.mark.slow),
-    pytest.param(2, 2, False, id="dp2_tp2_no_fsdp", marks=pytest.mark.slow)])
+    pytest.param(2, 2, False, id="dp2_tp2_no_fsdp", marks=pytest.mark.slow),
+    pytest.param(1, 4, True, id="dp1_tp4_kv_replicas", marks=pytest.mark.slow)])
 def test_sequence_parallel_layout_matches_single_process(dist_pools, dp, tp, fsdp):
     """parallel.sequence_parallel: the RMSNorm weights' partial gradients summed over tp with FSDP2 and
-    without (3 clipped AdamW steps; activation checkpointing in the second variant)."""
+    without (3 clipped AdamW steps; activation checkpointing in the second variant); at tp=4 the KV heads
+    are replicated over rank pairs (their gradients summed inside the gathered q/k/v node's inputs)."""
     for variant in VARIANTS:
         norms = dist_pools.run(dp * tp, layout_run, dp, tp, variant, _reference(variant), None, fsdp, True)
         assert all(n == norms[0] for n in norms), f"ranks disagree on the grad norm: {norms}"

@@ -1,6 +1,6 @@
 """tools.long_fit (what fits for long responses) against arithmetic written out here: the layouts enumerated,
-the gathered-logits head's [T, Vp] fp32 tensors, SP's saving of the norm activations and checkpointed block
-inputs, cp's split of the tokens and of the FSDP shards."""
+the gathered-logits head's [T, Vp] fp32 tensors, SP's saving of the norms' and projections' activations and of
+the checkpointed block inputs, cp's split of the tokens and of the FSDP shards."""
 
 from __future__ import annotations
 
@@ -34,16 +34,18 @@ def test_gathered_logits_head_and_cp_split():
         assert gather == 7 * T * VP * 4 + T * H * 2  # seven fp32 [T, Vp] tensors and bf16 grad hidden [T, H]
     one, two = (_row(rows, tp=1, cp=c, dp=8 // c, sp=False, kl="fused")["parts"] for c in (1, 2))
     assert two["gradients"] == one["gradients"]  # FSDP over dp x cp = 8 ranks either way
-    assert abs(two["norm activations"] * 2 - one["norm activations"]) <= 4 * (2 * H * L)  # rounding of odd tokens
+    seq = "sequence activations"
+    assert abs(two[seq] * 2 - one[seq]) <= 4 * (2 * H * L)  # rounding of odd tokens
 
 
-def test_sequence_parallel_saving_is_norms_and_block_inputs():
+def test_sequence_parallel_saving_is_norms_projection_inputs_and_block_inputs():
     rows = long_fit.plan(CFG, 8, T128, prompt=1024)
     off, on = (_row(rows, tp=8, cp=1, dp=1, sp=sp, kl="fused") for sp in (False, True))
     T = T128 + 1024
-    # checkpointed block inputs L x H, one recomputed layer's two norms 4H and the final norm 2H, bf16, cut to 1/8
-    saved = (L * H + 4 * H + 2 * H) * T * 2 * 7 // 8
-    assert off["parts"]["norm activations"] - on["parts"]["norm activations"] == saved
+    # checkpointed block inputs L x H, one recomputed layer's two norms 4H and projection inputs 2H, the final
+    # norm 2H, bf16, cut to 1/8
+    saved = (L * H + 4 * H + 2 * H + 2 * H) * T * 2 * 7 // 8
+    assert off["parts"]["sequence activations"] - on["parts"]["sequence activations"] == saved
     assert off["parts"]["activations"] == on["parts"]["activations"]
     assert off["update_peak"] - on["update_peak"] == saved
     for r_off in rows:  # SP never costs memory

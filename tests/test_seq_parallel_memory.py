@@ -2,9 +2,9 @@
 
 What a forward keeps for backward (MemTracker's tracked bytes after a forward with grad, above the
 weights), with parallel.sequence_parallel off and on, with and without activation checkpointing:
-SP removes (1 - 1/tp) of the RMSNorms' saved activations (and of the checkpointed block inputs), as
-the budget's "norm activations" part says, and the budget's activations are within 10% of the
-measurement."""
+SP removes (1 - 1/tp) of the RMSNorms' saved activations and of the column-parallel layers' saved inputs
+(and of the checkpointed block inputs), as the budget's "sequence activations" part says, and the
+budget's activations are within 10% of the measurement."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import torch
 from core.config import ModelConfig
 from core.model import build_model
 from core.runtime.budget import Batch, Layout, step_budget
-from core.runtime.budget_seq import norm_act, other_act
+from core.runtime.budget_seq import other_act, seq_act
 from parallel.dims import ParallelDims, init_parallel, kv_replica_group
 from parallel.fsdp import apply_activation_checkpointing
 
@@ -49,18 +49,18 @@ def _budget(sp: bool, ac: bool) -> dict:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("ac", [False, True], ids=["no_ac", "ac"])
-def test_sp_cuts_norm_activations_to_one_over_tp(dist_pools, ac):
+def test_sp_cuts_sequence_activations_to_one_over_tp(dist_pools, ac):
     off = dist_pools.run(TP, _kept_after_forward, False, ac)[0]
     on = dist_pools.run(TP, _kept_after_forward, True, ac)[0]
     b_off, b_on = _budget(False, ac), _budget(True, ac)
-    assert b_on["norm activations"] * TP == b_off["norm activations"]
+    assert b_on["sequence activations"] * TP == b_off["sequence activations"]
     assert b_on["activations"] == b_off["activations"]
     # with checkpointing, one layer's set exists only while backward recomputes it (the budget's peak counts it):
     # what stays after forward is the budget's parts without that layer
-    recompute = {sp: (other_act(CFG, TP) + norm_act(CFG, TP, sp)) * ROWS * S * 4 if ac else 0 for sp in (False, True)}
+    recompute = {sp: (other_act(CFG, TP) + seq_act(CFG, TP, sp)) * ROWS * S * 4 if ac else 0 for sp in (False, True)}
     saved = off - on
-    want = b_off["norm activations"] - b_on["norm activations"] - (recompute[False] - recompute[True])
+    want = b_off["sequence activations"] - b_on["sequence activations"] - (recompute[False] - recompute[True])
     assert abs(saved - want) <= 0.10 * want, (saved, want)
     for got, b, sp in ((on, b_on, True), (off, b_off, False)):
-        total = b["activations"] + b["norm activations"] - recompute[sp]
+        total = b["activations"] + b["sequence activations"] - recompute[sp]
         assert abs(got - total) <= 0.10 * got, (got, total)

@@ -9,9 +9,10 @@
 | AdamW state      | exp_avg + exp_avg_sq, 2 x the weights (fp32)                                        |
 | activations      | saved per layer per token: A = 6H + 2 q + 4 kv + 4 I/tp elements (see `layer_act`); |
 |                  | L x A x rows x S, or with checkpointing L x H x rows x S + one layer's A x rows x S |
-|                  | split in two parts: "norm activations" (the RMSNorms' 4H, the checkpointed block   |
-|                  | inputs; / tp under sequence parallelism) and "activations" (the rest); with cp the |
-|                  | tokens are rows x S / cp, plus "CP attention" buffers (core/runtime/budget_seq.py) |
+|                  | split in two parts: "sequence activations" (the norms' 4H, the projections' 2H, the |
+|                  | checkpointed block inputs; / tp under sequence parallelism) and "activations" (the |
+|                  | rest); with cp the tokens are rows x S / cp, plus "CP attention" buffers           |
+|                  | (core/runtime/budget_seq.py)                                                        |
 | KL head          | by method: gather ~7 [T, Vp] fp32; vp_materialized ~6 [T, Vp/tp]; fused ~6 chunk    |
 |                  | x Vp/tp fp32 + grad hidden [T, H] (the tools.kl_memory projections, checked there); |
 |                  | fused with bf16 compute: + the fp32 accumulator of the head's weight gradient       |
@@ -166,16 +167,16 @@ def step_budget(cfg: ModelConfig, lay: Layout, batch: Batch, placement: str = "t
     master = -(-pc["total"] // shard) * 4
     gathered = 2 * pc["layer"] * act_b if (shard > 1 or act_b != 4) else 0
     tok = -(-batch.update_rows * batch.seq_len // lay.cp)  # this rank's tokens (context parallel: 1/cp)
-    other, norm = activation_parts(cfg, lay, tok, act_b)
+    other, seq = activation_parts(cfg, lay, tok, act_b, lora=lora_rank > 0)
     cp_attn = cp_attention_bytes(cfg, lay, tok, act_b)
-    acts = other + norm + cp_attn
+    acts = other + seq + cp_attn
     kv = max(cfg.n_kv_heads // lay.tp, 1) * cfg.head_dim
     kv_cache = 2 * cfg.n_layers * batch.rollout_rows * batch.seq_len * kv * act_b
     ref, offload_s = reference_bytes(placement, cfg, lay, DTYPE_BYTES[ref_dtype or lay.compute_dtype], ref_ema)
     head_tok = -(-batch.update_rows * batch.response_len // lay.cp)
     head = kl_head_bytes(kl_method, head_tok, cfg, lay.tp, batch.kl_chunk, act_b)
     parts = {"policy weights": master + gathered, "gradients": master, "AdamW state": 2 * master,
-             "activations": other, "norm activations": norm, "CP attention": cp_attn, "KL head": head,
+             "activations": other, "sequence activations": seq, "CP attention": cp_attn, "KL head": head,
              "rollout KV cache": kv_cache, "rollout work": rollout_work(cfg, lay.tp, batch, act_b, kv_cache),
              "reference": ref,
              "rollout hidden": batch.rollout_rows * batch.response_len * cfg.hidden_size * act_b

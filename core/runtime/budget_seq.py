@@ -1,29 +1,31 @@
 """The budget's sequence-dependent terms under sequence parallelism (SP) and context parallelism (CP).
 
-Per rank, with T = rows x S tokens of an update micro-batch and a layout tp x cp x dp:
+Per rank, with T = rows x S tokens of an update micro-batch and a layout tp x cp x dp (elements per
+token; q = n_heads hd / tp, kv = max(n_kv_heads / tp, 1) hd):
 
-| term                         | without SP / CP              | SP (inside TP)           | CP                        |
-|------------------------------|------------------------------|--------------------------|---------------------------|
-| tokens a rank holds          | T                            | T                        | T / cp                    |
-| norm activations, per layer  | 4 H  (2 RMSNorms: input and  | 4 H / tp                 | on T / cp tokens          |
-|                              | fp32 normalised copy)        |                          |                           |
-| other saved, per layer       | 2 H (the gathered inputs of  | the same (autograd saves | on T / cp tokens          |
-|                              | q/k/v and gate/up) + 2 q +   | the gathered tensor)     |                           |
-|                              | 4 kv + 4 I/tp                |                          |                           |
-| checkpointed block inputs    | L x H                        | L x H / tp               | on T / cp tokens          |
-| the final RMSNorm            | 2 H                          | 2 H / tp                 | on T / cp tokens          |
-| RoPE tables (cos, sin)       | 2 hd, once                   | the same                 | on T / cp tokens          |
-| attention's CP buffers       | -                            | -                        | ulysses: 2 (q + 2 kv) of  |
-|                              |                              |                          | T / cp (all-to-all in and |
-|                              |                              |                          | out); ring: 2 x 2 kv of   |
-|                              |                              |                          | T / cp (chunk in use, next)|
-| KL head                      | over the response tokens     | the same (the head gets  | over response tokens / cp |
-|                              |                              | every token)             |                           |
-| FSDP shard of weights, grads | P_tp / dp                    | the same                 | P_tp / (dp x cp)          |
+| term (part)                          | without SP / CP               | SP (inside TP)      | CP                 |
+|--------------------------------------|-------------------------------|---------------------|--------------------|
+| tokens a rank holds                  | T                             | T                   | T / cp             |
+| "sequence activations", per layer:   | 6 H                           | 6 H / tp            | on T / cp tokens   |
+|   2 RMSNorms (input, fp32 normalised |                               |                     |                    |
+|   copy: 4H), q/k/v's and gate/up's   |                               |                     |                    |
+|   input (2H)                         |                               |                     |                    |
+|   ... with LoRA (the layers' own     | 6 H                           | 4 H / tp + 2 H      |                    |
+|   forward keeps the gathered input)  |                               |                     |                    |
+| "sequence activations": checkpointed | L x H                         | L x H / tp          | on T / cp tokens   |
+|   block inputs; the final RMSNorm    | + 2 H                         | + 2 H / tp          |                    |
+| "activations": the rest, per layer   | 2 q + 4 kv + 4 I/tp           | the same            | on T / cp tokens   |
+|   (q, k, v before and after RoPE;    |                               |                     |                    |
+|   gate, up, silu(gate), product),    |                               |                     |                    |
+|   + the RoPE tables 2 hd, once       |                               |                     |                    |
+| "CP attention", one layer's buffers  | -                             | -                   | ulysses: 2 (q + 2  |
+|                                      |                               |                     | kv); ring: 2 x 2kv |
+| KL head                              | over the response tokens      | the same            | response / cp      |
+| FSDP shard of weights, grads         | P_tp / dp                     | the same            | P_tp / (dp x cp)   |
 
-q = n_heads hd / tp and kv = max(n_kv_heads / tp, 1) hd. The SP column is checked against MemTracker
-(tests/test_seq_parallel_memory.py: the norm activations measured at 1/tp, the budget within 10%). The
-CP column is arithmetic on the layout (parallel.cp, parallel.cp_impl) and assumes the rollout is not
+With activation checkpointing one layer's set (sequence and other) is counted once, for the recompute.
+The SP column is checked against MemTracker (tests/test_seq_parallel_memory.py, bench/bench_seq_parallel.py).
+The CP column is arithmetic on the layout (parallel.cp, parallel.cp_impl) and assumes the rollout is not
 context-parallel: each of a dp group's cp ranks generates 1/cp of its rows.
 """
 
@@ -32,33 +34,38 @@ from __future__ import annotations
 CP_IMPLS = ("ulysses", "ring")
 
 
-def norm_act(cfg, tp: int, sp: bool) -> int:
-    """Elements per token per layer saved by the two RMSNorms (input and fp32 normalised copy, 2H each);
-    SP holds them on this rank's 1/tp of the sequence."""
-    return 4 * cfg.hidden_size // (tp if sp else 1)
+def seq_act(cfg, tp: int, sp: bool, lora: bool = False) -> int:
+    """Elements per token per layer SP holds on 1/tp of the sequence: the two RMSNorms' input and fp32
+    normalised copy (4H) and the column-parallel layers' input (2H: q/k/v's, gate/up's; parallel/layers.py's
+    column_parallel keeps this rank's slice and gathers it again in backward). With LoRA adapters the layers
+    run their own forward, which keeps the gathered input: 2H whole."""
+    H = cfg.hidden_size
+    if not sp:
+        return 6 * H
+    return 4 * H // tp + (2 * H if lora else 2 * H // tp)
 
 
 def other_act(cfg, tp: int) -> int:
-    """Elements per token per layer saved outside the norms: the projections' gathered inputs (2H), q, k, v
-    before and after RoPE (2q + 4kv) and the MLP's gate, up, silu(gate) and product (4 I/tp)."""
+    """Elements per token per layer saved beside `seq_act`: q, k, v before and after RoPE (2q + 4kv) and the
+    MLP's gate, up, silu(gate) and their product (4 I/tp)."""
     hd = cfg.head_dim
     q, kv = cfg.n_heads * hd // tp, max(cfg.n_kv_heads // tp, 1) * hd
-    return 2 * cfg.hidden_size + 2 * q + 4 * kv + 4 * cfg.intermediate_size // tp
+    return 2 * q + 4 * kv + 4 * cfg.intermediate_size // tp
 
 
-def activation_parts(cfg, lay, tokens: int, act_bytes: int) -> tuple[int, int]:
-    """(activations SP does not touch, norm / residual activations SP divides by tp) in bytes for `tokens`
-    tokens on this rank (already / cp). With activation checkpointing: every block's input (the residual
-    stream, H per token and layer, 1/tp under SP) plus one layer's full set."""
+def activation_parts(cfg, lay, tokens: int, act_bytes: int, lora: bool = False) -> tuple[int, int]:
+    """(activations SP does not touch, sequence activations SP divides by tp) in bytes for `tokens` tokens
+    on this rank (already / cp). With activation checkpointing: every block's input (the residual stream, H
+    per token and layer, 1/tp under SP) plus one layer's full set, for its recompute in backward."""
     sp = lay.sp and lay.tp > 1
     div = lay.tp if sp else 1
     final = 2 * cfg.hidden_size // div  # the final RMSNorm's input and normalised copy
     rope = 2 * cfg.head_dim  # cos and sin, one table for every layer (the whole sequence: attention's)
+    layers = 1 if lay.activation_checkpointing else cfg.n_layers
+    seq = layers * seq_act(cfg, lay.tp, sp, lora) + final
     if lay.activation_checkpointing:
-        seq = (cfg.n_layers * cfg.hidden_size // div + norm_act(cfg, lay.tp, sp) + final) * tokens * act_bytes
-        return (other_act(cfg, lay.tp) + rope) * tokens * act_bytes, seq
-    return ((cfg.n_layers * other_act(cfg, lay.tp) + rope) * tokens * act_bytes,
-            (cfg.n_layers * norm_act(cfg, lay.tp, sp) + final) * tokens * act_bytes)
+        seq += cfg.n_layers * cfg.hidden_size // div
+    return (layers * other_act(cfg, lay.tp) + rope) * tokens * act_bytes, seq * tokens * act_bytes
 
 
 def cp_attention_bytes(cfg, lay, tokens: int, act_bytes: int) -> int:
