@@ -182,8 +182,8 @@ class MLP(nn.Module):
         self.w_down = RowParallelLinear(cfg.intermediate_size // tp, H, tp_group, device=device, dtype=dtype)
 
     def forward(self, x, sp: bool = False):
-        gate, up = column_parallel(x, (self.w_gate, self.w_up), self.tp_group, sp)  # f once, as Attention's
-        return self.w_down(silu(gate) * up, sp)
+        gate_up = column_parallel(x, (self.w_gate, self.w_up), self.tp_group, sp)  # f once, as Attention's
+        return self.w_down(silu(gate_up.pop(0)) * gate_up.pop(0), sp)  # no name keeps gate alive past silu
 
 
 class Block(nn.Module):
