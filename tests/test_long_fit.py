@@ -4,6 +4,8 @@ the checkpointed block inputs, cp's split of the tokens and of the FSDP shards."
 
 from __future__ import annotations
 
+import pytest
+
 from core.model_shapes import PRESETS
 from tools import long_fit
 
@@ -75,3 +77,30 @@ def test_kl_memory_project_splits_tokens_over_cp(tmp_path):
         assert a["peak_bytes"] == b["peak_bytes"] and a["name"] == b["name"]
     gather = next(r for r in cp if r["name"] == "gather")["peak_bytes"]
     assert abs(gather - 7 * 1024 * 1024 * 4) <= 0.15 * gather  # Vp = 1024 (1000 padded to 64)
+
+
+def test_dry_run_names_sequence_parallelism(capsys):
+    """rl.train --dry-run at tp=8 says whether SP is on and, when it is off, what turning it on would leave of the
+    sequence activations: 1/8 of the checkpointed block inputs, of one layer's norm and projection inputs and of
+    the final norm (no LoRA), in bf16."""
+    import os
+    import re
+
+    from rl import train as rl_train
+    from tests.dist import REPO
+
+    config = os.path.join(REPO, "configs", "grpo_llama3_8b_multinode.yaml")
+    out = {}
+    for sp in ("true", "false"):
+        assert rl_train.main(["--config", config, "--dry-run", "--world-size", "32", "--model", "llama3-8b",
+                              f"parallel.sequence_parallel={sp}"]) == 0
+        out[sp] = capsys.readouterr().out
+    assert "sequence parallelism on" in out["true"] and "with parallel.sequence_parallel=true" not in out["true"]
+    assert "sequence parallelism off" in out["false"]
+    got = lambda text, key: float(re.search(rf"#   {key}: ([0-9.]+) GiB", text).group(1))  # noqa: E731
+    on, off = got(out["true"], "sequence activations"), got(out["false"], "sequence activations")
+    assert on == pytest.approx(off / 8, abs=2e-3)  # every term of the part divides by tp
+    line = re.search(r"# with parallel.sequence_parallel=true: peak ([0-9.]+) GiB, sequence activations ([0-9.]+)",
+                     out["false"])
+    assert float(line.group(2)) == on
+    assert float(line.group(1)) == float(re.search(r"projected peak per rank .*: ([0-9.]+) GiB", out["true"]).group(1))
