@@ -80,7 +80,7 @@ class StalenessBound:
         s = self.staleness(policy_version, current_version, check=False)
         keep = self._keep(s).to(ro.response_mask.device)
         dev = comm.collective_device(dp_group)
-        sums = torch.stack([(~keep).sum().double(), torch.tensor(float(keep.numel()), dtype=torch.float64),
+        sums = torch.stack([(~keep).sum().double(), keep.new_tensor(float(keep.numel()), dtype=torch.float64),
                             s.double().sum(), (s < 0).sum().double()]).to(dev)
         mx = (s.max() if s.numel() else s.new_zeros(())).double().reshape(1).to(dev)
         comm.all_reduce(sums, "sum", dp_group)  # dropped rows, rows, staleness sum, rows ahead: over DP
