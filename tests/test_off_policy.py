@@ -140,6 +140,11 @@ def test_loss_inputs_pick_the_anchor_and_the_kl_weight():
     # mu falls back to the tempered log-prob where the sampler recorded no truncated one
     data2 = SimpleNamespace(old_logp=old, rollout_sampled_logprobs=None, rollout_logprobs=mu, mask=mask)
     assert loss_inputs(_cfg("tis"), data2).kl_old is mu
+    both = SimpleNamespace(old_logp=old, rollout_sampled_logprobs=mu, rollout_logprobs=mu - 0.1, mask=mask)
+    assert loss_inputs(_cfg("tis"), both).kl_old is both.rollout_logprobs  # tempered (the default)
+    sampled = _cfg("tis")
+    sampled.algo.off_policy.behaviour = "sampled"
+    assert loss_inputs(sampled, both).kl_old is mu
     with pytest.raises(ValueError, match="recorded no log-probs"):
         loss_inputs(_cfg("tis"), SimpleNamespace(old_logp=old, rollout_sampled_logprobs=None, rollout_logprobs=None,
                                                  mask=mask))
@@ -216,39 +221,43 @@ def _sync_step(correction, *extra):
     from tests.test_rl_trainer import _trainer
     torch.set_num_threads(1)
     over = ["algo.name=grpo", "kl.estimator=k3+", "rollout.top_k=64", "kl_ctl.beta=0.1",
-            f"algo.off_policy.correction={correction}", *extra]
+            f"algo.off_policy.correction={correction}", "algo.off_policy.behaviour=sampled", *extra]
     trainer, _ = _trainer(1, 1, over, dtype=torch.float64)
     data = trainer.make_experience(0)
     return data, trainer.update(data, 0)
+
+
+def _hand_parts(data):
+    """(mask, A, per-token weight 1/T as the loss holds it (fp32), rho = pi_old/mu, k3+ values) in float64 from a
+    step's recorded tensors."""
+    from rl.objectives.kl import kl_estimate
+    mask, A = data.mask, data.advantages.double()
+    per_token = float(torch.ones((), dtype=torch.float32) / int(mask.sum()))
+    old, mu = data.old_logp.double(), data.rollout_sampled_logprobs.double()
+    rho = torch.where(mask, (old - mu).exp(), 0.0)
+    return mask, A, per_token, rho, kl_estimate(old, data.ref_logp.double(), "k3+").detach()
 
 
 @pytest.mark.slow
 def test_a_correction_changes_the_synchronous_loss_as_float64_says():
     """One on-policy update (ratio exactly 1, so the clipped term is -A): the policy-gradient loss is
     sum_t c_t (-A_t) / T and the KL term sum_t min(pi/mu, 10) k3+(t) / T, with c_t and mu from the step's recorded
-    log-probs, computed here in float64; with correction=none both are today's (c = 1, weight pi/pi_old = 1)."""
-    import copy
-
-    from rl.objectives.kl import kl_estimate
+    log-probs, computed here in float64; with correction=none both are today's (c = 1, weight pi/pi_old = 1).
+    Three layouts: shared prompts through the fused loss head, the unfused head, padded rows."""
     data, none = _sync_step("none")
-    pristine = copy.deepcopy(data)
-    mask, A = data.mask, data.advantages.double()
-    T = int(mask.sum())
-    per_token = float(torch.ones((), dtype=torch.float32) / T)  # token-mean's weight 1/T, as the loss holds it (fp32)
-    old, mu, ref = data.old_logp.double(), data.rollout_sampled_logprobs.double(), data.ref_logp.double()
-    rho = torch.where(mask, (old - mu).exp(), 0.0)
+    mask, A, per_token, rho, k3 = _hand_parts(data)
     assert float(rho[mask].max()) < 1.0 and float(rho[mask].min()) > 0.05  # top-k: mu puts more mass on kept ids
     assert float(rho[mask].std()) > 1e-4  # and the weights differ from token to token
     band = 1 / float(rho[mask].median())  # mis's [1/C, C] cuts through them
-    k3 = kl_estimate(old, ref, "k3+").detach()
     assert none["pg_loss"] == pytest.approx(float(-(A[mask]).sum() * per_token), rel=1e-10, abs=1e-12)
     assert none["kl_loss"] == pytest.approx(float(k3[mask].sum() * per_token), rel=1e-10, abs=1e-12)
-    for kind, cap in (("tis", 1.5), ("mis", band), ("decoupled", None)):
-        data, got = _sync_step(kind, *([f"algo.off_policy.cap={cap}"] if cap else []))
-        torch.testing.assert_close(data.old_logp, pristine.old_logp, atol=0, rtol=0)  # the same step
+    for kind, cap, extra in (("tis", 1.5, []), ("mis", band, ["algo.fused_loss=false"]),
+                             ("decoupled", None, ["algo.share_prompts=false"])):
+        data, got = _sync_step(kind, *([f"algo.off_policy.cap={cap}"] if cap else []), *extra)
+        mask, A, per_token, rho, k3 = _hand_parts(data)
         c = _hand_sync(kind, cap, rho, mask)
         assert got["pg_loss"] == pytest.approx(float((c * -A)[mask].sum() * per_token), rel=1e-10, abs=1e-12), kind
-        w = (old - mu).clamp(max=math.log(10.0)).exp()
+        w = (data.old_logp.double() - data.rollout_sampled_logprobs.double()).clamp(max=math.log(10.0)).exp()
         assert got["kl_loss"] == pytest.approx(float((w * k3)[mask].sum() * per_token), rel=1e-10, abs=1e-12), kind
         assert got["pg_loss"] != pytest.approx(none["pg_loss"], rel=1e-3)
         assert got["off_policy_weight_mean"] == pytest.approx(float(c[mask].mean()), rel=1e-10)
@@ -263,3 +272,20 @@ def _hand_sync(kind, cap, rho, mask):
     if kind == "mis":
         return torch.where((rho >= 1 / cap) & (rho <= cap), rho, 0.0)
     return rho
+
+
+@pytest.mark.slow
+def test_the_tempered_behaviour_corrects_the_rollout_training_mismatch():
+    """algo.off_policy.behaviour=tempered (the default): mu is the rollout's tempered full-vocabulary log-prob, so
+    rho_t = pi_old / pi_rollout is the rollout-vs-training mismatch alone (the same weights, different kernels and
+    a float32 record): near 1, not 1, and the loss moves by exactly sum_t (rho_t - 1) (-A_t) / T."""
+    from tests.test_rl_trainer import _trainer
+    torch.set_num_threads(1)
+    trainer, _ = _trainer(1, 1, ["algo.name=grpo", "algo.off_policy.correction=decoupled"], dtype=torch.float64)
+    data = trainer.make_experience(0)
+    got = trainer.update(data, 0)
+    mask, A = data.mask, data.advantages.double()
+    rho = torch.where(mask, (data.old_logp.double() - data.rollout_logprobs.double()).exp(), 0.0)
+    assert 0 < float((rho[mask] - 1).abs().max()) < 1e-5  # float32 rounding of the record, not a policy gap
+    per_token = float(torch.ones((), dtype=torch.float32) / int(mask.sum()))
+    assert got["pg_loss"] == pytest.approx(float((rho * -A)[mask].sum() * per_token), rel=1e-9, abs=1e-15)

@@ -5,7 +5,8 @@ Three policies, by the role each plays in one update (docs/off_policy.md):
 | name   | what it is                                                         | where kltron gets its log-probs        |
 |--------|--------------------------------------------------------------------|----------------------------------------|
 | mu     | behaviour: the weights (policy_version) and sampler that drew the  | the rollout records them:              |
-|        | tokens, top-k / top-p / min-p truncation included                  | `StepData.rollout_sampled_logprobs`    |
+|        | tokens (`algo.off_policy.behaviour`: its tempered distribution, or | `StepData.rollout_logprobs` (or        |
+|        | the truncated one actually sampled)                                | `rollout_sampled_logprobs`)            |
 | pi_old | proximal: the clip is taken against it; the current weights before | the old-log-prob pass recomputes them  |
 |        | the update (what the first mini-batch's ratio 1 is measured from)  | (`StepData.old_logp`)                  |
 | pi     | current: the weights being trained, with gradient                 | the update's own forward               |
@@ -50,6 +51,7 @@ import torch
 from parallel import comm
 
 CORRECTIONS = ("none", "tis", "seq_tis", "mis", "geo_rs", "decoupled")
+BEHAVIOURS = ("tempered", "sampled")  # which recorded log-prob is log mu (OffPolicyConfig.behaviour)
 DEFAULT_CAP = {"tis": 2.0, "seq_tis": 2.0, "mis": 2.0, "geo_rs": 2.0, "decoupled": None, "none": None}
 LOG_RHO_CLAMP = 20.0  # log rho is clamped to +-20 before exp (as loss.log_ratio_clamp does the clip's ratio)
 
@@ -65,10 +67,17 @@ class OffPolicyConfig:
     # C: tis / seq_tis truncate at C, mis / geo_rs keep ratios in [1/C, C], decoupled drops tokens above C;
     # null: 2.0 (verl's default threshold) for tis, seq_tis, mis, geo_rs; untruncated for decoupled
     cap: float | None = None
+    # which recorded log-prob is log mu: "tempered" (StepData.rollout_logprobs: the behaviour weights' tempered
+    # full-vocabulary distribution; corrects stale weights and numerics, as verl's rollout log-probs do) or
+    # "sampled" (rollout_sampled_logprobs: the top-k / top-p / min-p truncated distribution actually drawn from;
+    # also reweights by the sampler's truncation, rho_t <= kept mass on every token)
+    behaviour: str = "tempered"
 
     def __post_init__(self):
         if self.correction not in CORRECTIONS:
             raise ValueError(f"algo.off_policy.correction must be one of {CORRECTIONS}, got {self.correction!r}")
+        if self.behaviour not in BEHAVIOURS:
+            raise ValueError(f"algo.off_policy.behaviour must be one of {BEHAVIOURS}, got {self.behaviour!r}")
         if self.correction == "none" and self.cap is not None:
             raise ValueError(f"algo.off_policy.cap={self.cap} with algo.off_policy.correction='none': the cap "
                              f"belongs to a correction; unset it or choose one of {CORRECTIONS[1:]}")
@@ -105,12 +114,14 @@ def check_off_policy(cfg) -> None:
             log.warning(msg)
 
 
-def behaviour_logprobs(data) -> torch.Tensor | None:
-    """log mu at each response token [B, N] from a StepData-like `data`: the distribution the sampler drew from
-    (`rollout_sampled_logprobs`: truncated and renormalised), else the tempered full-vocabulary log-prob the
-    rollout recorded (`rollout_logprobs`: the same without a truncating sampler); None if neither was recorded."""
-    mu = getattr(data, "rollout_sampled_logprobs", None)
-    return mu if mu is not None else getattr(data, "rollout_logprobs", None)
+def behaviour_logprobs(data, behaviour: str = "tempered") -> torch.Tensor | None:
+    """log mu at each response token [B, N] from a StepData-like `data` (OffPolicyConfig.behaviour): "tempered"
+    the rollout's tempered full-vocabulary log-prob (`rollout_logprobs`), "sampled" the truncated distribution
+    the sampler drew from (`rollout_sampled_logprobs`, the same without a truncating sampler); None if the
+    rollout recorded neither."""
+    first, second = ("rollout_logprobs", "rollout_sampled_logprobs")[::1 if behaviour == "tempered" else -1]
+    mu = getattr(data, first, None)
+    return mu if mu is not None else getattr(data, second, None)
 
 
 def _rows_sum(x: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
@@ -201,10 +212,10 @@ def loss_inputs(cfg, data, dp_group=None) -> LossInputs:
     metrics = staleness_metrics(data, a.max_staleness, dp_group)
     if op.correction == "none" and a.max_staleness == 0:
         return LossInputs(data.old_logp, None, None, True, metrics)
-    mu = behaviour_logprobs(data)
+    mu = behaviour_logprobs(data, op.behaviour)
     if mu is None:
         raise ValueError(f"algo.off_policy.correction={op.correction!r}, algo.max_staleness={a.max_staleness}: the "
-                         f"rollout recorded no log-probs (StepData.rollout_sampled_logprobs / rollout_logprobs), so mu "
+                         f"rollout recorded no log-probs (StepData.rollout_logprobs / rollout_sampled_logprobs), so mu "
                          f"is unknown")
     mu = mu.to(data.old_logp.dtype)
     if op.correction == "none":  # naive PPO: the clip on pi/mu; the KL weight pi/anchor is then pi/mu
