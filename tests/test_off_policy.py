@@ -289,3 +289,23 @@ def test_the_tempered_behaviour_corrects_the_rollout_training_mismatch():
     assert 0 < float((rho[mask] - 1).abs().max()) < 1e-5  # float32 rounding of the record, not a policy gap
     per_token = float(torch.ones((), dtype=torch.float32) / int(mask.sum()))
     assert got["pg_loss"] == pytest.approx(float((rho * -A)[mask].sum() * per_token), rel=1e-9, abs=1e-15)
+
+
+@pytest.mark.slow
+def test_the_update_reads_versions_and_refuses_a_batch_past_the_bound():
+    """A step tagged one version stale goes through an update with algo.max_staleness=1 (its staleness in the
+    record); the same batch under algo.max_staleness=0 is refused before any forward, naming the bound."""
+    from tests.test_rl_trainer import _trainer
+    torch.set_num_threads(1)
+    over = ["algo.name=grpo", "algo.off_policy.correction=decoupled"]
+    trainer, _ = _trainer(1, 1, over + ["algo.max_staleness=1"])
+    data = trainer.make_experience(0)
+    B = data.mask.shape[0]
+    data.policy_version, data.current_version = torch.tensor([3] * (B - 4) + [4] * 4), 4
+    got = trainer.update(data, 0)
+    assert got["staleness_max"] == 1.0 and got["staleness_mean"] == pytest.approx((B - 4) / B)
+    strict, _ = _trainer(1, 1, over)
+    before = [p.detach().clone() for p in strict.policy.parameters()]
+    with pytest.raises(ValueError, match="staleness 1 .*algo.max_staleness=0"):
+        strict.update(data, 0)
+    assert all(torch.equal(p, q) for p, q in zip(strict.policy.parameters(), before))
