@@ -309,3 +309,17 @@ def test_the_update_reads_versions_and_refuses_a_batch_past_the_bound():
     with pytest.raises(ValueError, match="staleness 1 .*algo.max_staleness=0"):
         strict.update(data, 0)
     assert all(torch.equal(p, q) for p, q in zip(strict.policy.parameters(), before))
+
+
+@pytest.mark.slow
+def test_naive_ppo_at_staleness_clips_on_pi_over_mu():
+    """correction=none with algo.max_staleness > 0: the first mini-batch's ratio is pi/mu (not 1): its mean is
+    the float64 mean of exp(log pi_old - log mu) over the step's tokens (pi = pi_old before the first optimizer
+    step; top-k puts it near the kept mass), and the clip zeroes every token with A < 0."""
+    data, got = _sync_step("none", "algo.max_staleness=1")
+    mask, A, per_token, rho, _ = _hand_parts(data)
+    ratio = rho[mask]  # pi / mu = pi_old / mu before the first optimizer step
+    assert got["ratio_mean"] == pytest.approx(float(ratio.mean()), rel=1e-9)
+    assert got["ratio_max"] == pytest.approx(float(ratio.max()), rel=1e-9) and got["ratio_max"] < 0.8
+    assert got["clipfrac"] == pytest.approx(float((A[mask] < 0).double().mean()), rel=1e-12)  # A < 0, r < 0.8
+    assert 0 < got["clipfrac"] < 1
