@@ -323,3 +323,20 @@ def test_naive_ppo_at_staleness_clips_on_pi_over_mu():
     assert got["ratio_max"] == pytest.approx(float(ratio.max()), rel=1e-9) and got["ratio_max"] < 0.8
     assert got["clipfrac"] == pytest.approx(float((A[mask] < 0).double().mean()), rel=1e-12)  # A < 0, r < 0.8
     assert 0 < got["clipfrac"] < 1
+
+
+@pytest.mark.slow
+def test_a_correction_does_not_depend_on_the_layout(dist_pools):
+    """Two float64 steps with mis (its band cutting through the top-k weights) and two mini-batches: tp=2 and dp=2
+    give the single process's metrics and weights (the weights are per row, their metrics global over DP)."""
+    from tests.test_rl_trainer import _compare, _steps_and_logits
+    torch.set_num_threads(1)
+    over = ["algo.name=grpo", "rollout.top_k=64", "algo.off_policy.correction=mis", "algo.off_policy.cap=3.45",
+            "algo.off_policy.behaviour=sampled", "algo.mini_batches=2"]
+    keys = ("pg_loss", "kl_loss", "grad_norm", "ratio_mean", "clipfrac", "off_policy_weight_mean",
+            "off_policy_weight_max", "off_policy_dropped_share")
+    single = _steps_and_logits(1, 1, over, keys=keys)
+    assert 0 < single[0][0]["off_policy_dropped_share"] < 1
+    for tp, dp in ((2, 1), (1, 2)):
+        for got in dist_pools.run(2, _steps_and_logits, tp, dp, over, keys):
+            _compare(single, got)
