@@ -122,6 +122,18 @@ def test_naive_ppo_at_staleness_warns_once(caplog):
     assert len(msgs) == 1 and "naive PPO" in msgs[0] and "algo.max_staleness=1" in msgs[0], msgs
 
 
+def test_a_kl_summed_into_returns_at_staleness_warns(caplog):
+    from rl.objectives import off_policy
+    off_policy._WARNED.clear()
+    with caplog.at_level("WARNING", logger="rl.objectives.off_policy"):
+        _rl("algo.max_staleness=1", "algo.off_policy.correction=tis", "kl.where=reward")
+        _rl("algo.max_staleness=1", "algo.off_policy.correction=tis", "kl.gradient=sequence")
+        _rl("algo.max_staleness=1", "algo.off_policy.correction=tis")  # per token in the loss: nothing
+        _rl("kl.where=reward")  # synchronous: nothing
+    msgs = [r.getMessage() for r in caplog.records]
+    assert len(msgs) == 2 and all("mu's continuation" in m for m in msgs), msgs
+
+
 def _cfg(correction="none", max_staleness=0, cap=None):
     return SimpleNamespace(algo=SimpleNamespace(off_policy=OffPolicyConfig(correction, cap),
                                                 max_staleness=max_staleness))

@@ -6,8 +6,9 @@ What docs/off_policy.md states and these check:
 - the policy gradient with one advantage per response: the sequence-level weight (seq_tis, uncapped) gives the
   on-policy gradient E_pi_old[A grad log pi(y)] exactly; the token-level weights (tis, decoupled) correct each
   token but not the distribution of its prefix and continuation (the surrogate's approximation), and miss it;
-- the KL in the loss (k3+, weighted by pi/mu): the per-position KL(pi||ref) gradient at mu's prefixes,
-  E_{h~mu}[sum_t grad KL_t(h_t)]: each token is corrected, its prefix is mu's (at staleness 0, pi's).
+- the KL in the loss (k3+, weighted by pi/mu; the exact KL, unweighted): the per-position KL(pi||ref) gradient
+  at mu's prefixes, E_{h~mu}[sum_t grad KL_t(h_t)]: each token is corrected, its prefix is mu's (at staleness
+  0, pi's).
 """
 
 import pytest
@@ -42,7 +43,7 @@ class Versions:
         return self.tree.dists(tables).gather(-1, self.tree.seqs[..., None])[..., 0]
 
 
-def _code_grad(v, k, correction, kl_cfg=None, advantages=None, cap=None):
+def _code_grad(v, k, correction, kl_cfg=None, advantages=None, cap=None, exact_kl=None):
     tree = v.tree
     logp = v.logp(tree.theta)
     old = logp.detach()  # pi_old = the current weights before the update
@@ -57,7 +58,8 @@ def _code_grad(v, k, correction, kl_cfg=None, advantages=None, cap=None):
     fn = TokenPolicyLoss(NO_CLIP, weights, mask, inp.old_logp, adv, kl_cfg=kl_cfg, beta=1.0,
                          ref_logp=tree.dists(tree.ref).gather(-1, tree.seqs[..., None])[..., 0],
                          on_policy=inp.on_policy_ok, is_weights=inp.weights, kl_old=inp.kl_old)
-    return tree.grad(fn(logp.reshape(-1), None, None, slice(None)).sum())
+    kl = None if exact_kl is None else exact_kl.reshape(-1)
+    return tree.grad(fn(logp.reshape(-1), None, kl, slice(None)).sum())
 
 
 def _rel(a, b):
@@ -91,10 +93,12 @@ def test_kl_in_the_loss_follows_the_per_position_kl_at_mus_prefixes(L, seed):
     kl_t = (lp_all.exp() * (lp_all - lq_all)).sum(-1)  # [B, L] exact KL(pi||ref) at each response's prefixes
     for k in (0, 1, 2, 4):
         for correction in ("none", "tis", "seq_tis", "decoupled"):
-            got = _code_grad(v, k, correction, kl_cfg=KLConfig(estimator="k3+", where="loss"))
             p_mu = v.logp(v.tables[4 - k]).sum(1).exp()[:, None]  # prefixes (and continuations) drawn by mu
             want = tree.grad((p_mu * kl_t).sum())
+            got = _code_grad(v, k, correction, kl_cfg=KLConfig(estimator="k3+", where="loss"))
             torch.testing.assert_close(got, want, atol=1e-12, rtol=1e-10)
+            exact = _code_grad(v, k, correction, kl_cfg=KLConfig(exact=True, where="loss"), exact_kl=kl_t)
+            torch.testing.assert_close(exact, want, atol=1e-12, rtol=1e-10)  # the exact KL: no token weight
             if k > 0:  # not the prefix distribution of pi
                 on = tree.grad((v.logp(tree.theta).sum(1).exp().detach()[:, None] * kl_t).sum())
                 assert _rel(got, on) > 1e-3

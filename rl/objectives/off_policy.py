@@ -104,14 +104,22 @@ def check_off_policy(cfg) -> None:
     if op.correction != "none" and a.name == "distill":
         raise ValueError("algo.off_policy.correction with algo.name='distill': the distillation term has no "
                          "behaviour-policy weight; use algo.off_policy.correction='none'")
+    if a.max_staleness > 0 and (k.where == "reward" or k.gradient == "sequence"):
+        _warn_once(f"algo.max_staleness={a.max_staleness} with kl.where={k.where!r}, kl.gradient={k.gradient!r}: the "
+                   f"KL summed into each token's return runs over mu's continuation, which the token weights do "
+                   f"not correct (exact per position only; docs/off_policy.md, 'The KL under staleness')")
     if a.max_staleness > 0 and op.correction == "none":
         msg = (f"algo.max_staleness={a.max_staleness} with algo.off_policy.correction='none': naive PPO, the clip "
                f"is taken on pi/mu around a policy up to {a.max_staleness} versions old and nothing corrects for it "
                f"(AReaL's baseline); algo.off_policy.correction='decoupled' (or tis) recomputes pi_old and weighs "
                f"by pi_old/mu")
-        if msg not in _WARNED:
-            _WARNED.add(msg)
-            log.warning(msg)
+        _warn_once(msg)
+
+
+def _warn_once(msg: str) -> None:
+    if msg not in _WARNED:
+        _WARNED.add(msg)
+        log.warning(msg)
 
 
 def behaviour_logprobs(data, behaviour: str = "tempered") -> torch.Tensor | None:
