@@ -309,12 +309,12 @@ class TokenPolicyLoss:
     chunk by chunk and forms the gradient in its forward pass) and for the unfused path (called once
     on every token). Summed over every token its values equal `policy_loss(...)`'s loss.
 
-    weights, mask, old_logp, advantages, ref_logp: [B, S] (flattened here); `weights` from
-    `token_weights`; `is_weights` (c_t, multiplies the policy-gradient term) and `kl_old` (log mu: the KL term's
-    weight is pi/mu instead of pi/old_logp) from rl/objectives/off_policy.py's `loss_inputs`. Everything bound
-    here and the head's values are sanitized at masked positions
-    before any arithmetic: padding reaches no value and no gradient. `on_policy`: the first mini-batch
-    after the rollout, whose old policy is the current one (old log-probs: the current ones, detached).
+    weights, mask, old_logp, advantages, ref_logp: [B, S] (flattened here); `weights` from `token_weights`;
+    `is_weights` (c_t on the policy-gradient term) and `kl_old` (log mu: the KL term's weight is pi/mu, not
+    pi/old_logp) from rl/objectives/off_policy.py's `loss_inputs`. Everything bound here and the head's values
+    are sanitized at masked positions before any arithmetic: padding reaches no value and no gradient.
+    `on_policy`: the first mini-batch after the rollout, whose old policy is the current one (old log-probs:
+    the current ones, detached).
 
     Each call records its tokens' detached parts, so `stats()` needs no second evaluation."""
 
@@ -328,15 +328,10 @@ class TokenPolicyLoss:
         self.cfg, self.kl_cfg, self.beta, self.on_policy = cfg, kl_cfg, beta, on_policy
         self.ent_coef = cfg.entropy_coef if entropy_coef is None else entropy_coef  # adaptive: the controller's
         self.m = mask.reshape(-1).bool()
-        self.w = sanitize(weights.reshape(-1), self.m).detach()
-        self.old = sanitize(old_logp.reshape(-1), self.m).detach()
-        self.adv = sanitize(advantages.reshape(-1), self.m).detach()
-        self.ref = None if ref_logp is None else sanitize(ref_logp.reshape(-1), self.m).detach()
-        # off-policy (rl/objectives/off_policy.py): c_t on the policy-gradient term; log mu for the KL term's weight
         flat = lambda t: None if t is None else sanitize(t.reshape(-1), self.m).detach()  # noqa: E731
-        self.c, self.kl_old = flat(is_weights), flat(kl_old)
-        if kl_future is not None:
-            kl_future = kl_future.reshape(-1)
+        self.w, self.old, self.adv, self.ref = flat(weights), flat(old_logp), flat(advantages), flat(ref_logp)
+        self.c, self.kl_old = flat(is_weights), flat(kl_old)  # off-policy: rl/objectives/off_policy.py
+        kl_future = None if kl_future is None else kl_future.reshape(-1)
         self.adv = _with_future_kl(self.adv, self.m, kl_cfg, beta, kl_future)
         self.kl_in_loss = kl_cfg is not None and kl_cfg.in_loss and beta != 0.0
         if self.kl_in_loss and not kl_cfg.exact and self.ref is None:
