@@ -64,6 +64,7 @@ def test_cli_writes_the_table(tmp_path):
     assert text.count("\n| ") == 32 and "llama3-8b, 32k-token responses, 80 GB GPUs:" in text
 
 
+@pytest.mark.slow  # two FakeTensorMode projections: ~5 s
 def test_kl_memory_project_splits_tokens_over_cp(tmp_path):
     """tools.kl_memory --project --cp 4: each rank's head over T / 4 tokens, the row as projected at T / 4 without
     cp; the gathered-logits row near the budget's seven fp32 [T / cp, Vp] tensors (tools/long_fit's KL path)."""
