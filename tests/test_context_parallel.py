@@ -275,3 +275,99 @@ def test_fused_head_matches_on_local_tokens():
     out = pol(ids, head=lambda h, w: fused_head(h.reshape(-1, h.shape[-1]), w, tgt.reshape(-1).clamp(min=0),
                                                 vocab_size=cfg.vocab_size, entropy=False))
     torch.testing.assert_close(out.logprobs.view(B, S)[mask], lp[mask], atol=1e-12, rtol=1e-12)
+
+
+# ---------------------------------------------------------------------------------------------
+# a whole RL step under cp=2 against cp=1 in one process
+
+RL_MODEL = dict(vocab_size=256, hidden_size=32, n_layers=2, n_heads=4, n_kv_heads=2, intermediate_size=64,
+                max_seq_len=64)
+RL_BASE = ["rollout.prompts_per_step=4", "rollout.group_size=4", "rollout.max_new_tokens=9", "train.steps=2",
+           "reward.use_task_reward=false", "reward.fns=[tests.test_context_parallel:digit_reward]",
+           "optim.lr=1e-2", "optim.warmup_steps=0", "optim.grad_clip=0.5", "kl_ctl.beta=0.1",
+           "train.progress=false", "optim.eps=1e-6", "algo.name=grpo", "loss.entropy_coef=0.01"]
+# the exact KL in the loss (reference hidden states across the cp ranks), two mini-batches and two epochs (the
+# old-log-prob pass, then the first mini-batch's old values from the update); k3 in the reward, padded rows
+RL_VARIANTS = {
+    "exact": ["kl.exact=true", "algo.mini_batches=2", "algo.epochs=2"],
+    "k3_packed": ["kl.estimator=k3+", "algo.old_from_update=false", "algo.micro_batch_tokens=64",
+                  "algo.pack_sequences=true"],
+    "shared": ["kl.exact=true", "algo.share_prompts=true"],
+}
+RL_KEYS = ("reward_mean", "kl_mean", "kl_p50", "kl_p90", "kl_max", "pg_loss", "grad_norm", "entropy", "ratio_mean",
+           "clipfrac", "logp_drift")
+
+
+def digit_reward(meta, response):
+    """A dense reward an untrained model already varies on: the share of digits."""
+    return sum(c.isdigit() for c in response) / 9.0
+
+
+def rl_steps(cp: int, impl: str, overrides: list[str]) -> tuple[list[dict], torch.Tensor]:
+    """Two float64 RL steps at cp (tp = dp = 1): each step's metrics and the policy's logits of a fixed batch."""
+    from core.config import load_config
+    from core.tokenizer import load_tokenizer
+    from rl.config import RLConfig
+    from rl.train import assemble
+
+    cfg = load_config(RLConfig, None, RL_BASE + [f"parallel.cp={cp}", f"parallel.cp_impl={impl}"] + overrides)
+    mc = ModelConfig(**RL_MODEL)
+    state = init_parallel(ParallelDims(1, 1, cp), "cpu", mc.n_heads, mc.n_kv_heads)
+    policy = build_model(mc, state.tp_group, None, seed=11, dtype=torch.float64)
+    ref = build_model(mc, state.tp_group, None, seed=11, dtype=torch.float64)
+    trainer = assemble(cfg, state, mc, load_tokenizer(None), policy, ref)
+    recs = [trainer.step(s) for s in range(2)]
+    ids = torch.arange(3, 3 + 2 * 12).view(2, 12) % 250 + 3
+    trainer.policy.context_parallel = None  # a plain forward of the trained weights (gathered by FSDP)
+    with torch.no_grad():
+        logits = trainer.policy(ids)[..., :256]
+    return [{k: r[k] for k in RL_KEYS if k in r} for r in recs], logits
+
+
+_RL_SINGLE: dict = {}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("variant", sorted(RL_VARIANTS))
+@pytest.mark.parametrize("impl", ["ring", "ulysses"])
+def test_rl_step_cp2_matches_cp1(dist_pools, impl, variant):
+    ov = RL_VARIANTS[variant]
+    if variant not in _RL_SINGLE:
+        _RL_SINGLE[variant] = rl_steps(1, "ring", ov)
+    recs0, logits0 = _RL_SINGLE[variant]
+    for recs, logits in dist_pools.run(2, rl_steps, 2, impl, ov):
+        assert set(recs[0]) == set(recs0[0])
+        for a, b in zip(recs0, recs):
+            for k in a:
+                assert b[k] == pytest.approx(a[k], rel=1e-6, abs=1e-9), (k, a[k], b[k])
+        torch.testing.assert_close(logits, logits0, atol=1e-9, rtol=1e-9)
+    assert recs0[1]["kl_mean"] > 0 and recs0[0]["grad_norm"] > 0
+
+
+@pytest.mark.parametrize("override,named", [
+    ("algo.name=ppo", "algo.name='ppo'"), ("algo.fused_loss=false", "algo.fused_loss=false"),
+    ("parallel.batch_invariant=true", "parallel.batch_invariant=true"), ("loss.policy=gspo", "loss.policy='gspo'"),
+    ("parallel.cp_impl=stripe", "parallel.cp_impl must be"), ("parallel.cp=3", "does not divide the world size 4"),
+])
+def test_what_cp_does_not_compose_with_is_refused_at_start_up(override, named):
+    from core.config import ConfigError, load_config
+    from parallel.dims import LayoutError
+    from rl.config import RLConfig
+    from rl.preflight import check_rl_config
+
+    overrides = ["parallel.cp=2", "rollout.prompts_per_step=4", override]
+    if override == "algo.name=ppo":
+        overrides.append("kl.where=reward")
+    with pytest.raises((ConfigError, LayoutError, ValueError), match=named.replace("(", r"\(").replace("*", r"\*")):
+        cfg = load_config(RLConfig, None, overrides)
+        check_rl_config(cfg, 4)
+
+
+def test_cp_layout_from_the_config():
+    from core.config import load_config
+    from rl.config import RLConfig
+    from rl.preflight import check_rl_config
+
+    cfg = load_config(RLConfig, None, ["parallel.cp=2", "parallel.tp=2", "rollout.prompts_per_step=4"])
+    dims = check_rl_config(cfg, 8)
+    assert (dims.dp, dims.cp, dims.tp) == (2, 2, 2)
