@@ -18,8 +18,12 @@ every rank and one last hop hands it to the block's owner. Saved for backward: q
 of this rank only (no other rank's KV block is kept).
 
 GQA: the query heads of a KV head attend as one group ([B, nkv_l, g, S, hd] against [B, nkv_l, 1, S, hd]),
-so KV blocks travel with their own nkv_l heads, never expanded. Each block's scores are built in
-query tiles of `TILE` rows: [B, nh_l, TILE, S/(2cp)] at a time.
+so KV blocks travel with their own nkv_l heads, never expanded.
+
+Each block pair runs one of two kernels: on CPU without a document mask, PyTorch's flash kernel
+(`_scaled_dot_product_flash_attention_for_cpu`, which returns the log-sum-exp, and its backward, given the
+merged O and L); otherwise the math here, in query tiles of TILE_ELEMS / (S/(2cp)) rows (the scores
+[B, nh_l, rows, S/(2cp)] of one tile at a time). CUDA runs the math path.
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ import torch.distributed as dist
 
 from parallel.context_layout import balanced_index, visible
 
-TILE = 512
+TILE_ELEMS = 2**16  # score elements per (batch row, head) of one query tile: the math path's transient memory
 
 
 def _ring_exchange(tensors: list[torch.Tensor], group, rank: int, n: int) -> list[torch.Tensor]:
@@ -52,28 +56,61 @@ def _safe(lse: torch.Tensor) -> torch.Tensor:
 
 def _scores(q, k, mask, scale, i):
     s = (q @ k.transpose(-1, -2)) * scale  # (B, nkv, g, t, Sk)
-    if mask is not None:
+    if isinstance(mask, str):  # "causal": the diagonal block (Sq == Sk)
+        r = torch.arange(i, i + q.shape[-2], device=q.device)
+        s = s.masked_fill(torch.arange(k.shape[-2], device=q.device)[None, :] > r[:, None], float("-inf"))
+    elif mask is not None:
         s = s.masked_fill(~mask[:, None, None, i:i + q.shape[-2]], float("-inf"))
     return s
 
 
+def _tile(Sk: int) -> int:
+    return max(16, TILE_ELEMS // max(Sk, 1))
+
+
+def _flash(q, mask) -> bool:
+    """The CPU flash kernel (out and log-sum-exp, and its backward) serves blocks without a document mask."""
+    return q.device.type == "cpu" and (mask is None or isinstance(mask, str))
+
+
+def _heads(q, k):
+    """[B, nkv, g, S, d] / [B, nkv, 1, S, d] -> [B, nkv * g, S, d] each (KV heads expanded for the kernel)."""
+    B, nkv, g, S, d = q.shape
+    return q.reshape(B, nkv * g, S, d), k.expand(B, nkv, g, k.shape[-2], d).reshape(B, nkv * g, k.shape[-2], d)
+
+
 def block_forward(q, k, v, mask, scale):
-    """q [B, nkv, g, Sq, d], k, v [B, nkv, 1, Sk, d], mask bool [B|1, Sq, Sk] or None (all visible) ->
-    out [B, nkv, g, Sq, d], lse [B, nkv, g, Sq, 1] (-inf where a row sees no key; out 0 there)."""
-    outs, lses = [], []
-    for i in range(0, q.shape[-2], TILE):
-        s = _scores(q[..., i:i + TILE, :], k, mask, scale, i)
+    """q [B, nkv, g, Sq, d], k, v [B, nkv, 1, Sk, d], mask: None (all visible), "causal" (the diagonal block) or
+    bool [B|1, Sq, Sk] -> out [B, nkv, g, Sq, d], lse [B, nkv, g, Sq, 1] (-inf where a row sees no key; out 0)."""
+    if _flash(q, mask):
+        (qh, kh), (_, vh) = _heads(q, k), _heads(q, v)
+        o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(qh, kh, vh, 0.0, mask is not None,
+                                                                            scale=scale)
+        return o.view(q.shape), lse.view(q.shape[:-1] + (1,))
+    outs, lses, t = [], [], _tile(k.shape[-2])
+    for i in range(0, q.shape[-2], t):
+        s = _scores(q[..., i:i + t, :], k, mask, scale, i)
         lse = torch.logsumexp(s, -1, keepdim=True)
         outs.append(torch.exp(s - _safe(lse)) @ v)
         lses.append(lse)
     return torch.cat(outs, -2), torch.cat(lses, -2)
 
 
-def block_backward(q, k, v, lse, delta, dout, mask, scale):
-    """Gradients of one block (see the module docstring) -> dq [like q], dk, dv [like k]."""
+def block_backward(q, k, v, out, lse, delta, dout, mask, scale):
+    """Gradients of one block (see the module docstring) -> dq [like q], dk, dv [like k]. `out`, `lse`: the
+    merged output and log-sum-exp of these query rows over the whole sequence."""
+    if _flash(q, mask):
+        (qh, kh), (_, vh) = _heads(q, k), _heads(q, v)
+        B, nkv, g, Sq, d = q.shape
+        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            dout.reshape(qh.shape), qh, kh, vh, out.reshape(qh.shape), lse.reshape(qh.shape[:-1]), 0.0,
+            mask is not None, scale=scale)
+        fold = lambda t: t.view(B, nkv, g, t.shape[-2], d).sum(2, keepdim=True)  # noqa: E731
+        return dq.view(q.shape), fold(dk), fold(dv)
     dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-    for i in range(0, q.shape[-2], TILE):
-        sl = slice(i, i + TILE)
+    t = _tile(k.shape[-2])
+    for i in range(0, q.shape[-2], t):
+        sl = slice(i, i + t)
         qt, dot = q[..., sl, :], dout[..., sl, :]
         p = torch.exp(_scores(qt, k, mask, scale, i) - _safe(lse[..., sl, :]))
         dv += (p.transpose(-1, -2) @ dot).sum(2, keepdim=True)
@@ -104,11 +141,9 @@ class _Ring:
             self.pre = self.doc
 
     def mask(self, qa, kb, a, b, src, k_doc):
-        if self.doc is None and b < a:
-            return None
-        k_idx = balanced_index(self.S, self.n, src, self.q_idx.device)
         if self.doc is None:
-            return visible(self.q_idx[qa], k_idx[kb])
+            return None if b < a else "causal"
+        k_idx = balanced_index(self.S, self.n, src, self.q_idx.device)
         return visible(self.q_idx[qa], k_idx[kb], self.doc[:, qa], k_doc[:, kb], self.pre[:, qa])
 
 
@@ -162,7 +197,8 @@ class RingAttention(torch.autograd.Function):
             src = (ring.rank - step) % ring.n
             kb, vb = k_cur.to(acc).unsqueeze(2), v_cur.to(acc).unsqueeze(2)
             for qa, kr, a, b in _pairs(ring.rank, src, ring.n, ring.c):
-                dq_i, dk_i, dv_i = block_backward(qg[..., qa, :], kb[..., kr, :], vb[..., kr, :], lse[..., qa, :],
+                dq_i, dk_i, dv_i = block_backward(qg[..., qa, :], kb[..., kr, :], vb[..., kr, :], out[..., qa, :],
+                                                  lse[..., qa, :],
                                                   delta[..., qa, :], do[..., qa, :],
                                                   ring.mask(qa, kr, a, b, src, doc_cur), scale)
                 dq[..., qa, :] += dq_i

@@ -59,7 +59,21 @@ def _sdpa(q, k, v, doc=None, pre=None):
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None], enable_gqa=q.shape[1] != k.shape[1])
 
 
-def attention_run(cp: int, impl: str, nh: int, nkv: int, docs: bool, dtype=torch.float64, S: int = 24):
+def attention_run(cp: int, impl: str, nh: int, nkv: int, docs: bool, dtype=torch.float64, S: int = 24,
+                  math: bool = False):
+    """`math`: the ring's math kernel for every block (what CUDA runs), not the CPU flash kernel."""
+    import parallel.context_ring as ring
+
+    flash, elems = ring._flash, ring.TILE_ELEMS
+    if math:  # and tiles of 16 query rows
+        ring._flash, ring.TILE_ELEMS = (lambda q, mask: False), 256
+    try:
+        return _attention_run(cp, impl, nh, nkv, docs, dtype, S)
+    finally:
+        ring._flash, ring.TILE_ELEMS = flash, elems
+
+
+def _attention_run(cp, impl, nh, nkv, docs, dtype, S):
     state = init_parallel(ParallelDims(1, 1, cp), "cpu")
     ctx = ContextParallel(state.cp_group, impl)
     B, d = 2, 8
@@ -107,6 +121,15 @@ def test_layout_errors_name_the_numbers():
 def test_attention_cp2_float64(dist_pools, impl):
     dist_pools.run(2, attention_run, 2, impl, 4, 2, False)
     dist_pools.run(2, attention_run, 2, impl, 4, 1, False)  # ulysses: one KV head replicated over cp=2
+
+
+def test_ring_math_kernel_float64(dist_pools):
+    """The ring's own kernel (the one CUDA runs): causal diagonal blocks and tiles of a few query rows."""
+    import parallel.context_ring as ring
+
+    assert ring._tile(4096) == 16 and ring._tile(64) == ring.TILE_ELEMS // 64
+    dist_pools.run(2, attention_run, 2, "ring", 4, 2, False, torch.float64, 24, True)
+    dist_pools.run(2, attention_run, 2, "ring", 4, 1, False, torch.float64, 200, True)  # 4 tiles per block
 
 
 @pytest.mark.parametrize("impl", ["ulysses", "ring"])
@@ -371,3 +394,30 @@ def test_cp_layout_from_the_config():
     cfg = load_config(RLConfig, None, ["parallel.cp=2", "parallel.tp=2", "rollout.prompts_per_step=4"])
     dims = check_rl_config(cfg, 8)
     assert (dims.dp, dims.cp, dims.tp) == (2, 2, 2)
+
+
+# ---------------------------------------------------------------------------------------------
+# memory: the update's activations split over the cp ranks
+
+
+def _update_peak_cp2(tokens: int, impl: str) -> dict:
+    import torch.distributed as dist
+
+    from bench.bench_cp import update_peak
+
+    return update_peak(tokens, dist.group.WORLD, impl, repeats=0)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tokens", [4096, 16384])
+def test_update_peak_per_rank_at_cp2_is_about_half(dist_pools, tokens):
+    """The GRPO update's forward + backward over one sequence (MemTracker, deterministic): each cp=2 rank's
+    peak at most 0.55x the single rank's (the fused head in chunks of 256 tokens: bench/bench_cp.py; numbers in
+    docs/kl_cost.md "Context parallelism")."""
+    from bench.bench_cp import update_peak
+
+    one = update_peak(tokens, None, repeats=0)["peak_bytes"]
+    for impl in ("ring", "ulysses"):
+        peaks = [r["peak_bytes"] for r in dist_pools.run(2, _update_peak_cp2, tokens, impl)]
+        assert max(peaks) <= 0.55 * one, (impl, peaks, one)
+        assert min(peaks) >= 0.4 * one, (impl, peaks, one)  # each rank still holds its half
