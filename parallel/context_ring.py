@@ -36,6 +36,7 @@ import torch.distributed as dist
 from parallel.context_layout import balanced_index, visible
 
 TILE_ELEMS = 2**16  # score elements per (batch row, head) of one query tile: the math path's transient memory
+TILE_ELEMS_CUDA = 2**22  # on a GPU: fewer, larger tiles (16 MiB of fp32 scores per head)
 
 
 def _ring_exchange(tensors: list[torch.Tensor], group, rank: int, n: int) -> list[torch.Tensor]:
@@ -64,8 +65,9 @@ def _scores(q, k, mask, scale, i):
     return s
 
 
-def _tile(Sk: int) -> int:
-    return max(16, TILE_ELEMS // max(Sk, 1))
+def _tile(Sk: int, device=None) -> int:
+    elems = TILE_ELEMS_CUDA if device is not None and device.type == "cuda" else TILE_ELEMS
+    return max(16, elems // max(Sk, 1))
 
 
 def _flash(q, mask) -> bool:
@@ -87,7 +89,7 @@ def block_forward(q, k, v, mask, scale):
         o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(qh, kh, vh, 0.0, mask is not None,
                                                                             scale=scale)
         return o.view(q.shape), lse.view(q.shape[:-1] + (1,))
-    outs, lses, t = [], [], _tile(k.shape[-2])
+    outs, lses, t = [], [], _tile(k.shape[-2], q.device)
     for i in range(0, q.shape[-2], t):
         s = _scores(q[..., i:i + t, :], k, mask, scale, i)
         lse = torch.logsumexp(s, -1, keepdim=True)
@@ -108,7 +110,7 @@ def block_backward(q, k, v, out, lse, delta, dout, mask, scale):
         fold = lambda t: t.view(B, nkv, g, t.shape[-2], d).sum(2, keepdim=True)  # noqa: E731
         return dq.view(q.shape), fold(dk), fold(dv)
     dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-    t = _tile(k.shape[-2])
+    t = _tile(k.shape[-2], q.device)
     for i in range(0, q.shape[-2], t):
         sl = slice(i, i + t)
         qt, dot = q[..., sl, :], dout[..., sl, :]

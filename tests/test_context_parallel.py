@@ -60,25 +60,26 @@ def _sdpa(q, k, v, doc=None, pre=None):
 
 
 def attention_run(cp: int, impl: str, nh: int, nkv: int, docs: bool, dtype=torch.float64, S: int = 24,
-                  math: bool = False):
-    """`math`: the ring's math kernel for every block (what CUDA runs), not the CPU flash kernel."""
+                  math: bool = False, device="cpu"):
+    """`math`: the ring's math kernel for every block (what CUDA runs), not the CPU flash kernel. `device`:
+    where the attention runs (tests/gpu/cp_check.py: CUDA under NCCL); the reference runs there too."""
     import parallel.context_ring as ring
 
     flash, elems = ring._flash, ring.TILE_ELEMS
     if math:  # and tiles of 16 query rows
         ring._flash, ring.TILE_ELEMS = (lambda q, mask: False), 256
     try:
-        return _attention_run(cp, impl, nh, nkv, docs, dtype, S)
+        return _attention_run(cp, impl, nh, nkv, docs, dtype, S, torch.device(device))
     finally:
         ring._flash, ring.TILE_ELEMS = flash, elems
 
 
-def _attention_run(cp, impl, nh, nkv, docs, dtype, S):
-    state = init_parallel(ParallelDims(1, 1, cp), "cpu")
+def _attention_run(cp, impl, nh, nkv, docs, dtype, S, device):
+    state = init_parallel(ParallelDims(1, 1, cp), device)
     ctx = ContextParallel(state.cp_group, impl)
     B, d = 2, 8
-    q, k, v, do = _qkv(B, nh, nkv, S, d, dtype)
-    doc, pre = _docs(B, S) if docs else (None, None)
+    q, k, v, do = (t.to(device) for t in _qkv(B, nh, nkv, S, d, dtype))
+    doc, pre = (t.to(device) for t in _docs(B, S)) if docs else (None, None)
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     ref = _sdpa(*leaves, doc, pre)
     ref.backward(do)
@@ -201,16 +202,19 @@ def reference_model_run(dtype) -> dict:
                 entropy=out.entropy.view(B, S), kl=out.kl.view(B, S), grads=grads)
 
 
-def model_run(cp: int, tp: int, impl: str, ref: dict, dtype=torch.float64, fsdp: bool = True):
+def model_run(cp: int, tp: int, impl: str, ref: dict, dtype=torch.float64, fsdp: bool = True, device="cpu"):
     cfg = ModelConfig(**CFG)
-    state = init_parallel(ParallelDims(1, tp, cp), "cpu", cfg.n_heads, cfg.n_kv_heads)
+    device = torch.device(device)
+    state = init_parallel(ParallelDims(1, tp, cp), device, cfg.n_heads, cfg.n_kv_heads)
     ctx = ContextParallel(state.cp_group, impl)
     kv = kv_replica_group(state, cfg.n_kv_heads)
-    pol = build_model(cfg, state.tp_group, kv, seed=SEED, dtype=dtype)
-    refm = build_model(cfg, state.tp_group, kv, seed=SEED + 1, dtype=dtype)
+    pol = build_model(cfg, state.tp_group, kv, seed=SEED, dtype=dtype, device=device)
+    refm = build_model(cfg, state.tp_group, kv, seed=SEED + 1, dtype=dtype, device=device)
     pol = parallelize(pol, state.dp_mesh, FSDPOptions(fsdp=fsdp))
-    ids, tgt, mask, adv, old = _batch(cfg)
-    pos = torch.arange(S).expand(B, S)
+    ids, tgt, mask, adv, old = (t.to(device) for t in _batch(cfg))
+    ref = {k: (v.to(device) if isinstance(v, torch.Tensor) else {n: g.to(device) for n, g in v.items()})
+           for k, v in ref.items()}
+    pos = torch.arange(S, device=device).expand(B, S)
     sh = lambda t, pad=0: ctx.shard(t, 1, pad)
     ids_l, pos_l, tgt_l, mask_l, adv_l, old_l = sh(ids), sh(pos), sh(tgt, -1), sh(mask, False), sh(adv), sh(old)
     n = mask_l.sum().to(torch.float64).reshape(1)
