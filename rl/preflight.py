@@ -55,6 +55,8 @@ def check_context_config(cfg: RLConfig) -> None:
                            "on each rank's tokens; use algo.fused_loss=true"),
         (p.batch_invariant, "parallel.batch_invariant=true: the batch-invariant layouts are single-rank "
                             "sequences; use parallel.cp=1 with it"),
+        (distill_enabled(cfg.distill, a.name), "distillation (a teacher pass) has no CP path; use parallel.cp=1"),
+        (cfg.lora.enabled, "lora.rank > 0 is not validated under context parallelism; use parallel.cp=1 with LoRA"),
         (cfg.kl_ctl.mode == "grad_ratio", "kl_ctl.mode=grad_ratio measures whole-sequence gradient norms on "
                                           "one rank; use another kl_ctl.mode"),
         (cfg.loss.policy in ("gspo", "gspo_token"), f"loss.policy={cfg.loss.policy!r}: a sequence-level ratio "

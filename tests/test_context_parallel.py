@@ -202,7 +202,8 @@ def reference_model_run(dtype) -> dict:
                 entropy=out.entropy.view(B, S), kl=out.kl.view(B, S), grads=grads)
 
 
-def model_run(cp: int, tp: int, impl: str, ref: dict, dtype=torch.float64, fsdp: bool = True, device="cpu"):
+def model_run(cp: int, tp: int, impl: str, ref: dict, dtype=torch.float64, fsdp: bool = True, device="cpu",
+              ac: bool = False):
     cfg = ModelConfig(**CFG)
     device = torch.device(device)
     state = init_parallel(ParallelDims(1, tp, cp), device, cfg.n_heads, cfg.n_kv_heads)
@@ -210,7 +211,7 @@ def model_run(cp: int, tp: int, impl: str, ref: dict, dtype=torch.float64, fsdp:
     kv = kv_replica_group(state, cfg.n_kv_heads)
     pol = build_model(cfg, state.tp_group, kv, seed=SEED, dtype=dtype, device=device)
     refm = build_model(cfg, state.tp_group, kv, seed=SEED + 1, dtype=dtype, device=device)
-    pol = parallelize(pol, state.dp_mesh, FSDPOptions(fsdp=fsdp))
+    pol = parallelize(pol, state.dp_mesh, FSDPOptions(fsdp=fsdp, activation_checkpointing=ac))
     ids, tgt, mask, adv, old = (t.to(device) for t in _batch(cfg))
     ref = {k: (v.to(device) if isinstance(v, torch.Tensor) else {n: g.to(device) for n, g in v.items()})
            for k, v in ref.items()}
@@ -272,6 +273,13 @@ def test_model_cp2_float64(dist_pools, impl):
 def test_model_cp2_without_fsdp(dist_pools):
     """Replicated parameters: the gradients summed over the cp ranks by one all-reduce each."""
     dist_pools.run(2, model_run, 2, 1, "ring", _ref(torch.float64), torch.float64, False)
+
+
+@pytest.mark.parametrize("impl", ["ulysses", "ring"])
+def test_model_cp2_activation_checkpointing(dist_pools, impl):
+    """Each block recomputed in backward: the recomputation re-issues the ring's exchanges / the all-to-alls
+    in the same order on every rank."""
+    dist_pools.run(2, model_run, 2, 1, impl, _ref(torch.float64), torch.float64, True, "cpu", True)
 
 
 @pytest.mark.slow
@@ -374,6 +382,7 @@ def test_rl_step_cp2_matches_cp1(dist_pools, impl, variant):
 @pytest.mark.parametrize("override,named", [
     ("algo.name=ppo", "algo.name='ppo'"), ("algo.fused_loss=false", "algo.fused_loss=false"),
     ("parallel.batch_invariant=true", "parallel.batch_invariant=true"), ("loss.policy=gspo", "loss.policy='gspo'"),
+    ("lora.rank=8", "lora.rank > 0"), ("kl_ctl.mode=grad_ratio", "grad_ratio"),
     ("parallel.cp_impl=stripe", "parallel.cp_impl must be"), ("parallel.cp=3", "does not divide the world size 4"),
 ])
 def test_what_cp_does_not_compose_with_is_refused_at_start_up(override, named):
