@@ -288,19 +288,15 @@ class Transformer(nn.Module):
         another document) and positions restart at 0 per document unless `position_ids` are given.
         prefix_ids [B, S] (shared prompts, with document_ids and position_ids): a token also sees the
         earlier tokens of document prefix_ids (its group's prompt; `document_mask_4d`).
-
-        context (a `parallel.context.ContextParallel`): input_ids [B, S/cp] are this rank's tokens of
-        the load-balanced layout, position_ids (required) their positions; document_ids / prefix_ids,
-        if any, this rank's shard of them; no attention_mask (pass padding as documents), no kv_cache.
-        Everything runs on these tokens; attention sees the whole sequence (parallel/context.py), and
-        `head` receives this rank's hidden states [B, S/cp, H].
+        context (`parallel.context.ContextParallel`): every [B, S/cp] input is this rank's tokens (position_ids
+        required; padding as documents, no kv_cache); attention sees the whole sequence (parallel/context.py).
         """
         if context is not None:
             if kv_cache is not None or attention_mask is not None or position_ids is None or self.batch_invariant:
-                raise ValueError("Transformer.forward under context parallelism takes position_ids (global), no "
-                                 "kv_cache, no attention_mask (pass padding as document_ids), no batch_invariant")
-            return self._forward_tokens(input_ids, position_ids, context.attention(
-                input_ids.shape[1], document_ids, prefix_ids), None, None, head)
+                raise ValueError("Transformer.forward under context parallelism takes position_ids, no kv_cache, "
+                                 "no attention_mask (padding as document_ids), no batch_invariant")
+            return self._forward_tokens(input_ids, position_ids, context.attention(input_ids.shape[1], document_ids,
+                                                                                   prefix_ids), None, None, head)
         with batch_invariant(self.batch_invariant):
             return self._forward(input_ids, position_ids, attention_mask, kv_cache, head, document_ids, prefix_ids)
 
@@ -337,8 +333,7 @@ class Transformer(nn.Module):
         return self._forward_tokens(input_ids, position_ids, mask, shift, kv_cache, head)
 
     def _forward_tokens(self, input_ids, position_ids, mask, shift, kv_cache, head):
-        past = kv_cache.length if kv_cache is not None else 0
-        S = input_ids.shape[1]
+        past, S = (kv_cache.length if kv_cache is not None else 0), input_ids.shape[1]
         with self._autocast(input_ids.device):
             x = self.embed(input_ids)  # (B, S, H), replicated over tp
             cos, sin = rope_cos_sin(self.inv_freq, position_ids, self.compute_dtype or x.dtype)

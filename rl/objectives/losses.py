@@ -373,15 +373,6 @@ class TokenPolicyLoss:
         return _surrogate_terms(logp, old, self.adv[tokens], mm, c.clip_low,
                                 c.clip_low if c.clip_high is None else c.clip_high, c.dual_clip, c.log_ratio_clamp)
 
-    def reduce_records(self, group) -> None:
-        """Context parallel: each cp rank recorded its own tokens (0 elsewhere); sum the records over `group`
-        so that `stats()` covers every token on every rank."""
-        for v in self.rec.values():
-            comm.all_reduce(v, "sum", group)
-        seen = torch.tensor([float(self.seen["kl"]), float(self.seen["entropy"])], device=self.m.device)
-        comm.all_reduce(seen, "max", group)
-        self.seen = {"kl": bool(seen[0] > 0), "entropy": bool(seen[1] > 0)}
-
     def stats(self) -> dict:
         """`policy_loss`'s statistics over the tokens seen so far (pg_loss, kl_loss, entropy: weighted sums scaled
         like the loss; clipfrac, dual_clipfrac, ratio_mean/min/max, approx_kl_old, valid_tokens), floats."""

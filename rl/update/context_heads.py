@@ -119,3 +119,14 @@ class LocalTokens:
 
     def __getattr__(self, name):
         return getattr(self.token_loss, name)
+
+
+def reduce_loss_records(token_loss, group) -> None:
+    """Each cp rank's per-token loss (rl/objectives/losses.py's TokenPolicyLoss) recorded its own tokens' parts
+    (0 elsewhere): sum them over `group`, and which values it saw, so that `stats()` covers every token on
+    every rank."""
+    for v in token_loss.rec.values():
+        all_reduce(v, "sum", group)
+    seen = torch.tensor([float(token_loss.seen[k]) for k in ("kl", "entropy")], device=token_loss.m.device)
+    all_reduce(seen, "max", group)
+    token_loss.seen = {"kl": bool(seen[0] > 0), "entropy": bool(seen[1] > 0)}

@@ -31,6 +31,7 @@ from rl.update.context_heads import (
     context_inputs,
     context_of,
     padded_head_pos,
+    reduce_loss_records,
     run_context_head,
     spread,
 )
@@ -107,8 +108,8 @@ def _context_head(model, cp, inputs, targets, tp_group, ref_hidden, mask, fn, ex
     if loss is None:
         return whole, (B, N)
     token_loss = getattr(fn, "token_loss", None)
-    if token_loss is not None and hasattr(token_loss, "reduce_records"):
-        token_loss.reduce_records(cp.group)  # its statistics over every cp rank's tokens
+    if token_loss is not None and hasattr(token_loss, "rec"):
+        reduce_loss_records(token_loss, cp.group)  # its statistics over every cp rank's tokens
     return (loss, whole), (B, N)
 
 
