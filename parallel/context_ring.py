@@ -39,16 +39,26 @@ TILE_ELEMS = 2**16  # score elements per (batch row, head) of one query tile: th
 TILE_ELEMS_CUDA = 2**22  # on a GPU: fewer, larger tiles (16 MiB of fp32 scores per head)
 
 
+class _Exchange:
+    """`tensors` on their way to the next rank of the ring while the previous rank's arrive (same shapes);
+    `wait()` returns what arrived. Started before a block's compute, waited after it: the transfer overlaps it."""
+
+    def __init__(self, tensors: list[torch.Tensor], group, rank: int, n: int):
+        nxt, prv = dist.get_global_rank(group, (rank + 1) % n), dist.get_global_rank(group, (rank - 1) % n)
+        self.sent = [t.contiguous() for t in tensors]  # kept alive until the sends complete
+        self.bufs = [torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in self.sent]
+        ops = [dist.P2POp(dist.isend, t, nxt) for t in self.sent] + [dist.P2POp(dist.irecv, b, prv) for b in self.bufs]
+        self.reqs = dist.batch_isend_irecv(ops)
+
+    def wait(self) -> list[torch.Tensor]:
+        for req in self.reqs:
+            req.wait()
+        return self.bufs
+
+
 def _ring_exchange(tensors: list[torch.Tensor], group, rank: int, n: int) -> list[torch.Tensor]:
     """Send `tensors` to the next rank of the ring, receive the previous rank's (same shapes)."""
-    nxt, prv = dist.get_global_rank(group, (rank + 1) % n), dist.get_global_rank(group, (rank - 1) % n)
-    tensors = [t.contiguous() for t in tensors]
-    bufs = [torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in tensors]
-    ops = [dist.P2POp(dist.isend, t, nxt) for t in tensors]
-    ops += [dist.P2POp(dist.irecv, b, prv) for b in bufs]
-    for req in dist.batch_isend_irecv(ops):
-        req.wait()
-    return bufs
+    return _Exchange(tensors, group, rank, n).wait()
 
 
 def _safe(lse: torch.Tensor) -> torch.Tensor:
@@ -163,6 +173,10 @@ class RingAttention(torch.autograd.Function):
         k_cur, v_cur, doc_cur = k, v, ring.doc
         for step in range(ring.n):
             src = (ring.rank - step) % ring.n
+            nxt = None
+            if step < ring.n - 1:  # the next block is on its way while this one is computed
+                nxt = _Exchange([k_cur, v_cur] + ([doc_cur] if doc_cur is not None else []), ring.group, ring.rank,
+                                ring.n)
             kb, vb = k_cur.to(acc).unsqueeze(2), v_cur.to(acc).unsqueeze(2)
             for qa, kr, a, b in _pairs(ring.rank, src, ring.n, ring.c):
                 o_i, l_i = block_forward(qg[..., qa, :], kb[..., kr, :], vb[..., kr, :],
@@ -172,9 +186,8 @@ class RingAttention(torch.autograd.Function):
                 ls = _safe(l_new)
                 out[..., qa, :] = out[..., qa, :] * torch.exp(l_old - ls) + o_i * torch.exp(l_i - ls)
                 lse[..., qa, :] = l_new
-            if step < ring.n - 1:
-                sent = [k_cur, v_cur] + ([doc_cur] if doc_cur is not None else [])
-                got = _ring_exchange(sent, ring.group, ring.rank, ring.n)
+            if nxt is not None:
+                got = nxt.wait()
                 k_cur, v_cur = got[0], got[1]
                 doc_cur = got[2] if doc_cur is not None else None
         ctx.ring, ctx.scale = ring, scale
@@ -197,6 +210,10 @@ class RingAttention(torch.autograd.Function):
         dv_acc = torch.zeros_like(dk_acc)
         for step in range(ring.n):
             src = (ring.rank - step) % ring.n
+            nxt = None
+            if step < ring.n - 1:  # the next KV block travels during this step's compute; the gradients after it
+                nxt = _Exchange([k_cur, v_cur] + ([doc_cur] if doc_cur is not None else []), ring.group, ring.rank,
+                                ring.n)
             kb, vb = k_cur.to(acc).unsqueeze(2), v_cur.to(acc).unsqueeze(2)
             for qa, kr, a, b in _pairs(ring.rank, src, ring.n, ring.c):
                 dq_i, dk_i, dv_i = block_backward(qg[..., qa, :], kb[..., kr, :], vb[..., kr, :], out[..., qa, :],
@@ -208,13 +225,12 @@ class RingAttention(torch.autograd.Function):
                 dv_acc[..., kr, :] += dv_i
             if ring.n == 1:
                 break
-            if step < ring.n - 1:  # the block moves on with its gradient accumulators
-                sent = [k_cur, v_cur, dk_acc, dv_acc] + ([doc_cur] if doc_cur is not None else [])
-                got = _ring_exchange(sent, ring.group, ring.rank, ring.n)
-                k_cur, v_cur, dk_acc, dv_acc = got[:4]
-                doc_cur = got[4] if doc_cur is not None else None
-            else:  # the last hop: each accumulator to its block's owner
-                dk_acc, dv_acc = _ring_exchange([dk_acc, dv_acc], ring.group, ring.rank, ring.n)
+            # the block's gradient accumulators follow it; after the last step they reach its owner
+            dk_acc, dv_acc = _ring_exchange([dk_acc, dv_acc], ring.group, ring.rank, ring.n)
+            if nxt is not None:
+                got = nxt.wait()
+                k_cur, v_cur = got[0], got[1]
+                doc_cur = got[2] if doc_cur is not None else None
         return (dq.view(B, nh, L, d).to(q.dtype), dk_acc.squeeze(2).to(k.dtype), dv_acc.squeeze(2).to(v.dtype),
                 None)
 

@@ -53,7 +53,7 @@ def _sdpa(q, k, v, doc=None, pre=None):
     S = q.shape[2]
     if doc is None:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
-    pos = torch.arange(S)
+    pos = torch.arange(S, device=q.device)
     mask = (pos[None, :] <= pos[:, None])[None] & ((doc[:, None, :] == doc[:, :, None]) |
                                                     (doc[:, None, :] == pre[:, :, None]))
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None], enable_gqa=q.shape[1] != k.shape[1])
@@ -240,7 +240,7 @@ def model_run(cp: int, tp: int, impl: str, ref: dict, dtype=torch.float64, fsdp:
         sync_replicated_grads(pol, state.grad_group)
     tol = dict(atol=1e-10, rtol=1e-10) if dtype == torch.float64 else dict(atol=1e-5, rtol=1e-5)
     vs = tp_slice("embed.weight", cfg, state.tp_rank, tp)
-    real = (ctx.global_index(padded_len(S, cp)) < S)  # this rank's tokens that are not the tail padding
+    real = (ctx.global_index(padded_len(S, cp), device) < S)  # this rank's tokens that are not the tail padding
     want = lambda t: ctx.shard(t.to(dtype), 1)[:, real]
     torch.testing.assert_close(logits[:, real, :vs.stop - vs.start], want(ref["logits"])[..., vs.start:vs.stop],
                                **tol, msg=lambda msg: f"logits: {msg}")
