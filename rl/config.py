@@ -13,6 +13,7 @@ from rl.experience.rewards import RewardConfig
 from rl.objectives.controller import MAX_N_OVER_HORIZON, KLControllerConfig
 from rl.objectives.kl import KLConfig
 from rl.objectives.losses import PolicyLossConfig
+from rl.objectives.off_policy import OffPolicyConfig, check_off_policy
 from rl.recipes import apply_recipe
 
 
@@ -129,8 +130,14 @@ class AlgoConfig:
     # mini-batch); where nothing reads them before the update (kl.where=loss, kl_ctl.mode != grad_ratio),
     # else every row. false: every row in the pass, and `logp_drift` compares the two on those rows
     old_from_update: bool = True
+    # samples whose weights are more than this many versions behind the current ones are dropped before the
+    # update (rl/update/staleness.py); 0: the synchronous run, every sample drawn by the current weights
+    max_staleness: int = 0
+    off_policy: OffPolicyConfig = field(default_factory=OffPolicyConfig)  # mu != pi_old: rl/objectives/off_policy.py
 
     def __post_init__(self):
+        if isinstance(self.max_staleness, bool) or not isinstance(self.max_staleness, int) or self.max_staleness < 0:
+            raise ValueError(f"algo.max_staleness must be an integer >= 0 (0: synchronous), got {self.max_staleness!r}")
         if self.name not in ("grpo", "ppo", "distill"):
             raise ValueError(f"algo.name must be 'grpo', 'ppo' or 'distill', got {self.name!r}")
         if self.epochs < 1 or self.mini_batches < 1 or self.micro_batch_size < 0 or self.micro_batch_tokens < 0:
@@ -305,6 +312,7 @@ class RLConfig:
                              "the built-in task or from data.train_file)")
         n = self.rollout.prompts_per_step * self.rollout.group_size  # samples per step: the controller's clock
         self._resolve_algo_defaults()
+        check_off_policy(self)  # algo.off_policy / algo.max_staleness against the KL's place and weight
         self._resolve_lora_reference()
         if self.kl_ctl.horizon_steps is not None:  # a horizon in steps, converted to Ziegler's samples
             if "horizon" in self.kl_ctl.user_keys and self.kl_ctl.horizon != self.kl_ctl.horizon_steps * n:
