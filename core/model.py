@@ -33,6 +33,7 @@ from core.config import ModelConfig
 from core.seq_parallel import pad_to_multiple, sp_active
 from core.shards import full_param_shapes, kv_heads_per_rank, local_shard
 from parallel.comm import gather_from_tp, group_rank, group_size
+from parallel.context import ContextAttention
 from parallel.dims import derive_seed
 from parallel.invariant import (
     CachePositions,
@@ -162,7 +163,9 @@ class Attention(nn.Module):
             k = cache.k[layer][:, :, :start + S]  # (B, nkv_l, L, hd)
             v = cache.v[layer][:, :, :start + S]
         gqa = self.nh_l != self.nkv_l
-        if isinstance(mask, (CanonicalLayout, CachePositions)):
+        if isinstance(mask, ContextAttention):  # context parallel: this rank's tokens against the whole sequence
+            y = mask.attend(q, k, v)
+        elif isinstance(mask, (CanonicalLayout, CachePositions)):
             y = invariant_attend(mask, q, k, v)
         elif mask is None:
             y = F.scaled_dot_product_attention(q, k, v, is_causal=S > 1, enable_gqa=gqa)
@@ -280,7 +283,7 @@ class Transformer(nn.Module):
         return self.embed.weight if self.cfg.tie_embeddings else self.lm_head.weight
 
     def forward(self, input_ids: torch.Tensor, *, position_ids=None, attention_mask=None,
-                kv_cache: KVCache | None = None, head=None, document_ids=None, prefix_ids=None):
+                kv_cache: KVCache | None = None, head=None, document_ids=None, prefix_ids=None, context=None):
         """input_ids [B, S] -> logits_local [B, S, Vp/tp] (sharded on the vocabulary).
 
         attention_mask [B, L] marks real tokens (L = cache length + S; needed with padding).
@@ -297,7 +300,16 @@ class Transformer(nn.Module):
         another document) and positions restart at 0 per document unless `position_ids` are given.
         prefix_ids [B, S] (shared prompts, with document_ids and position_ids): a token also sees the
         earlier tokens of document prefix_ids (its group's prompt; `document_mask_4d`).
+        context (`parallel.context.ContextParallel`): every [B, S/cp] input is this rank's tokens (position_ids
+        required; padding as documents, no kv_cache); attention sees the whole sequence (parallel/context.py).
         """
+        if context is not None:
+            if kv_cache is not None or attention_mask is not None or position_ids is None or self.batch_invariant:
+                raise ValueError("Transformer.forward under context parallelism takes position_ids, no kv_cache, "
+                                 "no attention_mask (padding as document_ids), no batch_invariant")
+            return self._forward_tokens(input_ids, position_ids, context.attention(input_ids.shape[1], document_ids,
+                                                                                   prefix_ids), None, None, head,
+                                        False, input_ids.shape[1])
         with batch_invariant(self.batch_invariant):
             return self._forward(input_ids, position_ids, attention_mask, kv_cache, head, document_ids, prefix_ids)
 
@@ -335,6 +347,10 @@ class Transformer(nn.Module):
             shift = None  # no leading padding: the mask is causal as the rows stand
         if shift is not None:  # each row's real tokens from position 0: causal attention is the mask
             input_ids, position_ids = roll_rows(input_ids, shift), roll_rows(position_ids, shift)
+        return self._forward_tokens(input_ids, position_ids, mask, shift, kv_cache, head, sp, S_in)
+
+    def _forward_tokens(self, input_ids, position_ids, mask, shift, kv_cache, head, sp: bool, S_in: int):
+        past, S = (kv_cache.length if kv_cache is not None else 0), input_ids.shape[1]
         with self._autocast(input_ids.device):
             x = self.embed(input_ids, sp)  # (B, S, H), replicated over tp; sequence-parallel (B, S/tp, H)
             cos, sin = rope_cos_sin(self.inv_freq, position_ids, self.compute_dtype or x.dtype)

@@ -52,6 +52,9 @@ def check_sft_config(cfg: SFTConfig, world_size: int) -> ParallelDims:
     m.validate()
     check_optim_config(cfg.optim)
     check_train(t)
+    if p.cp != 1:
+        raise LayoutError(f"parallel.cp={p.cp}: context parallelism runs the RL passes (python -m rl.train); "
+                          "supervised fine-tuning runs with parallel.cp=1")
     dims = ParallelDims(p.resolve_dp(world_size), p.tp).validate(world_size, m.n_heads, m.n_kv_heads)
     if m.intermediate_size % p.tp:
         raise LayoutError(f"parallel.tp={p.tp} must divide model.intermediate_size={m.intermediate_size}")
