@@ -205,6 +205,4 @@ def test_config_flag_checked():
     with pytest.raises(ConfigError, match="parallel.sequence_parallel"):
         check_parallel(ParallelConfig(tp=2, sequence_parallel="yes"), 2)
     check_parallel(ParallelConfig(tp=2, sequence_parallel=True), 2)
-    with pytest.raises(ConfigError, match=r"sequence_parallel=true with parallel.cp=2.*does not compose"):
-        check_parallel(ParallelConfig(tp=2, cp=2, sequence_parallel=True), 4)
-    check_parallel(ParallelConfig(tp=2, cp=2, sequence_parallel=False), 4)
+    check_parallel(ParallelConfig(tp=2, cp=2, sequence_parallel=True), 4)
