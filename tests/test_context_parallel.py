@@ -460,7 +460,24 @@ def test_update_peak_per_rank_at_cp2_is_about_half(dist_pools, tokens):
     from bench.bench_cp import update_peak
 
     one = update_peak(tokens, None, repeats=0)["peak_bytes"]
+    assert abs(_update_budget(tokens, 1, "ring") - one) <= 0.10 * one, (_update_budget(tokens, 1, "ring"), one)
     for impl in ("ring", "ulysses"):
         peaks = [r["peak_bytes"] for r in dist_pools.run(2, _update_peak_cp2, tokens, impl)]
         assert max(peaks) <= 0.55 * one, (impl, peaks, one)
         assert min(peaks) >= 0.4 * one, (impl, peaks, one)  # each rank still holds its half
+        want = _update_budget(tokens, 2, impl)  # core/runtime/budget.py's parts of the update, per cp rank
+        assert all(abs(want - p) <= 0.10 * p for p in peaks), (impl, want, peaks)
+
+
+def _update_budget(tokens: int, cp: int, impl: str) -> int:
+    """The step budget's update transients (activations, sequence activations, CP attention, KL head) for
+    bench/bench_cp.py's shape: one row of `tokens`, a 16-token prompt, the loss-inside head in chunks of 256."""
+    import argparse
+
+    from bench.bench_cp import PROMPT, _config
+    from core.runtime.budget import Batch, Layout, step_budget
+
+    cfg = _config(argparse.Namespace(hidden=64, layers=2, vocab=256), tokens)
+    lay = Layout(1, 1, False, "fp32", False, False, cp, impl)
+    parts = step_budget(cfg, lay, Batch(1, 1, tokens, tokens - PROMPT, 256), "tp", "fused_loss")["parts"]
+    return sum(parts[k] for k in ("activations", "sequence activations", "CP attention", "KL head"))
