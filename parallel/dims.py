@@ -88,7 +88,9 @@ class ParallelState:
     dp_group: object | None
     tp_rank: int = 0
     dp_rank: int = 0
-    rank: int = 0
+    rank: int = 0  # in `group`
+    # the ranks this run's collectives span (parallel/roles.py: one role of a split launch); None: the world
+    group: object | None = None
 
     @property
     def world_size(self) -> int:
