@@ -16,6 +16,7 @@ checkpoint writer (group rank 0) is global rank 0 in both readings.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -76,7 +77,7 @@ def _mesh(device_type: str, first: int, dims: ParallelDims) -> DeviceMesh:
     return DeviceMesh(device_type, ranks, mesh_dim_names=("dp", "tp"))
 
 
-def _kv_groups(first: int, dims: ParallelDims, n_kv_heads: int | None, rank: int):
+def _kv_groups(first: int, dims: ParallelDims, n_kv_heads: int | None, rank: int, kw: dict):
     """This role's KV-replica groups (every rank calls new_group for each); the one holding `rank`."""
     if n_kv_heads is None or dims.tp <= n_kv_heads:
         return None
@@ -84,23 +85,25 @@ def _kv_groups(first: int, dims: ParallelDims, n_kv_heads: int | None, rank: int
     for dp_rank in range(dims.dp):
         for lo in range(0, dims.tp, size):
             ranks = [first + dp_rank * dims.tp + lo + i for i in range(size)]
-            g = dist.new_group(ranks)
+            g = dist.new_group(ranks, **kw)
             if rank in ranks:
                 mine = g
     return mine
 
 
 def split_roles(trainer: ParallelDims, rollout: ParallelDims, device: torch.device, n_heads: int | None = None,
-                n_kv_heads: int | None = None) -> RoleLayout:
+                n_kv_heads: int | None = None, timeout_s: float | None = None) -> RoleLayout:
     """Build both roles' meshes and groups (collective over the world: every rank calls it alike) and
-    return this rank's RoleLayout."""
+    return this rank's RoleLayout. `timeout_s` bounds the collectives of the groups made here (torch's
+    default for a new group is 30 minutes, not the world's timeout)."""
+    kw = {} if timeout_s is None else {"timeout": timedelta(seconds=timeout_s)}
     world, rank = dist.get_world_size(), dist.get_rank()
     check_roles(trainer, rollout, world, n_heads, n_kv_heads)
     T, R = trainer.world_size, rollout.world_size
     meshes = {TRAINER: _mesh(device.type, 0, trainer), ROLLOUT: _mesh(device.type, T, rollout)}
-    groups = {TRAINER: dist.new_group(list(range(T))), ROLLOUT: dist.new_group(list(range(T, T + R)))}
-    kv = {TRAINER: _kv_groups(0, trainer, n_kv_heads, rank), ROLLOUT: _kv_groups(T, rollout, n_kv_heads, rank)}
-    sync = dist.new_group([0, *range(T, T + R)])
+    groups = {TRAINER: dist.new_group(list(range(T)), **kw), ROLLOUT: dist.new_group(list(range(T, T + R)), **kw)}
+    kv = {TRAINER: _kv_groups(0, trainer, n_kv_heads, rank, kw), ROLLOUT: _kv_groups(T, rollout, n_kv_heads, rank, kw)}
+    sync = dist.new_group([0, *range(T, T + R)], **kw)
     role = TRAINER if rank < T else ROLLOUT
     dims, first = (trainer, 0) if role == TRAINER else (rollout, T)
     mesh, local = meshes[role], rank - first

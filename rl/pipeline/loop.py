@@ -133,7 +133,7 @@ def run_split(cfg, stop_request, hooks: TrainHooks) -> list[dict]:
         ensure_teacher_checkpoint(cfg, tokenizer, device, stop_request)
     check_same_everywhere(to_dict(cfg))
     model_cfg = from_dict(ModelConfig, ckpt.read_manifest(start)["model_config"])
-    layout = split_roles(t_dims, r_dims, device, model_cfg.n_heads, model_cfg.n_kv_heads)
+    layout = split_roles(t_dims, r_dims, device, model_cfg.n_heads, model_cfg.n_kv_heads, cfg.parallel.timeout_s)
     dog = Watchdog.for_run(cfg.parallel.watchdog_s, roles=layout.names()).start()
     try:
         if not layout.is_trainer:
