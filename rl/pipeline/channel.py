@@ -36,6 +36,8 @@ class StepRollout:
     @property
     def versions(self) -> torch.Tensor:
         """[B] the weights version of every row (one per step here; per sample on the wire)."""
+        if self.ro.policy_version is not None:
+            return self.ro.policy_version
         return torch.full((self.ro.scores.numel(),), self.version, dtype=torch.long, device=self.ro.scores.device)
 
 
@@ -91,7 +93,8 @@ def recv(src: int, device, expect_step: int | None = None) -> StepRollout:
     if not bool((versions == h["version"]).all()):
         raise RuntimeError(f"rollout of step {h['step']}: rows of weights versions {versions.unique().tolist()}, "
                            f"the header says {h['version']}")
-    ro = Rollout(seq, att, resp.bool(), h["prompt_len"], scores, row_ids, m["metas"], m["responses"], lp, slp)
+    ro = Rollout(seq, att, resp.bool(), h["prompt_len"], scores, row_ids, m["metas"], m["responses"], lp, slp,
+                 policy_version=versions)
     return StepRollout(h["step"], h["version"], ro, m["stats"])
 
 
@@ -168,5 +171,6 @@ def from_bytes(data: bytes, device) -> list[StepRollout]:
         m = pickle.loads(it["meta"])
         t = [None if x is None else x.to(device) for x in it["tensors"]]
         ro = Rollout(t[0], t[1], t[2], it["prompt_len"], t[3], t[4], m["metas"], m["responses"], t[5], t[6])
+        ro.policy_version = torch.full((t[3].numel(),), it["version"], dtype=torch.long, device=t[3].device)
         out.append(StepRollout(it["step"], it["version"], ro, m["stats"]))
     return out
