@@ -263,6 +263,23 @@ def test_stale_rollouts_carry_their_version(dist_pools, sft, k):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("layout", [["parallel.rollout_ranks=1"],  # trainer dp=2 (FSDP) + one rollout rank
+                                    ["parallel.rollout_ranks=2", "parallel.rollout_tp=2"],  # rollout tp=2
+                                    ["parallel.rollout_ranks=2", "parallel.rollout_tp=1"]])  # rollout dp=2
+def test_three_rank_layouts_run_one_step_off(dist_pools, sft, layout):
+    base, sft = sft
+    out = base / ("three_" + "_".join(x.split("=")[1] for x in layout))
+    args = ["--config", CONFIG, *SMALL, f"init.sft_dir={sft}", f"train.out_dir={out}", "train.steps=3", *layout]
+    assert dist_pools.run(3, _main_on_rank, args, timeout=240) == [0, 0, 0]
+    rows = _rows(out)
+    assert [r["policy_version"] for r in rows] == [0, 0, 1]
+    assert all(r["samples"] == 16 for r in rows)  # every row of every step arrived
+    colocated = _rows(base / "colocated")  # step 0: the start weights both ways, whatever the layouts
+    for k in ("reward_mean", "reward_std"):
+        assert rows[0][k] == colocated[0][k]
+
+
+@pytest.mark.slow
 def test_resume_with_rollouts_in_flight_equals_an_uninterrupted_run(dist_pools, sft):
     base, sft = sft
     straight = _split(dist_pools, sft, base / "straight", "train.steps=3")
