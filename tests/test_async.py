@@ -270,7 +270,7 @@ def test_three_rank_layouts_run_one_step_off(dist_pools, sft, layout):
     base, sft = sft
     out = base / ("three_" + "_".join(x.split("=")[1] for x in layout))
     args = ["--config", CONFIG, *SMALL, f"init.sft_dir={sft}", f"train.out_dir={out}", "train.steps=3", *layout]
-    assert dist_pools.run(3, _main_on_rank, args, timeout=240) == [0, 0, 0]
+    assert dist_pools.run(3, _main_on_rank, args, timeout=600) == [0, 0, 0]
     rows = _rows(out)
     assert [r["policy_version"] for r in rows] == [0, 0, 1]
     assert all(r["samples"] == 16 for r in rows)  # every row of every step arrived
