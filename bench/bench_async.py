@@ -16,7 +16,10 @@ Every response is `--new-tokens` long (rollout.min_new_tokens = max_new_tokens),
 update cost the same every step. Per launch: steps/s over the steps after `--warmup` (the trainer's
 time between consecutive steps: `pipeline_step_s` for the split runs, `step_time_s` colocated), the
 median generation time (`rollout_s` of the generating rank), the median trainer-side phases and
-weight-sync time. The ratio split_k1 / split_k0 is the pipeline's gain on the same ranks.
+weight-sync time. The ratio split_k1 / split_k0 is the pipeline's gain on the same ranks. On a shared
+machine whose speed changes between launches, `overlap` (a split run's phases added up, over its step
+time: 1 when nothing overlaps) compares each run with itself: its k1 / k0 ratio is the gain at equal
+speed.
 """
 
 from __future__ import annotations
@@ -86,8 +89,10 @@ def summarise(rows: list[dict], warmup: int, split: bool) -> dict:
            "generate_s": statistics.median(gen), "trainer_wait_s": med("rollout_wait_s") if split else 0.0,
            "ref_s": med("time_ref_logprobs_s"), "old_s": med("time_old_logprobs_s"), "update_s": med("time_update_s"),
            "weight_sync_s": med("weight_sync_s"), "reward_mean": statistics.mean(r["reward_mean"] for r in rest)}
-    if split:
+    if split:  # the same run's own phases, added up: what the step would cost with nothing overlapped
         out["staleness_max"] = max(r["staleness_max"] for r in rest)
+        out["serial_s"] = out["generate_s"] + out["ref_s"] + out["old_s"] + out["update_s"] + out["weight_sync_s"]
+        out["overlap"] = out["serial_s"] / out["step_s"]
     return out
 
 
@@ -122,6 +127,9 @@ def main(argv=None) -> dict:
         ratios["split_k1 / split_k0"] = best["split_k1"]["steps_per_s"] / best["split_k0"]["steps_per_s"]
         ratios["rounds"] = [r1["steps_per_s"] / r0["steps_per_s"] for r1, r0 in
                             zip(results["split_k1"], results["split_k0"])]
+    if "split_k1" in results and "split_k0" in results:  # load-normalised: each run against its own phases
+        ratios["overlap k1 / k0"] = [r1["overlap"] / r0["overlap"] for r1, r0 in
+                                     zip(results["split_k1"], results["split_k0"])]
     if "split_k1" in best and "colocated" in best:
         ratios["split_k1 / colocated"] = best["split_k1"]["steps_per_s"] / best["colocated"]["steps_per_s"]
     report = {"results": results, "ratios": ratios, "load_before": load, "load_after": os.getloadavg(),
