@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+from dataclasses import replace
 
 import torch
 
@@ -22,24 +23,36 @@ from bench.bench_rl_step import COMMON, WideVocabTokenizer
 from bench.bench_rl_vs_trl import SIZES
 from core.config import load_config
 from core.model import build_model
+from core.runtime.budget import projected_peak_bytes
 from core.tokenizer import load_tokenizer
 from parallel.dims import ParallelDims, init_parallel
 from rl.config import RLConfig
 from rl.train import assemble
 
 JOB = ["algo.name=grpo", "kl.estimator=k3+", "kl.where=loss", "rollout.prompts_per_step=2", "rollout.group_size=4",
-       "rollout.max_new_tokens=32", "algo.epochs=1", "algo.mini_batches=2",
+       "rollout.max_new_tokens=32", "rollout.min_new_tokens=32", "algo.epochs=1", "algo.mini_batches=2",
        "reward.task_args={max_operand: 99999, ops: '+'}"]
 
 
-def build(lora_rank: int):
+class FullVocabTokenizer(WideVocabTokenizer):
+    """WideVocabTokenizer whose vocabulary is the model's (32000): the trainer's heads then run over every
+    row of the head weight, as with a real tokenizer of that size (with the shipped 256-piece tokenizer the
+    heads would cover 256 rows only, and the KL head's memory would be that of a tiny vocabulary)."""
+
+    def __init__(self, inner, vocab_size: int):
+        super().__init__(inner)
+        self.vocab_size = vocab_size
+
+
+def build(lora_rank: int, mc=None, job=None):
+    """The trainer of one side: `mc` the model (default the 58.5M bench model), `job` the overrides (JOB)."""
     extra = [f"lora.rank={lora_rank}", f"lora.alpha={2 * lora_rank}"] if lora_rank else []
-    cfg = load_config(RLConfig, None, COMMON + JOB + extra)
-    mc = SIZES["60m"]
+    cfg = load_config(RLConfig, None, COMMON + (JOB if job is None else job) + extra)
+    mc = mc or SIZES["60m"]
     state = init_parallel(ParallelDims(1, 1), "cpu", mc.n_heads, mc.n_kv_heads)
     policy = build_model(mc, seed=11)
     ref = None if cfg.reference.from_policy_base else build_model(mc, seed=11)
-    return assemble(cfg, state, mc, WideVocabTokenizer(load_tokenizer(None)), policy, ref)
+    return assemble(cfg, state, mc, FullVocabTokenizer(load_tokenizer(None), mc.vocab_size), policy, ref)
 
 
 class _NoHook:
@@ -81,8 +94,9 @@ def _step_tracker(frozen):
     return mt
 
 
-def step_peak(lora_rank: int) -> dict:
-    tr = build(lora_rank)
+def step_peak(lora_rank: int, mc=None, job=None) -> dict:
+    """MemTracker's peak of a whole step (the second) of one side, with the budget's projection at its shape."""
+    tr = build(lora_rank, mc, job)
     tr.step(0)
     gc.collect()
     models = [tr.policy] + ([] if tr.cfg.reference.from_policy_base else [tr.ref])
@@ -95,8 +109,13 @@ def step_peak(lora_rank: int) -> dict:
         for k, v in d.items():  # keys: "Total" and the _MemRefType members (PARAM, GRAD, OPT, ACT, TEMP, ...)
             k = str(k).split(".")[-1]
             peak[k] = peak.get(k, 0) + v
+    # the budget (core/runtime/budget.py) at the step's shape: its rows are prompt + max_new_tokens long
+    # (min_new_tokens = max_new_tokens: every response runs to the end, the budget's worst case)
+    seq_len = tr.make_experience(2).ro.sequences.shape[1]
+    budget = projected_peak_bytes(replace(tr.cfg, model=replace(tr.policy.cfg, max_seq_len=seq_len)), 1, "cpu")
     nbytes = lambda ts: sum(t.numel() * t.element_size() for t in ts)  # noqa: E731
-    return {"lora_rank": lora_rank, "peak_total": peak["Total"], **{f"peak_{k}": v for k, v in peak.items()},
+    return {"lora_rank": lora_rank, "peak_total": peak["Total"], "budget_peak": budget["peak"], "seq_len": seq_len,
+            **{f"peak_{k}": v for k, v in peak.items()},
             "policy_param_bytes": nbytes(tr.policy.parameters()),
             "trainable_param_bytes": nbytes(p for p in tr.policy.parameters() if p.requires_grad),
             "reference_param_bytes": 0 if tr.cfg.reference.from_policy_base else nbytes(tr.ref.parameters()),
@@ -121,6 +140,9 @@ def main(argv=None) -> dict:
               f"{mib(r['reference_param_bytes'])} |")
     ratio = lora["peak_total"] / full["peak_total"]
     print(f"LoRA / full step peak: {ratio:.3f}")
+    for name, r in sides:
+        print(f"{name}: budget {mib(r['budget_peak'])} MiB / measured {mib(r['peak_total'])} MiB = "
+              f"{r['budget_peak'] / r['peak_total']:.3f} (rows of {r['seq_len']} tokens)")
     out = {"full": full, "lora": lora, "ratio": ratio}
     if a.json:
         with open(a.json, "w") as f:

@@ -86,6 +86,8 @@ class StepRecorder:
         if "critic_grad_norm" in upd:
             rec["critic_grad_norm"] = upd["critic_grad_norm"]
         rec.update({k: upd[k] for k in ("seq_clipfrac", "seq_ratio_mean", "seq_ratio_max") if k in upd})  # GSPO
+        # the off-policy correction's weights and the samples' staleness (rl/objectives/off_policy.py)
+        rec.update({k: v for k, v in upd.items() if k.startswith(("off_policy_", "staleness_", "stale_"))})
         rec.update(self.rollout_stats.get("recipe_metrics") or {})  # DAPO (rl/experience/dynamic_sampling.py)
         rec.update(evals)
         corr = self.reward_kl.add(r_mean, kl_mean)

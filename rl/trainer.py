@@ -94,7 +94,7 @@ class RLTrainer:
         self.updater = PolicyUpdate(cfg, policy=policy, optimizer=optimizer, critic=critic,
                                     critic_optimizer=critic_optimizer, controller=self.controller,
                                     ent_ctl=self.ent_ctl, heads=self.heads, layout_cost=self.layout_cost,
-                                    dp_group=self.dp_group, device=state.device)
+                                    dp_group=self.dp_group, device=state.device, grad_group=state.grad_group)
         self.recorder = StepRecorder(cfg, vocab=self.vocab, timer=self.timer, rollout_stats=self.rollout_stats,
                                      dp_group=self.dp_group, device=state.device)
 
@@ -108,7 +108,10 @@ class RLTrainer:
                 ro, stats = self.rollout_source(step)
                 self.rollout_stats.clear()
                 self.rollout_stats.update(stats)
-            return self.experience.make_experience(ro, step)
+            data = self.experience.make_experience(ro, step)
+            # the off-policy loss (rl/objectives/off_policy.py) reads each row's version against this step's
+            data.policy_version, data.current_version = ro.policy_version, step
+            return data
 
         def collect(key: int):
             if cfg.rollout.env:  # multi-turn episodes against an environment (rl/experience/episodes.py)

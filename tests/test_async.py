@@ -240,7 +240,8 @@ def test_synchronous_split_equals_the_colocated_run(dist_pools, sft):
     base, sft = sft
     colocated = _rows(base / "colocated")
     assert len({r["reward_mean"] for r in colocated}) > 1 and any(r["pg_loss"] for r in colocated)
-    split = _split(dist_pools, sft, base / "k0", "algo.max_staleness=0", "train.steps=4")
+    split = _split(dist_pools, sft, base / "k0", "algo.max_staleness=0", "algo.off_policy.correction=none",
+                   "train.steps=4")
     assert [r["staleness_max"] for r in split] == [0, 0, 0, 0]
     assert [r["policy_version"] for r in split] == [0, 1, 2, 3]
     extra = {"staleness_mean", "staleness_max", "policy_version"}

@@ -14,7 +14,7 @@ from parallel.dims import ParallelDims, init_parallel, kv_replica_group
 from parallel.lora import LoRAConfig, adapters, adapters_disabled, apply_lora, merge_adapters
 from rl.config import RLConfig
 from rl.models.lora_ref import BaseReference
-from tests.test_rl_trainer import BASE, GRPO, MODEL
+from tests.test_rl_trainer import BASE, GRPO, MODEL, PPO
 
 LORA = ["lora.rank=4", "lora.alpha=8"]
 IDS = torch.arange(3, 3 + 2 * 12).view(2, 12) % 250 + 3
@@ -95,7 +95,13 @@ def _lora_trainer(tp, dp, overrides, dtype):
     policy = build_model(mc, state.tp_group, kv, seed=11, dtype=dtype)
     # B != 0 from the start, so that the first step moves A as well as B (B = 0 gives dL/dA = 0)
     init_adapters(apply_lora(policy, cfg.lora), seed=3, b_std=0.05)
-    return assemble(cfg, state, mc, load_tokenizer(None), policy, None), state
+    critic = None
+    if cfg.algo.name == "ppo":  # PPO's value model: a full model of its own, trained in full (no adapters)
+        from rl.models.critic import Critic
+
+        critic = Critic(mc, state.tp_group, kv, dtype=dtype)
+        critic.body.init_weights(11)
+    return assemble(cfg, state, mc, load_tokenizer(None), policy, None, critic), state
 
 
 def _lora_steps(tp, dp, overrides):
@@ -138,6 +144,28 @@ def test_lora_grpo_tp2_dp2_matches_single_process(dist_pools, lora_single):
 def test_lora_grpo_tp2_matches_single_process(dist_pools, lora_single):
     for r in dist_pools.run(2, _lora_steps, 2, 1, GRPO):
         _same(lora_single, r)
+
+
+@pytest.mark.slow
+def test_lora_ppo_tp2_matches_single_process(dist_pools):
+    """PPO with LoRA: the KL in the reward against the adapters-off base, GAE over a full critic; the step at
+    tp=2 equals the single process (float64), and the critic trains in full beside the adapters."""
+    single = _lora_steps(1, 1, PPO)
+    assert single[0][0]["kl_mean"] > 0.0 and single[0][0]["grad_norm"] > 0.0
+    for r in dist_pools.run(2, _lora_steps, 2, 1, PPO):
+        _same(single, r)
+
+
+def test_lora_ppo_trains_the_adapters_and_the_whole_critic():
+    trainer, _ = _lora_trainer(1, 1, PPO, torch.float64)
+    before = {n: p.detach().clone() for n, p in trainer.policy.named_parameters()}
+    critic_before = [p.detach().clone() for p in trainer.critic.parameters()]
+    trainer.step(0)
+    moved = {n for n, p in trainer.policy.named_parameters() if not torch.equal(p, before[n])}
+    assert moved and all(".lora_" in n or "lora" in n.split(".")[-2:][0] or "lora" in n for n in moved), moved
+    assert all(not p.requires_grad for n, p in trainer.policy.named_parameters() if "lora" not in n)
+    assert all(p.requires_grad for p in trainer.critic.parameters())
+    assert sum(not torch.equal(a, b) for a, b in zip(critic_before, trainer.critic.parameters())) > 0
 
 
 def _save_adapted_tp2(path):

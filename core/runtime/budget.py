@@ -1,18 +1,25 @@
 """The RL step's memory per rank as a stacked budget: pure arithmetic on a ModelConfig, a layout
-(tp x dp, FSDP, activation checkpointing), a batch and the dtypes. Nothing is allocated.
+(tp x cp x dp, sequence parallelism, FSDP, activation checkpointing), a batch and the dtypes. Nothing is allocated.
 
 | part             | bytes per rank                                                                      |
 |------------------|-------------------------------------------------------------------------------------|
-| policy weights   | fp32 master parameters, P_tp / dp (FSDP) or P_tp, P_tp = the rank's tensor-parallel |
+| policy weights   | fp32 master parameters, P_tp / (dp cp) (FSDP) or P_tp, P_tp = the rank's TP        |
 |                  | slice (heads, MLP columns, vocabulary rows Vp/tp); + 2 gathered bf16 layers (FSDP)  |
 | gradients        | like the weights (fp32)                                                             |
 | AdamW state      | exp_avg + exp_avg_sq, 2 x the weights (fp32)                                        |
 | activations      | saved per layer per token: A = 6H + 2 q + 4 kv + 4 I/tp elements (see `layer_act`); |
 |                  | L x A x rows x S, or with checkpointing L x H x rows x S + one layer's A x rows x S |
+|                  | split in two parts: "sequence activations" (the norms' 4H, the projections' 2H, the |
+|                  | checkpointed block inputs; / tp under sequence parallelism) and "activations" (the |
+|                  | rest); with cp the tokens are rows x S / cp, plus "CP attention" buffers           |
+|                  | (core/runtime/budget_seq.py)                                                        |
 | KL head          | by method: gather ~7 [T, Vp] fp32; vp_materialized ~6 [T, Vp/tp]; fused ~6 chunk    |
 |                  | x Vp/tp fp32 + grad hidden [T, H] (the tools.kl_memory projections, checked there); |
 |                  | fused with bf16 compute: + the fp32 accumulator of the head's weight gradient       |
-|                  | [Vp/tp, H] (parallel/fused.py's GradAccumulator; the gradient keeps its storage)    |
+|                  | [Vp/tp, H] (parallel/fused.py's GradAccumulator; the gradient keeps its storage);   |
+|                  | fused_loss (the trainer's update head): 2 chunk buffers (3 with the exact KL, or the |
+|                  | rollout-KL pass's 3 with rollout.record_hidden) + grad hidden; update tokens with    |
+|                  | shared prompts: each prompt once, then every row's response                          |
 | rollout KV cache | 2 x L x rows x S x kv_local x hd in the compute dtype (alive in the rollout phase)  |
 | rollout hidden   | rollout.record_hidden: rows x N x H in the compute dtype, from the rollout to the    |
 |                  | end of the update (the old pass's exact KL(rollout || train) reads it)              |
@@ -27,7 +34,8 @@
 
 Three phases peak separately: rollout (weights, optimizer state, reference, KV cache, rollout work), experience
 (weights, optimizer state, the reference's no-grad forward: its weights plus one layer's
-transients and the copy of its head weight that reference_hidden keeps) and update (weights,
+transients and the copy of its head weight that reference_hidden keeps; then the policy's old-log-prob
+pass beside that copy, its fused head's logits buffers) and update (weights,
 optimizer state, reference, then the larger of activations + KL head + the head's gradient and all
 gradients, plus with tied embeddings the embedding's dense gradient: backward frees activations as
 it makes gradients); the
@@ -39,10 +47,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from core.config import ModelConfig
+from core.runtime.budget_seq import activation_parts, cp_attention_bytes
 from parallel.vocab_stats import resolve_chunk_size
 
 PLACEMENTS = ("replicated", "tp", "tp_fsdp", "cpu_offload", "policy_base")  # policy_base: LoRA's adapters off
-KL_METHODS = ("gather", "vp_materialized", "fused")
+KL_METHODS = ("gather", "vp_materialized", "fused", "fused_loss")
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 PCIE_BYTES_PER_S = 25e9  # host->device, PCIe 4 x16 in practice
 
@@ -54,6 +63,14 @@ class Layout:
     fsdp: bool = True
     compute_dtype: str = "fp32"  # "bf16": bf16 compute copies, fp32 master weights and optimizer
     activation_checkpointing: bool = False
+    sp: bool = False  # parallel.sequence_parallel (inside TP)
+    cp: int = 1  # context parallel ranks: the sequence split over cp, FSDP over dp x cp
+    cp_impl: str = "ulysses"  # "ulysses" | "ring": which attention buffers CP adds
+
+    @property
+    def fsdp_shards(self) -> int:
+        """Ranks a parameter is sharded over: dp x cp with FSDP, else 1."""
+        return self.dp * self.cp if self.fsdp and self.dp * self.cp > 1 else 1
 
 
 @dataclass
@@ -66,6 +83,18 @@ class Batch:
     prefill_tokens: int = 16384  # rollout.prefill_tokens: prompt tokens per prefill forward (0: all rows)
     rows_per_prompt: int = 1  # rows sharing one prefill (rollout.share_prefill: the group size G)
     rollout_hidden: bool = False  # rollout.record_hidden: the sampled tokens' final hidden states are kept
+    group_size: int = 1  # with shared_prompts: responses per prompt (rollout.group_size)
+    shared_prompts: bool = False  # algo.share_prompts: each prompt once per micro-batch, its responses after it
+    old_rows: int | None = None  # rows of the old-log-prob pass (None: rollout_rows; algo.old_from_update defers some)
+
+    def update_tokens(self) -> int:
+        """Tokens one update forward runs: rows x seq_len, or with shared prompts each distinct prompt once
+        (rl/update/shared_layout.py): ceil(rows / G) prompts of seq_len - response_len tokens plus every
+        row's response."""
+        if not self.shared_prompts:
+            return self.update_rows * self.seq_len
+        prompts = -(-self.update_rows // max(self.group_size, 1))
+        return prompts * (self.seq_len - self.response_len) + self.update_rows * self.response_len
 
 
 def param_counts(cfg: ModelConfig, tp: int) -> dict[str, int]:
@@ -88,8 +117,14 @@ def layer_act(cfg: ModelConfig, tp: int) -> int:
     return 6 * cfg.hidden_size + 2 * q + 4 * kv + 4 * cfg.intermediate_size // tp
 
 
-def kl_head_bytes(method: str, tokens: int, cfg: ModelConfig, tp: int, chunk: int, act_bytes: int) -> int:
-    """Extra bytes of the KL term's head on one rank (logits and their temporaries, grad hidden)."""
+def kl_head_bytes(method: str, tokens: int, cfg: ModelConfig, tp: int, chunk: int, act_bytes: int,
+                  exact: bool = False, rollout_kl: bool = False) -> int:
+    """Extra bytes of the KL term's head on one rank (logits and their temporaries, grad hidden).
+    "fused_loss" (the trainer's default update head, parallel/fused_loss.py: the loss inside, its gradient
+    formed in forward) holds the policy's [chunk, Vp/tp] fp32 logits, the reference's with the exact KL
+    (`exact`), one temporary and a bool mask; `rollout_kl` (rollout.record_hidden) adds the first
+    mini-batch's no-grad exact KL(rollout || policy) head on the same hidden states, after the loss
+    head: policy logits, rollout logits, one temporary. The larger of the two passes counts."""
     vp = cfg.padded_vocab_size(tp)
     grad_hidden = tokens * cfg.hidden_size * act_bytes
     if method == "gather":
@@ -101,6 +136,12 @@ def kl_head_bytes(method: str, tokens: int, cfg: ModelConfig, tp: int, chunk: in
         accumulator = vp // tp * cfg.hidden_size * 4 if act_bytes < 4 else 0
         return (6 * head_chunk(chunk, tokens, vp // tp, cfg.hidden_size, act_bytes) * vp // tp * 4 + grad_hidden
                 + accumulator)
+    if method == "fused_loss":
+        c = head_chunk(chunk, tokens, vp // tp, cfg.hidden_size, act_bytes) * vp // tp
+        loss_head = (2 + exact) * c * 4 + c  # logits (+ the reference's), one temporary, the keep mask
+        rollout = 3 * c * 4 if rollout_kl else 0
+        accumulator = vp // tp * cfg.hidden_size * 4 if act_bytes < 4 else 0
+        return max(loss_head, rollout) + grad_hidden + accumulator
     raise ValueError(f"kl method {method!r}: choose from {KL_METHODS}")
 
 
@@ -123,7 +164,7 @@ def reference_bytes(placement: str, cfg: ModelConfig, lay: Layout, ref_bytes: in
     if placement == "tp":
         return pc["total"] * (ref_bytes + master), 0.0
     if placement == "tp_fsdp":
-        return -(-pc["total"] // lay.dp) * (ref_bytes + master) + gathered, 0.0
+        return -(-pc["total"] // (lay.dp * lay.cp)) * (ref_bytes + master) + gathered, 0.0
     if placement == "cpu_offload":
         return gathered + pc["vocab"] * ref_bytes, pc["total"] * ref_bytes / PCIE_BYTES_PER_S
     if placement == "policy_base":  # the policy's frozen base with its LoRA adapters off: no weights of its own
@@ -143,29 +184,30 @@ def lora_params(cfg: ModelConfig, tp: int, rank: int, targets) -> int:
 
 def step_budget(cfg: ModelConfig, lay: Layout, batch: Batch, placement: str = "tp", kl_method: str = "fused",
                 ref_dtype: str | None = None, ref_ema: bool = False, lora_rank: int = 0,
-                lora_targets=("q", "k", "v", "o", "gate", "up", "down")) -> dict:
+                lora_targets=("q", "k", "v", "o", "gate", "up", "down"), exact_kl: bool = False) -> dict:
     """{'parts': {name: bytes}, 'rollout_peak', 'experience_peak', 'reference_forward_peak', 'update_peak',
     'peak', 'offload_s_per_forward'} per rank. `ref_ema`: the reference is EMA-synced (reference_bytes).
     `lora_rank` > 0: the base is frozen (its weights stay, no gradient, no AdamW state) and only the fp32
     adapters have gradients and AdamW state; with placement "policy_base" the reference costs nothing."""
     pc = param_counts(cfg, lay.tp)
     act_b = DTYPE_BYTES[lay.compute_dtype]
-    shard = lay.dp if (lay.fsdp and lay.dp > 1) else 1
+    shard = lay.fsdp_shards
     master = -(-pc["total"] // shard) * 4
     gathered = 2 * pc["layer"] * act_b if (shard > 1 or act_b != 4) else 0
-    A = layer_act(cfg, lay.tp) * act_b
-    tok = batch.update_rows * batch.seq_len
-    if lay.activation_checkpointing:
-        acts = cfg.n_layers * cfg.hidden_size * act_b * tok + A * tok
-    else:
-        acts = cfg.n_layers * A * tok
+    tok = -(-batch.update_tokens() // lay.cp)  # this rank's tokens (context parallel: 1/cp)
+    other, seq = activation_parts(cfg, lay, tok, act_b, lora=lora_rank > 0)
+    cp_attn = cp_attention_bytes(cfg, lay, tok, act_b)
+    acts = other + seq + cp_attn
     kv = max(cfg.n_kv_heads // lay.tp, 1) * cfg.head_dim
     kv_cache = 2 * cfg.n_layers * batch.rollout_rows * batch.seq_len * kv * act_b
     ref, offload_s = reference_bytes(placement, cfg, lay, DTYPE_BYTES[ref_dtype or lay.compute_dtype], ref_ema)
-    head = kl_head_bytes(kl_method, batch.update_rows * batch.response_len, cfg, lay.tp, batch.kl_chunk, act_b)
+    head_tok = -(-batch.update_rows * batch.response_len // lay.cp)
+    head = kl_head_bytes(kl_method, head_tok, cfg, lay.tp, batch.kl_chunk, act_b, exact=exact_kl,
+                         rollout_kl=batch.rollout_hidden)
     parts = {"policy weights": master + gathered, "gradients": master, "AdamW state": 2 * master,
-             "activations": acts, "KL head": head, "rollout KV cache": kv_cache,
-             "rollout work": rollout_work(cfg, lay.tp, batch, act_b, kv_cache), "reference": ref,
+             "activations": other, "sequence activations": seq, "CP attention": cp_attn, "KL head": head,
+             "rollout KV cache": kv_cache, "rollout work": rollout_work(cfg, lay.tp, batch, act_b, kv_cache),
+             "reference": ref,
              "rollout hidden": batch.rollout_rows * batch.response_len * cfg.hidden_size * act_b
              if batch.rollout_hidden else 0}
     head_grad = -(-pc["vocab"] // shard) * 4 // (1 if cfg.tie_embeddings else 2)
@@ -190,13 +232,19 @@ def step_budget(cfg: ModelConfig, lay: Layout, batch: Batch, placement: str = "t
     # its log-probs by the fused head: one [chunk, Vp/tp] fp32 logits tensor (statistics in place)
     ref_b = DTYPE_BYTES[ref_dtype or lay.compute_dtype]
     ref_head_copy = vp_local * cfg.hidden_size * ref_b
-    ref_logits = head_chunk(batch.kl_chunk, batch.update_rows * batch.response_len, vp_local, cfg.hidden_size, ref_b)
-    ref_logits *= vp_local * 4
-    ref_fwd = ref + ref_head_copy + max(forward_transient(cfg, lay.tp, batch.update_rows * batch.seq_len, act_b),
-                                        ref_logits)
-    experience = parts["policy weights"] + parts["AdamW state"] + ref_fwd + kept
+    ref_logits = head_chunk(batch.kl_chunk, head_tok, vp_local, cfg.hidden_size, ref_b) * vp_local * 4
+    ref_fwd = ref + ref_head_copy + max(forward_transient(cfg, lay.tp, tok, act_b) + cp_attn, ref_logits)
+    # then the policy's no-grad old-log-prob pass beside that head copy: its fused head holds the policy's
+    # [chunk, Vp/tp] fp32 logits, one temporary (+ the reference's logits with the exact KL), and with
+    # rollout.record_hidden the exact KL(rollout || policy) head's policy and rollout logits and a temporary
+    old_rows = batch.rollout_rows if batch.old_rows is None else batch.old_rows
+    pol_logits = head_chunk(batch.kl_chunk, -(-old_rows * batch.response_len // lay.cp), vp_local, cfg.hidden_size,
+                            act_b) * vp_local * 4 if old_rows else 0
+    old_head = max(2 + exact_kl, 3 if batch.rollout_hidden else 0) * pol_logits
+    old_fwd = ref + ref_head_copy + max(forward_transient(cfg, lay.tp, tok, act_b) + cp_attn, old_head)
+    experience = parts["policy weights"] + parts["AdamW state"] + max(ref_fwd, old_fwd) + kept
     return {"parts": parts, "rollout_peak": rollout, "update_peak": update, "experience_peak": experience,
-            "reference_forward_peak": ref_fwd, "peak": max(rollout, update, experience),
+            "reference_forward_peak": ref_fwd, "old_forward_peak": old_fwd, "peak": max(rollout, update, experience),
             "offload_s_per_forward": offload_s}
 
 
@@ -242,20 +290,27 @@ def projected_peak_bytes(cfg, world_size: int, device: str = "cuda", teacher: Mo
     reference is loaded, the teacher stands in."""
     par, ro, algo = cfg.parallel, cfg.rollout, cfg.algo
     tp = par.tp
-    dp = par.resolve_dp(world_size)
-    if tp < 1 or dp < 1 or tp * dp != world_size:
-        raise ValueError(f"parallel.tp={tp} x dp={dp} does not match world_size={world_size}")
+    dp, cp = par.resolve_dp(world_size), getattr(par, "cp", 1)  # parallel.cp: context parallelism, when built
+    if tp < 1 or dp < 1 or tp * dp * cp != world_size:
+        raise ValueError(f"parallel.tp={tp} x cp={cp} x dp={dp} does not match world_size={world_size}")
     mp = par.precision(device) if hasattr(par, "precision") else par.mixed_precision
-    lay = Layout(tp, dp, par.fsdp, "bf16" if mp == "bf16" else "fp32", par.activation_checkpointing)
-    rows = -(-ro.prompts_per_step * ro.group_size // dp)  # this rank's share of the step's samples
+    lay = Layout(tp, dp, par.fsdp, "bf16" if mp == "bf16" else "fp32", par.activation_checkpointing,
+                 getattr(par, "sequence_parallel", False), cp, getattr(par, "cp_impl", "ulysses"))
+    rows = -(-ro.prompts_per_step * ro.group_size // dp)  # this dp rank's share of the step's samples
     per_mb = -(-rows // algo.mini_batches)
     update_rows = min(per_mb, algo.micro_batch_size) if algo.micro_batch_size else per_mb
     seq = cfg.model.max_seq_len
     data = getattr(cfg, "data", None)
     if data is not None and getattr(data, "max_prompt_tokens", None):  # rows never pass prompt + response
         seq = min(seq, data.max_prompt_tokens + ro.max_new_tokens)
-    batch = Batch(rows, update_rows, seq, ro.max_new_tokens, algo.kl_chunk_size, **rollout_fields(ro))
-    placement = "cpu_offload" if cfg.reference.cpu_offload else ("tp_fsdp" if (par.fsdp and dp > 1) else "tp")
+    batch = Batch(-(-rows // cp), update_rows, seq, ro.max_new_tokens, algo.kl_chunk_size, **rollout_fields(ro),
+                  group_size=ro.group_size, shared_prompts=bool(getattr(algo, "share_prompts", False)))
+    kl_cfg = getattr(cfg, "kl", None)
+    if getattr(algo, "old_from_update", False) and getattr(kl_cfg, "where", None) == "loss":
+        batch.old_rows = rows - per_mb  # epoch 0's first mini-batch: its old log-probs come from the update
+    elif cp > 1:
+        batch.old_rows = rows  # the old pass runs the dp rank's rows (each cp rank generated 1/cp of them)
+    placement = "cpu_offload" if cfg.reference.cpu_offload else ("tp_fsdp" if lay.fsdp_shards > 1 else "tp")
     rc = cfg.reference
     if getattr(rc, "from_policy_base", False):
         placement = "policy_base"
@@ -264,10 +319,13 @@ def projected_peak_bytes(cfg, world_size: int, device: str = "cuda", teacher: Mo
     lk = dict(lora_rank=lora.rank, lora_targets=tuple(lora.targets)) if lora is not None and lora.rank else {}
     if teacher is not None and teacher_is_reference:
         placement = "policy_base"  # no reference is loaded: the teacher stands in for it (rl/distill/config.py)
-    out = step_budget(cfg.model, lay, batch, placement, "fused", "bf16" if rc.dtype == "bf16" else None, ema, **lk)
+    method = "fused_loss" if getattr(algo, "fused_loss", False) else "fused"
+    exact = bool(getattr(getattr(cfg, "kl", None), "exact", False))
+    out = step_budget(cfg.model, lay, batch, placement, method, "bf16" if rc.dtype == "bf16" else None, ema,
+                      exact_kl=exact, **lk)
     if teacher is not None:
         tc = cfg.teacher
-        t_place = "cpu_offload" if tc.cpu_offload else ("tp_fsdp" if (par.fsdp and dp > 1) else "tp")
+        t_place = "cpu_offload" if tc.cpu_offload else ("tp_fsdp" if lay.fsdp_shards > 1 else "tp")
         out = add_teacher(out, teacher, lay, batch, t_place, "bf16" if tc.dtype == "bf16" else None)
         placement = "the teacher" if teacher_is_reference else placement
     return {**out, "layout": lay, "batch": batch, "placement": placement, "device": device}
@@ -286,7 +344,7 @@ def add_teacher(out: dict, teacher: ModelConfig, lay: Layout, batch: Batch, plac
     head_copy = vp_local * teacher.hidden_size * t_b
     hidden = batch.rollout_rows * batch.response_len * teacher.hidden_size * t_b
     logits = head_chunk(batch.kl_chunk, batch.update_rows * batch.response_len, vp_local, teacher.hidden_size, t_b)
-    fwd = weights + head_copy + max(forward_transient(teacher, lay.tp, batch.update_rows * batch.seq_len, act_b),
+    fwd = weights + head_copy + max(forward_transient(teacher, lay.tp, batch.update_tokens(), act_b),
                                     logits * vp_local * 4)
     parts = dict(out["parts"], **{"teacher": weights, "teacher hidden": hidden + head_copy})
     rollout = out["rollout_peak"] + weights

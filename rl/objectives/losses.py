@@ -309,10 +309,12 @@ class TokenPolicyLoss:
     chunk by chunk and forms the gradient in its forward pass) and for the unfused path (called once
     on every token). Summed over every token its values equal `policy_loss(...)`'s loss.
 
-    weights, mask, old_logp, advantages, ref_logp: [B, S] (flattened here); `weights` from
-    `token_weights`. Everything bound here and the head's values are sanitized at masked positions
-    before any arithmetic: padding reaches no value and no gradient. `on_policy`: the first mini-batch
-    after the rollout, whose old policy is the current one (old log-probs: the current ones, detached).
+    weights, mask, old_logp, advantages, ref_logp: [B, S] (flattened here); `weights` from `token_weights`;
+    `is_weights` (c_t on the policy-gradient term) and `kl_old` (log mu: the KL term's weight is pi/mu, not
+    pi/old_logp) from rl/objectives/off_policy.py's `loss_inputs`. Everything bound here and the head's values
+    are sanitized at masked positions before any arithmetic: padding reaches no value and no gradient.
+    `on_policy`: the first mini-batch after the rollout, whose old policy is the current one (old log-probs:
+    the current ones, detached).
 
     Each call records its tokens' detached parts, so `stats()` needs no second evaluation."""
 
@@ -321,16 +323,15 @@ class TokenPolicyLoss:
     def __init__(self, cfg: PolicyLossConfig, weights: torch.Tensor, mask: torch.Tensor, old_logp: torch.Tensor,
                  advantages: torch.Tensor, *, kl_cfg: KLConfig | None = None, beta: float = 0.0,
                  ref_logp: torch.Tensor | None = None, on_policy: bool = False, entropy_coef: float | None = None,
-                 kl_future: torch.Tensor | None = None):
+                 kl_future: torch.Tensor | None = None, is_weights: torch.Tensor | None = None,
+                 kl_old: torch.Tensor | None = None):
         self.cfg, self.kl_cfg, self.beta, self.on_policy = cfg, kl_cfg, beta, on_policy
         self.ent_coef = cfg.entropy_coef if entropy_coef is None else entropy_coef  # adaptive: the controller's
         self.m = mask.reshape(-1).bool()
-        self.w = sanitize(weights.reshape(-1), self.m).detach()
-        self.old = sanitize(old_logp.reshape(-1), self.m).detach()
-        self.adv = sanitize(advantages.reshape(-1), self.m).detach()
-        self.ref = None if ref_logp is None else sanitize(ref_logp.reshape(-1), self.m).detach()
-        if kl_future is not None:
-            kl_future = kl_future.reshape(-1)
+        flat = lambda t: None if t is None else sanitize(t.reshape(-1), self.m).detach()  # noqa: E731
+        self.w, self.old, self.adv, self.ref = flat(weights), flat(old_logp), flat(advantages), flat(ref_logp)
+        self.c, self.kl_old = flat(is_weights), flat(kl_old)  # off-policy: rl/objectives/off_policy.py
+        kl_future = None if kl_future is None else kl_future.reshape(-1)
         self.adv = _with_future_kl(self.adv, self.m, kl_cfg, beta, kl_future)
         self.kl_in_loss = kl_cfg is not None and kl_cfg.in_loss and beta != 0.0
         if self.kl_in_loss and not kl_cfg.exact and self.ref is None:
@@ -344,12 +345,15 @@ class TokenPolicyLoss:
         logp = sanitize(logp, mm)
         o = logp.detach() if self.on_policy else self.old[tokens]
         pg, clipped, dual, lr = self._surrogate(logp, o, mm, tokens)
+        if self.c is not None:
+            pg = pg * self.c[tokens].to(pg.dtype)
         total = pg
         rec = {"pg": pg, "log_ratio": lr, "clipped": clipped, "dual": dual}
         kc = self.kl_cfg
         if kc is not None and (kl is not None if kc.exact else self.ref is not None):
             ref = None if self.ref is None else self.ref[tokens]
-            klt = kl_loss_term(kc, logp, ref, o, mm, None if kl is None else sanitize(kl, mm))
+            klt = kl_loss_term(kc, logp, ref, o if self.kl_old is None else self.kl_old[tokens], mm,
+                               None if kl is None else sanitize(kl, mm))
             rec["kl"], self.seen["kl"] = klt, True
             if self.kl_in_loss:
                 total = total + self.beta * klt

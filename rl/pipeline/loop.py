@@ -67,6 +67,9 @@ def role_dims(cfg, world: int) -> tuple[ParallelDims, ParallelDims]:
     if cfg.rollout.prompts_per_step % rollout.dp:
         raise ConfigError(f"rollout.prompts_per_step={cfg.rollout.prompts_per_step} must be a multiple of the rollout "
                           f"ranks' dp={rollout.dp} (parallel.rollout_ranks / parallel.rollout_tp)")
+    if getattr(p, "cp", 1) > 1:
+        raise ConfigError(f"parallel.rollout_ranks > 0 with parallel.cp={p.cp}: the split launch lays the trainer "
+                          "ranks out by tp x dp only; set parallel.cp=1 or parallel.rollout_ranks=0")
     if cfg.lora.enabled:
         raise ConfigError("parallel.rollout_ranks > 0 with lora.rank > 0: the weight sync sends full weights, not "
                           "adapters; train LoRA colocated (parallel.rollout_ranks=0)")

@@ -67,6 +67,10 @@ class StepData:
     # exact KL(rollout || train) per token: the old pass's, the deferred rows' from the update's first forward
     rollout_kl: torch.Tensor | None = None
     kl_exact_metric: torch.Tensor | None = None  # exact KL(pi||ref) when `kl` is a sampled estimate off mu
+    # the weights' version that drew each row [B] (int) and the version the update starts from: staleness =
+    # current_version - policy_version (rl/update/staleness.py); None: a synchronous step (staleness 0)
+    policy_version: torch.Tensor | None = None
+    current_version: int | None = None
     # distillation (rl/distill): the teacher's hidden states [B, N, H_t] and head weight [Vp/tp, H_t]; its
     # top-k (ids, probs) [B, N, k] for distill.loss=topk_forward_kl; log t(sampled token) [B, N]
     teacher_hidden: torch.Tensor | None = None
@@ -161,6 +165,8 @@ class ExperienceMaker:
         c = self.cfg
         if not c.algo.old_from_update or c.kl.where != "loss" or c.kl_ctl.mode == "grad_ratio" or \
                 c.kl.gradient == "sequence":  # its future-KL returns read every row's KL before the update
+            return None
+        if c.algo.off_policy.correction != "none" or c.algo.max_staleness > 0:  # c_t reads every row's pi_old first
             return None
         if truncates(c) and not c.kl.exact:  # the exact KL the controller reads comes from the old pass
             return None

@@ -23,6 +23,7 @@ from rl.objectives.controller import EntropyController, KLController
 from rl.objectives.kl import HEAD_DIRECTION, kl_from_config
 from rl.objectives.kl_place import future_kl
 from rl.objectives.losses import aggregate, clipped_value_loss, loss_scale, token_weights
+from rl.objectives.off_policy import LossInputs, loss_inputs
 from rl.objectives.policy_objectives import make_token_loss, sequence_ids
 from rl.update.distill_term import DistillTap, needs_tap
 from rl.update.logprobs import PolicyHeads, critic_values, packed_fused_loss, packed_token_stats
@@ -42,8 +43,11 @@ class PolicyUpdate:
     and `ent_ctl.coef` are read when each micro-batch's loss is built."""
 
     def __init__(self, cfg: RLConfig, *, policy, optimizer, critic, critic_optimizer, controller: KLController,
-                 ent_ctl: EntropyController, heads: PolicyHeads, layout_cost: LayoutCost, dp_group, device):
+                 ent_ctl: EntropyController, heads: PolicyHeads, layout_cost: LayoutCost, dp_group, device,
+                 grad_group=None):
         self.cfg, self.policy, self.opt = cfg, policy, optimizer
+        # gradients sum over dp, or dp x cp under context parallelism (each cp rank: its tokens' part)
+        self.grad_group = dp_group if grad_group is None else grad_group
         self.critic, self.critic_opt = critic, critic_optimizer
         self.controller, self.ent_ctl, self.heads = controller, ent_ctl, heads
         self.layout_cost, self.dp_group, self.device = layout_cost, dp_group, device
@@ -67,6 +71,7 @@ class PolicyUpdate:
         cfg = self.cfg
         self.distill_coef = cfg.distill.coef_at(step)  # the distillation term's weight this step (rl/distill)
         acc, opt_stats, stop_early = UpdateStats(), [], False
+        off = loss_inputs(cfg, data, self.dp_group)  # the clip's anchor, c_t, the KL weight (objectives/off_policy.py)
         for epoch in range(cfg.algo.epochs):
             for mb, rows in enumerate(mini_batches(cfg, data.ro.row_ids.cpu(), step, epoch, self.device)):
                 micros = self._micro_batches(data, rows)
@@ -75,8 +80,8 @@ class PolicyUpdate:
                 for i, r in enumerate(micros):
                     # the first mini-batch after the rollout is on-policy: its old policy IS the current one
                     acc.add(self._micro_step(data, r, scale, on_policy=epoch == 0 and mb == 0,
-                                             last=i == len(micros) - 1))
-                sync_replicated_grads(self.policy, self.dp_group)
+                                             last=i == len(micros) - 1, off=off))
+                sync_replicated_grads(self.policy, self.grad_group)
                 opt_stats.append(self.opt.step())
                 if self.critic is not None:
                     sync_replicated_grads(self.critic, self.dp_group)
@@ -90,10 +95,11 @@ class PolicyUpdate:
         out = acc.summary(self.dp_group)
         out.update(grad_norm=opt_stats[-1].grad_norm, lr=opt_stats[-1].lr,
                    skipped=sum(int(s.skipped) for s in opt_stats), skipped_total=opt_stats[-1].skipped_total,
-                   early_stopped=stop_early, optimizer_steps=len(opt_stats))
+                   early_stopped=stop_early, optimizer_steps=len(opt_stats), **off.metrics)
         return out
 
-    def _micro_step(self, data: StepData, mb: MicroBatch, scale, on_policy: bool, last: bool) -> dict:
+    def _micro_step(self, data: StepData, mb: MicroBatch, scale, on_policy: bool, last: bool,
+                    off: LossInputs | None = None) -> dict:
         """Forward, loss and backward of micro-batch `mb` (padded rows, or one packed sequence); returns
         its statistics.
 
@@ -102,8 +108,10 @@ class PolicyUpdate:
         forward; otherwise the head returns log-probs with grad and the loss is called once on all tokens.
         Either way the statistics come from what the loss recorded while it ran, not from a second evaluation. On-policy
         (first mini-batch), the old log-probs are the current ones, detached (ratio exactly 1);
-        `drift` is how far they were from the rollout's, a float-noise check."""
+        `drift` is how far they were from the rollout's, a float-noise check. `off`: the three policies' part of
+        the loss (rl/objectives/off_policy.py's `loss_inputs`; None: today's synchronous objective)."""
         cfg = self.cfg
+        off = off or LossInputs(data.old_logp, None, None, True, {})
         set_gradient_sync(self.policy, last)
         mask, tok = mb.mask(data.mask), mb.tokens
         exact = cfg.kl.exact and cfg.kl.in_loss
@@ -114,9 +122,10 @@ class PolicyUpdate:
         if fill and data.rollout_kl is not None and data.ro.rollout_hidden is not None:  # the deferred rows' mismatch
             kw["rollout_hidden"] = tok(data.ro.rollout_hidden)
         weights = tok(token_weights(data.mask, cfg.loss.agg, scale, cfg.loss.norm_len))  # per row: split-invariant
-        fn = make_token_loss(cfg.loss, weights, mask, tok(data.old_logp), tok(data.advantages), kl_cfg=cfg.kl,
-                             beta=self.controller.beta, ref_logp=tok(data.ref_logp), on_policy=on_policy,
-                             entropy_coef=self.ent_ctl.coef, kl_future=self._kl_future(data, tok),
+        fn = make_token_loss(cfg.loss, weights, mask, tok(off.old_logp), tok(data.advantages), kl_cfg=cfg.kl,
+                             beta=self.controller.beta, ref_logp=tok(data.ref_logp),
+                             on_policy=on_policy and off.on_policy_ok, entropy_coef=self.ent_ctl.coef,
+                             kl_future=self._kl_future(data, tok), is_weights=tok(off.weights), kl_old=tok(off.kl_old),
                              **sequence_ids(cfg.loss, data.mask, tok))
         tap, head_fn = self._distill_tap(data, tok, weights), fn
         if tap is not None:  # the distillation term on the same forward's hidden states: inside the policy's
