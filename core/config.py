@@ -86,6 +86,10 @@ class ParallelConfig:
     # every token's forward bits independent of the batch: the rollout's decode log-probs equal the
     # trainer's, bit for bit (parallel/invariant.py; cost: docs/design.md "Batch-invariant mode")
     batch_invariant: bool = False
+    # > 0: this many of the launch's ranks only generate (rl/pipeline: one-step-off asynchronous RL); the
+    # other world - rollout_ranks ranks train, laid out by tp and dp as above; rollout_tp: the rollout ranks' tp
+    rollout_ranks: int = 0
+    rollout_tp: int = 1
     # Megatron sequence parallelism inside TP: norms, residuals and the embedding's output hold [B, S/tp, H] in
     # full-sequence forwards (core/seq_parallel.py; docs/design.md "Sequence parallelism"); no effect at tp=1
     sequence_parallel: bool = False
@@ -134,6 +138,11 @@ def check_parallel(p: ParallelConfig, world_size: int) -> None:
         raise ConfigError(f"parallel.mixed_precision must be fp32, bf16 or auto, got {p.mixed_precision!r}")
     if not (math.isfinite(p.timeout_s) and p.timeout_s > 0):
         raise ConfigError(f"parallel.timeout_s must be a positive number of seconds, got {p.timeout_s!r}")
+    _positive_int("parallel.rollout_tp", p.rollout_tp)
+    if not isinstance(p.rollout_ranks, int) or isinstance(p.rollout_ranks, bool) or p.rollout_ranks < 0 or \
+            p.rollout_ranks % p.rollout_tp:
+        raise ConfigError(f"parallel.rollout_ranks must be an int >= 0 (0: rollout on the trainer ranks) and a "
+                          f"multiple of parallel.rollout_tp={p.rollout_tp}, got {p.rollout_ranks!r}")
     if not (math.isfinite(p.watchdog_s) and p.watchdog_s >= 0):
         raise ConfigError(f"parallel.watchdog_s must be >= 0 seconds (0: off), got {p.watchdog_s!r}")
 

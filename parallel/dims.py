@@ -97,11 +97,13 @@ class ParallelState:
     dp_group: object | None
     tp_rank: int = 0
     dp_rank: int = 0
-    rank: int = 0
+    rank: int = 0  # in `group`
     cp_group: object | None = None  # the ranks that split one sequence (None when cp == 1)
     cp_rank: int = 0
     dp_cp_group: object | None = None  # dp x cp: where gradients are summed and parameters sharded (cp > 1)
     _fsdp_mesh: object | None = None
+    # the ranks this run's collectives span (parallel/roles.py: one role of a split launch); None: the world
+    group: object | None = None
 
     @property
     def world_size(self) -> int:

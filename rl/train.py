@@ -54,6 +54,7 @@ from rl.experience.rollout import DataPrompts, TaskPrompts
 from rl.health.guards import CollapseGuard, Preempted
 from rl.models.critic import Critic
 from rl.models.lora_ref import BaseReference
+from rl.pipeline.loop import TrainHooks, run_split
 from rl.preflight import check_memory, check_rl_config, dry_run
 from rl.trainer import RLTrainer
 from rl.warmstart import ensure_start_checkpoint, ensure_teacher_checkpoint
@@ -166,11 +167,13 @@ def assemble(cfg: RLConfig, state, model_cfg, tokenizer, policy, ref, critic=Non
                      eval_prompts=evals, teacher=teacher)
 
 
-def build(cfg: RLConfig, stop_request: StopRequest | None = None) -> tuple[RLTrainer, Run, object]:
+def build(cfg: RLConfig, stop_request: StopRequest | None = None, role=None) -> tuple[RLTrainer, Run, object]:
     """Check the config, make sure the starting checkpoint exists (SFT builds it when asked; a signal
     caught by `stop_request` stops it at its next step, with its checkpoint), set up the run and load
-    policy, reference (and critic) into the trainer -> (trainer, run, tokenizer)."""
-    dims = check_rl_config(cfg, launch_world_size())
+    policy, reference (and critic) into the trainer -> (trainer, run, tokenizer). `role`: the trainer
+    ranks of a launch split into roles (rl/pipeline), which built the checkpoints before the split."""
+    world = launch_world_size() if role is None else role.state.dims.world_size
+    dims = check_rl_config(cfg, world)
     tokenizer = load_tokenizer(tokenizer_path(cfg))
     data = None
     if cfg.data is not None:  # read, checked and tokenized on every rank before any collective
@@ -178,12 +181,13 @@ def build(cfg: RLConfig, stop_request: StopRequest | None = None) -> tuple[RLTra
         if cfg.init.checkpoint is None:
             raise ConfigError("data: prompts from a data set need init.checkpoint (a converted checkpoint); the "
                               "supervised warm start only knows the built-in tasks")
-    start = ensure_start_checkpoint(cfg, tokenizer, resolve_device(cfg.train.device), stop_request)
-    if enabled(cfg.distill, cfg.algo.name):
+    start = cfg.init.start_checkpoint if role is not None else \
+        ensure_start_checkpoint(cfg, tokenizer, resolve_device(cfg.train.device), stop_request)
+    if enabled(cfg.distill, cfg.algo.name) and role is None:
         ensure_teacher_checkpoint(cfg, tokenizer, resolve_device(cfg.train.device), stop_request)
     model_cfg = from_dict(ModelConfig, ckpt.read_manifest(start)["model_config"])
-    check_memory(cfg, model_cfg, launch_world_size(), resolve_device(cfg.train.device))
-    run = start_run(cfg, dims, model_cfg)
+    check_memory(cfg, model_cfg, world, resolve_device(cfg.train.device))
+    run = start_run(cfg, dims, model_cfg, role)
     state, kv_group, device, fp = run.state, run.kv_group, run.device, tokenizer.fingerprint
     load = dict(state=state, kv_group=kv_group, device=device, tokenizer_fp=fp, verify=cfg.train.verify_checkpoints)
     policy = _load(Transformer, model_cfg, start, what="policy", **load)
@@ -240,7 +244,7 @@ def _extra_state(trainer: RLTrainer) -> dict:
 
 def _resume(trainer: RLTrainer, run: Run) -> int:
     """Load the latest checkpoint when resuming -> the first step to run."""
-    extra = run.resume(_modules(trainer))
+    extra = trainer.resumed_extra = run.resume(_modules(trainer))
     if extra is None:
         return 0
     if _adapters_only(trainer) or "lora_base" in extra:
@@ -299,6 +303,10 @@ def _should_save(t, step: int, stop) -> bool:
 def run(cfg: RLConfig, stop_request: StopRequest | None = None) -> list[dict]:
     """Train as `cfg` says. A SIGTERM / SIGUSR1 caught by `stop_request` ends the run after the next
     step every rank agrees on, with its checkpoint written (raises Preempted)."""
+    if cfg.parallel.rollout_ranks:  # disjoint rollout and trainer ranks (rl/pipeline)
+        return run_split(cfg, stop_request, TrainHooks(build, _resume, _modules, _extra_state, save_final_model,
+                                                       _report, _should_save, tokenizer_files, tokenizer_path,
+                                                       prompt_sources))
     trainer, run, tokenizer = build(cfg, stop_request)
     t = cfg.train
     try:

@@ -75,7 +75,10 @@ class RLTrainer:
         self.vocab = min(policy.cfg.vocab_size, getattr(tokenizer, "vocab_size", None) or policy.cfg.vocab_size)
         self.eval_prompts = eval_prompts or None
         self.tp_group, self.dp_group = state.tp_group, state.dp_group
-        self.world_group = None if state.mesh is None else torch.distributed.group.WORLD
+        self.world_group = None if state.mesh is None else (state.group or torch.distributed.group.WORLD)
+        # rl/pipeline: step -> (Rollout, stats) received from the rollout ranks; None: generated here
+        self.rollout_source = None
+        self.resumed_extra = None  # the resumed checkpoint's extra state (rl.train's resume sets it)
         self.layout_cost = LayoutCost.of(policy.cfg)  # the shared-prompt layout's plan (rl/update/shared_layout.py)
         self.timer = PhaseTimer(state.device, memory={"rollout": "rollout", "ref_logprobs": "ref",
                                                       "old_logprobs": "old", "update": "update"})
@@ -100,6 +103,16 @@ class RLTrainer:
         """Steps 1-5: this rank's rollout (G samples per prompt, scored), then what the update needs of
         it (rl/update/step_data.py)."""
         cfg, st = self.cfg, self.state
+        if self.rollout_source is not None:  # generated on the rollout ranks (rl/pipeline)
+            with self.timer("rollout"):
+                ro, stats = self.rollout_source(step)
+                self.rollout_stats.clear()
+                self.rollout_stats.update(stats)
+            data = self.experience.make_experience(ro, step)
+            # the off-policy loss (rl/objectives/off_policy.py) reads each row's version against this step's
+            data.policy_version, data.current_version = ro.policy_version, step
+            return data
+
         def collect(key: int):
             if cfg.rollout.env:  # multi-turn episodes against an environment (rl/experience/episodes.py)
                 return collect_episodes(self.policy, self.tok, self.task, cfg.rollout, seed=cfg.train.seed, step=key,

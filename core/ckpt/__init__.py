@@ -44,9 +44,14 @@ from core.ckpt.manifest import (
 )
 from core.ckpt.model_weights import (
     check_model_config,
+    copy_into,
     dtype_name,
+    gather_full,
     load_model_weights,
+    param_specs,
+    recompute_rope,
     save_model_weights,
+    tp_info,
     world_group,
 )
 from core.ckpt.safetensors_read import (
@@ -82,7 +87,8 @@ __all__ = [
     "FORMAT_VERSION", "LATEST", "MANIFEST", "checkpoint_problem", "files_with_prefix", "find_latest",
     "open_checkpoint", "read_manifest", "resolve_checkpoint", "resume_candidates", "step_dir_name", "tensor_files",
     "verify_checkpoint", "verify_files",
-    "check_model_config", "dtype_name", "load_model_weights", "save_model_weights", "world_group",
+    "check_model_config", "copy_into", "dtype_name", "gather_full", "load_model_weights", "param_specs",
+    "recompute_rope", "save_model_weights", "tp_info", "world_group",
     "DTYPE_NAMES", "DTYPES", "SafeFile", "SafeSet", "open_safetensors", "open_safetensors_set",
     "StreamingWriter", "save_safetensors", "save_safetensors_set", "shard_name", "stream_order",
     "SliceFn", "assemble_full", "iter_tensors", "load_tensors", "read_tensors", "write_tensors",

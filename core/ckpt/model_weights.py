@@ -55,10 +55,11 @@ def dtype_name(dt: torch.dtype) -> str:
 
 
 def world_group(state):
-    """Every rank taking part: None for a single process (state None or without a mesh)."""
+    """Every rank taking part: None for a single process (state None or without a mesh); the state's
+    role group in a launch split into roles (parallel/roles.py), else the world."""
     if state is None or getattr(state, "mesh", None) is None:
         return None
-    return dist.group.WORLD
+    return getattr(state, "group", None) or dist.group.WORLD
 
 
 # ---------------------------------------------------------------------------------------------

@@ -108,8 +108,8 @@ def _rng_state(state) -> dict:
     group = world_group(state)
     if group is None:
         return {"world_size": 1, "shared": mine}
-    every: list = [None] * dist.get_world_size()
-    dist.all_gather_object(every, mine)  # control plane: every rank's RNG state, to be written by rank 0
+    every: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(every, mine, group=group)  # control plane: every rank's RNG state, to be written by rank 0
     if all(s == every[0] for s in every):
         return {"world_size": len(every), "shared": every[0]}
     return {"world_size": len(every), "per_rank": every}

@@ -108,8 +108,9 @@ class Watchdog:
     host: no thread of it runs); a rank whose step is behind the others is named with its phase.
     Thread off when stall_s <= 0; heartbeats off when not distributed."""
 
-    def __init__(self, stall_s: float, rank: int, world: int, store=None, log=None):
+    def __init__(self, stall_s: float, rank: int, world: int, store=None, log=None, roles: dict | None = None):
         self.stall_s, self.rank, self.world, self.store = stall_s, rank, world, store
+        self.roles = roles or {}  # global rank -> its role in a split launch ("rollout rank 0"), named beside it
         self.interval_s = max(min(stall_s / 4, 10.0), 0.05)
         self.log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
         self._stop = threading.Event()
@@ -117,10 +118,15 @@ class Watchdog:
         self._said: set = set()
 
     @classmethod
-    def for_run(cls, stall_s: float) -> Watchdog:
+    def for_run(cls, stall_s: float, roles: dict | None = None) -> Watchdog:
         if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
             return cls(0.0, 0, 1)
-        return cls(stall_s, dist.get_rank(), dist.get_world_size(), dist.distributed_c10d._get_default_store())
+        return cls(stall_s, dist.get_rank(), dist.get_world_size(), dist.distributed_c10d._get_default_store(),
+                   roles=roles)
+
+    def name(self, rank: int) -> str:
+        """'rank 2', or 'rank 2 (rollout rank 0)' in a launch split into roles."""
+        return f"rank {rank}" + (f" ({self.roles[rank]})" if rank in self.roles else "")
 
     def beat(self, phase: str, step: int) -> None:
         if self.store is not None:
@@ -142,9 +148,9 @@ class Watchdog:
             alive, ph = self._read(f"kltron/alive/{r}"), phases[r]
             where = f"phase {ph[0]!r}, step {ph[1]}" if ph else "before its first step"
             if alive is not None and now - alive > self.stall_s:
-                out.append(f"rank {r} has not advanced in {now - alive:.0f} s: frozen ({where})")
+                out.append(f"{self.name(r)} has not advanced in {now - alive:.0f} s: frozen ({where})")
             elif ph and top is not None and ph[1] < top:
-                out.append(f"rank {r} is behind: {where}, {now - ph[2]:.0f} s in it, others at step {top}")
+                out.append(f"{self.name(r)} is behind: {where}, {now - ph[2]:.0f} s in it, others at step {top}")
         return out
 
     def start(self) -> Watchdog:
@@ -170,7 +176,7 @@ class Watchdog:
         msgs = self.check() if self.store is not None and self.stall_s > 0 else []
         who = "; ".join(msgs) if msgs else ("no stalled rank seen (set parallel.watchdog_s > 0 to name it)"
                                             if self.stall_s <= 0 else "every rank's heartbeat is recent")
-        return (f"a collective failed on rank {self.rank} (parallel.timeout_s={timeout_s:g}): "
+        return (f"a collective failed on {self.name(self.rank)} (parallel.timeout_s={timeout_s:g}): "
                 f"{str(err).splitlines()[0][-200:]}; {who}")
 
     def stop(self) -> None:

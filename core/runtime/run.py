@@ -286,16 +286,21 @@ def truncate_metrics(path: str, last_step: int) -> int:
     return dropped
 
 
-def start_run(cfg, dims: ParallelDims, model_cfg: ModelConfig) -> Run:
+def start_run(cfg, dims: ParallelDims, model_cfg: ModelConfig, role=None) -> Run:
     """Set up the run `cfg` (an SFTConfig or RLConfig: uses its `train` section) describes, on the
-    already validated layout `dims`, for a model shaped like `model_cfg`. Collective: every rank calls it."""
+    already validated layout `dims`, for a model shaped like `model_cfg`. Collective: every rank calls it.
+    `role`: the trainer role of a launch split into roles (parallel/roles.py), whose state and KV group
+    are built already and whose ranks were checked to run the same config and code before the split."""
     t = cfg.train
-    state = init_parallel(dims, resolve_device(t.device), model_cfg.n_heads, model_cfg.n_kv_heads,
-                          timeout_s=cfg.parallel.timeout_s)
-    check_same_everywhere(to_dict(cfg))  # before any work: every rank runs the same config and code
+    if role is None:
+        state = init_parallel(dims, resolve_device(t.device), model_cfg.n_heads, model_cfg.n_kv_heads,
+                              timeout_s=cfg.parallel.timeout_s)
+        check_same_everywhere(to_dict(cfg))  # before any work: every rank runs the same config and code
+    else:
+        state = role.state
     group = world_group(state)
     lock = raise_on_all_ranks(lambda: lock_out_dir(t.out_dir) if state.is_main else None, group)  # one run per dir
     seed_everything(t.seed)
-    kv_group = kv_replica_group(state, model_cfg.n_kv_heads)
+    kv_group = kv_replica_group(state, model_cfg.n_kv_heads) if role is None else role.kv_group
     return Run(state, kv_group, t.out_dir, resume_enabled=t.resume, verify=t.verify_checkpoints,
                keep_last=t.keep_last, lock=lock)

@@ -40,6 +40,9 @@ class Rollout:
     rollout_logprobs: torch.Tensor | None = None
     rollout_sampled_logprobs: torch.Tensor | None = None
     rollout_hidden: torch.Tensor | None = None  # [B, N, H] final hidden states (`rollout.record_hidden`)
+    # [B] int64: the weights version (updates behind it) that sampled each row, set where the rollout ranks
+    # generate (rl/pipeline); None: this step's own weights (the colocated rollout)
+    policy_version: torch.Tensor | None = None
 
     @property
     def responses_ids(self) -> torch.Tensor:
@@ -54,7 +57,7 @@ class Rollout:
         return Rollout(self.sequences[rows], self.attention_mask[rows], self.response_mask[rows], self.prompt_len,
                        self.scores[rows], self.row_ids[rows], self.metas,
                        [self.responses[i] for i in idx] if self.responses else [], pick(self.rollout_logprobs),
-                       pick(self.rollout_sampled_logprobs), pick(self.rollout_hidden))
+                       pick(self.rollout_sampled_logprobs), pick(self.rollout_hidden), pick(self.policy_version))
 
 
 def raise_everywhere(error: str | None, group=None) -> None:

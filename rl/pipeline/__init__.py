@@ -1,0 +1,1 @@
+"""One-step-off asynchronous RL: disjoint rollout and trainer ranks (docs/async.md)."""
