@@ -52,12 +52,15 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim, device=device, dtype=dtype))
+        self.lora = None  # a parallel.lora.NormDelta (lora.train_norms): the weight is w + d while it is on
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # statistics in fp32 or wider (fp64 stays fp64: a float64 check of gradients summed over rows that
         # share activations, rl/update/shared_layout.py, would otherwise see fp32 rounding of each backward)
         xf = x.to(torch.promote_types(x.dtype, torch.float32))
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.lora is not None and self.lora.enabled:
+            return (self.lora(self.weight) * xf.to(x.dtype)).to(torch.promote_types(self.weight.dtype, x.dtype))
         return self.weight * xf.to(x.dtype)
 
 
