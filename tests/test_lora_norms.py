@@ -15,6 +15,7 @@ from core.model import build_model
 from parallel.dims import ParallelDims, init_parallel, kv_replica_group
 from parallel.lora import LoRAConfig, adapters, adapters_disabled, apply_lora, merge_adapters, norm_deltas
 from rl.config import RLConfig
+from tests.test_rl_train_cli import sft_dir  # noqa: F401 (a fixture)
 from tests.test_rl_trainer import BASE, GRPO, MODEL
 
 CFG = LoRAConfig(rank=4, alpha=8, train_norms=True)
@@ -319,3 +320,31 @@ def test_peft_norms_into_a_run_without_train_norms_is_refused(peft_folder):
 
     with pytest.raises(CheckpointError, match="lora.train_norms=true"):
         peft_factors(LoRAConfig(rank=4, alpha=8, init_from=peft_folder))
+
+
+@pytest.mark.slow
+def test_rl_train_resume_restores_d(sft_dir):  # noqa: F811
+    """`rl.train` with train_norms: the adapter checkpoint holds d, and a resumed run equals an
+    uninterrupted one."""
+    import os
+
+    from rl.train import main
+    from tests.test_lora_train import LORA
+    from tests.test_rl_train_cli import CONFIG, KEYS, SMALL, _rows
+
+    base, sft = sft_dir
+    flags = [*SMALL, *LORA, "lora.train_norms=true", f"init.sft_dir={sft}"]
+    straight_out, out = str(base / "norms_straight"), str(base / "norms_resumed")
+    assert main(["--config", CONFIG, *flags, f"train.out_dir={straight_out}"]) == 0
+    common = ["--config", CONFIG, *flags, f"train.out_dir={out}"]
+    assert main([*common, "train.stop_after=2"]) == 0
+    from safetensors import safe_open
+
+    with safe_open(os.path.join(out, "checkpoints", "step-00000001", "adapters.safetensors"), "pt") as f:
+        d = [f.get_tensor(k) for k in f.keys() if k.endswith(".lora.lora_d")]
+    assert len(d) == NORMS and all(t.abs().max() > 0 for t in d)  # trained, saved
+    assert main(common) == 0
+    straight, resumed = _rows(straight_out), _rows(out)
+    assert [r["step"] for r in resumed] == [0, 1, 2, 3]
+    for a, b in zip(straight, resumed):
+        assert {k: a[k] for k in KEYS} == {k: b[k] for k in KEYS}
