@@ -118,9 +118,10 @@ def project(report=None) -> str:
              "|---|---|---|---|---|" + "---:|" * 9 + "---|---|"]
     for _, b in rows:
         p = {k: v / GB for k, v in b["parts"].items()}
+        acts = p["activations"] + p["sequence activations"] + p["CP attention"]
         lines.append(f"| {b['model']} | {b['tp']}x{b['dp']} | {'on' if b['ac'] else 'off'} | {b['placement']} "
                      f"| {b['kl']} | {p['policy weights']:.1f} | {p['gradients']:.1f} | {p['AdamW state']:.1f} "
-                     f"| {p['activations']:.1f} | {p['KL head']:.1f} | {p['rollout KV cache']:.1f} "
+                     f"| {acts:.1f} | {p['KL head']:.1f} | {p['rollout KV cache']:.1f} "
                      f"| {p['rollout work']:.1f} | {p['reference']:.1f} | {b['peak'] / GB:.1f} "
                      f"| {'yes' if b['peak'] <= 80 * GB else 'no'} "
                      f"| {'yes' if b['peak'] <= 141 * GB else 'no'} |")

@@ -73,7 +73,10 @@ class ModelConfig:
 @dataclass
 class ParallelConfig:
     tp: int = 1
-    dp: int = -1  # -1: world_size // tp
+    dp: int = -1  # -1: world_size // (tp * cp)
+    # context parallel: ranks that split every sequence of the RL passes (parallel/context.py), ulysses or ring
+    cp: int = 1
+    cp_impl: str = "ring"
     fsdp: bool = True  # shard parameters over dp with FSDP2 when dp > 1
     mixed_precision: str = "fp32"  # "fp32", "bf16" (bf16 params/compute, fp32 reduce), "auto": bf16 on CUDA only
     activation_checkpointing: bool = False
@@ -83,11 +86,14 @@ class ParallelConfig:
     # every token's forward bits independent of the batch: the rollout's decode log-probs equal the
     # trainer's, bit for bit (parallel/invariant.py; cost: docs/design.md "Batch-invariant mode")
     batch_invariant: bool = False
+    # Megatron sequence parallelism inside TP: norms, residuals and the embedding's output hold [B, S/tp, H] in
+    # full-sequence forwards (core/seq_parallel.py; docs/design.md "Sequence parallelism"); no effect at tp=1
+    sequence_parallel: bool = False
 
     def resolve_dp(self, world_size: int) -> int:
         """parallel.dp (-1: world_size // tp), after checking parallel.tp, .dp and .timeout_s by name."""
         check_parallel(self, world_size)
-        return world_size // self.tp if self.dp == -1 else self.dp
+        return world_size // (self.tp * self.cp) if self.dp == -1 else self.dp
 
     def precision(self, device_type: str) -> str:
         """The mixed precision a run on `device_type` uses: "auto" is bf16 on CUDA and fp32 elsewhere (bf16
@@ -114,8 +120,20 @@ def check_parallel(p: ParallelConfig, world_size: int) -> None:
         raise ConfigError(f"parallel.tp={p.tp} does not divide the world size {world_size}")
     if p.tp > world_size:
         raise ConfigError(f"parallel.tp={p.tp} is larger than the world size {world_size}")
+    _positive_int("parallel.cp", p.cp)
+    if p.cp_impl not in ("ulysses", "ring"):
+        raise ConfigError(f"parallel.cp_impl must be ulysses or ring, got {p.cp_impl!r}")
+    if p.dp == -1 and world_size % (p.tp * p.cp):
+        raise ConfigError(f"parallel.tp={p.tp} * parallel.cp={p.cp} = {p.tp * p.cp} does not divide the world "
+                          f"size {world_size}")
     if not isinstance(p.batch_invariant, bool):
         raise ConfigError(f"parallel.batch_invariant must be true or false, got {p.batch_invariant!r}")
+    if not isinstance(p.sequence_parallel, bool):
+        raise ConfigError(f"parallel.sequence_parallel must be true or false, got {p.sequence_parallel!r}")
+    if p.sequence_parallel and p.cp > 1:
+        raise ConfigError(f"parallel.sequence_parallel=true with parallel.cp={p.cp}: sequence parallelism inside TP "
+                          "does not compose with context parallelism yet; use parallel.cp with "
+                          "parallel.sequence_parallel=false, or sequence parallelism at cp=1")
     if p.mixed_precision not in ("fp32", "bf16", "auto"):
         raise ConfigError(f"parallel.mixed_precision must be fp32, bf16 or auto, got {p.mixed_precision!r}")
     if not (math.isfinite(p.timeout_s) and p.timeout_s > 0):

@@ -2,8 +2,8 @@
 
 Shapes use B batch, S query length, L key length (cache + S), H hidden, hd head dim, nh/nkv the
 model's heads, and the local counts nh_l = nh/tp, nkv_l = max(nkv/tp, 1) on each TP rank.
-Activations between blocks are replicated over the TP group; attention heads and MLP columns are
-sharded; logits are sharded on the padded vocabulary. Parameter names and shards: core/shards.py.
+Activations between blocks are replicated over the TP group (`sequence_parallel`: split on S, core/
+seq_parallel.py); heads and MLP columns are sharded; logits on the padded vocabulary. Shards: core/shards.py.
 
 The same seed gives the same full model for every layout: each parameter's full tensor is drawn
 from a generator keyed by (seed, name), then each rank keeps its slice.
@@ -30,8 +30,10 @@ from core.causal_layout import (  # the mask helpers live there; imported from h
     single_piece_rows,
 )
 from core.config import ModelConfig
-from core.shards import full_param_shapes, kv_heads_per_rank, tp_slice
-from parallel.comm import copy_to_tp, group_rank, group_size
+from core.seq_parallel import pad_to_multiple, sp_active
+from core.shards import full_param_shapes, kv_heads_per_rank, local_shard
+from parallel.comm import gather_from_tp, group_rank, group_size
+from parallel.context import ContextAttention
 from parallel.dims import derive_seed
 from parallel.invariant import (
     CachePositions,
@@ -41,27 +43,35 @@ from parallel.invariant import (
     invariant_layout,
     silu,
 )
-from parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, vocab_parallel_logits
+from parallel.layers import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    column_parallel,
+    vocab_parallel_logits,
+)
+from parallel.seq_comm import reduce_grad_over_tp
 
 # ---------------------------------------------------------------------------------------------
 # building blocks
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float, device=None, dtype=None):
+    def __init__(self, dim: int, eps: float, device=None, dtype=None, tp_group=None):
         super().__init__()
-        self.eps = eps
+        self.eps, self.tp_group = eps, tp_group
         self.weight = nn.Parameter(torch.ones(dim, device=device, dtype=dtype))
         self.lora = None  # a parallel.lora.NormDelta (lora.train_norms): the weight is w + d while it is on
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, seq_parallel: bool = False) -> torch.Tensor:
         # statistics in fp32 or wider (fp64 stays fp64: a float64 check of gradients summed over rows that
         # share activations, rl/update/shared_layout.py, would otherwise see fp32 rounding of each backward)
         xf = x.to(torch.promote_types(x.dtype, torch.float32))
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        if self.lora is not None and self.lora.enabled:
+        if self.lora is not None and self.lora.enabled:  # lora.train_norms (refused with SP: rl/config.py)
             return (self.lora(self.weight) * xf.to(x.dtype)).to(torch.promote_types(self.weight.dtype, x.dtype))
-        return self.weight * xf.to(x.dtype)
+        w = reduce_grad_over_tp(self.weight, self.tp_group) if seq_parallel else self.weight  # SP: grad summed
+        return w * xf.to(x.dtype)
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
@@ -139,12 +149,13 @@ class Attention(nn.Module):
         self.wv = ColumnParallelLinear(H, self.nkv_l * self.hd, tp_group, bias=b, replica_group=kv_replica_group, **kw)
         self.wo = RowParallelLinear(self.nh_l * self.hd, H, tp_group, device=device, dtype=dtype)
 
-    def forward(self, x, cos, sin, mask, cache: KVCache | None, layer: int):
-        B, S, _ = x.shape
-        x = copy_to_tp(x, self.tp_group)  # backward: one all-reduce of dL/dx for q, k and v together
-        q = self.wq(x).view(B, S, self.nh_l, self.hd).transpose(1, 2)  # (B, nh_l, S, hd)
-        k = self.wk(x).view(B, S, self.nkv_l, self.hd).transpose(1, 2)  # (B, nkv_l, S, hd)
-        v = self.wv(x).view(B, S, self.nkv_l, self.hd).transpose(1, 2)
+    def forward(self, x, cos, sin, mask, cache: KVCache | None, layer: int, sp: bool = False):
+        # f once for q, k, v: one all-reduce of dL/dx (SP: gather S, reduce-scatter dL/dx; parallel/layers.py)
+        q, k, v = column_parallel(x, (self.wq, self.wk, self.wv), self.tp_group, sp)
+        B, S = q.shape[:2]
+        q = q.view(B, S, self.nh_l, self.hd).transpose(1, 2)  # (B, nh_l, S, hd)
+        k = k.view(B, S, self.nkv_l, self.hd).transpose(1, 2)  # (B, nkv_l, S, hd)
+        v = v.view(B, S, self.nkv_l, self.hd).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is not None and isinstance(mask, CachePositions):  # each key at its position
             k, v = mask.write(cache.k[layer], cache.v[layer], k, v, cache.length + S)
@@ -155,13 +166,15 @@ class Attention(nn.Module):
             k = cache.k[layer][:, :, :start + S]  # (B, nkv_l, L, hd)
             v = cache.v[layer][:, :, :start + S]
         gqa = self.nh_l != self.nkv_l
-        if isinstance(mask, (CanonicalLayout, CachePositions)):
+        if isinstance(mask, ContextAttention):  # context parallel: this rank's tokens against the whole sequence
+            y = mask.attend(q, k, v)
+        elif isinstance(mask, (CanonicalLayout, CachePositions)):
             y = invariant_attend(mask, q, k, v)
         elif mask is None:
             y = F.scaled_dot_product_attention(q, k, v, is_causal=S > 1, enable_gqa=gqa)
         else:
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
-        return self.wo(y.transpose(1, 2).reshape(B, S, self.nh_l * self.hd))  # (B, S, H)
+        return self.wo(y.transpose(1, 2).reshape(B, S, self.nh_l * self.hd), sp)  # (B, S or S/tp, H)
 
 
 class MLP(nn.Module):
@@ -174,22 +187,22 @@ class MLP(nn.Module):
         self.w_up = ColumnParallelLinear(H, cfg.intermediate_size // tp, tp_group, **kw)
         self.w_down = RowParallelLinear(cfg.intermediate_size // tp, H, tp_group, device=device, dtype=dtype)
 
-    def forward(self, x):
-        x = copy_to_tp(x, self.tp_group)  # backward: one all-reduce of dL/dx for gate and up together
-        return self.w_down(silu(self.w_gate(x)) * self.w_up(x))
+    def forward(self, x, sp: bool = False):
+        gate_up = column_parallel(x, (self.w_gate, self.w_up), self.tp_group, sp)  # f once, as Attention's
+        return self.w_down(silu(gate_up.pop(0)) * gate_up.pop(0), sp)  # no name keeps gate alive past silu
 
 
 class Block(nn.Module):
     def __init__(self, cfg: ModelConfig, tp_group, kv_replica_group, device=None, dtype=None):
         super().__init__()
-        self.attn_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, device, dtype)
+        self.attn_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, device, dtype, tp_group)
         self.attn = Attention(cfg, tp_group, kv_replica_group, device, dtype)
-        self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, device, dtype)
+        self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, device, dtype, tp_group)
         self.mlp = MLP(cfg, tp_group, device, dtype)
 
-    def forward(self, x, cos, sin, mask=None, cache=None, layer=0):
-        x = x + self.attn(self.attn_norm(x), cos, sin, mask, cache, layer)
-        return x + self.mlp(self.mlp_norm(x))
+    def forward(self, x, cos, sin, mask=None, cache=None, layer=0, sp=False):
+        x = x + self.attn(self.attn_norm(x, sp), cos, sin, mask, cache, layer, sp)
+        return x + self.mlp(self.mlp_norm(x, sp), sp)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -214,7 +227,7 @@ class Transformer(nn.Module):
         self.embed = VocabParallelEmbedding(self.padded_vocab, cfg.hidden_size, tp_group, device, dtype)
         self.layers = nn.ModuleList(Block(cfg, tp_group, kv_replica_group, device, dtype)
                                     for _ in range(cfg.n_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, device, dtype)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, device, dtype, tp_group)
         self.with_lm_head = with_lm_head
         if with_lm_head and not cfg.tie_embeddings:
             self.lm_head = nn.Module()
@@ -226,6 +239,7 @@ class Transformer(nn.Module):
         self._compiled_layers: list | None = None  # torch.compile'd blocks (a plain list: not submodules)
         # parallel.batch_invariant: each token's bits independent of the batch (parallel/invariant.py)
         self.batch_invariant = False
+        self.sequence_parallel = False  # parallel.sequence_parallel (core/seq_parallel.py)
 
     # -----------------------------------------------------------------------------------------
     # precision and compilation
@@ -272,7 +286,7 @@ class Transformer(nn.Module):
         return self.embed.weight if self.cfg.tie_embeddings else self.lm_head.weight
 
     def forward(self, input_ids: torch.Tensor, *, position_ids=None, attention_mask=None,
-                kv_cache: KVCache | None = None, head=None, document_ids=None, prefix_ids=None):
+                kv_cache: KVCache | None = None, head=None, document_ids=None, prefix_ids=None, context=None):
         """input_ids [B, S] -> logits_local [B, S, Vp/tp] (sharded on the vocabulary).
 
         attention_mask [B, L] marks real tokens (L = cache length + S; needed with padding).
@@ -282,13 +296,23 @@ class Transformer(nn.Module):
         head. A vocab-parallel head must pass `hidden` through `parallel.comm.copy_to_tp` first
         (so dL/dhidden is summed over the vocabulary shards); a replicated head must not.
         Running it inside forward keeps FSDP2's gather of the head weight around the call.
+        With `sequence_parallel` the head still gets all S positions (gathered, backward a slice).
 
         document_ids [B, S] (packed sequences; no kv_cache, no attention_mask): several documents per
         row, each a contiguous run of one id; attention is block-diagonal causal (no token sees
         another document) and positions restart at 0 per document unless `position_ids` are given.
         prefix_ids [B, S] (shared prompts, with document_ids and position_ids): a token also sees the
         earlier tokens of document prefix_ids (its group's prompt; `document_mask_4d`).
+        context (`parallel.context.ContextParallel`): every [B, S/cp] input is this rank's tokens (position_ids
+        required; padding as documents, no kv_cache); attention sees the whole sequence (parallel/context.py).
         """
+        if context is not None:
+            if kv_cache is not None or attention_mask is not None or position_ids is None or self.batch_invariant:
+                raise ValueError("Transformer.forward under context parallelism takes position_ids, no kv_cache, "
+                                 "no attention_mask (padding as document_ids), no batch_invariant")
+            return self._forward_tokens(input_ids, position_ids, context.attention(input_ids.shape[1], document_ids,
+                                                                                   prefix_ids), None, None, head,
+                                        False, input_ids.shape[1])
         with batch_invariant(self.batch_invariant):
             return self._forward(input_ids, position_ids, attention_mask, kv_cache, head, document_ids, prefix_ids)
 
@@ -303,6 +327,10 @@ class Transformer(nn.Module):
                 position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)[:, past:past + S]
             else:
                 position_ids = torch.arange(past, past + S, device=input_ids.device).expand(B, S)
+        sp, S_in = sp_active(self, kv_cache), S
+        if sp:  # S padded at the end to a multiple of tp (core/seq_parallel.py)
+            S, input_ids, position_ids, attention_mask, document_ids, prefix_ids = pad_to_multiple(
+                self.tp, input_ids, position_ids, attention_mask, document_ids, prefix_ids)
         mask, shift = None, None
         # the causal-layout checks read values (a host sync); meta has none; the invariant layouts need none
         real = input_ids.device.type != "meta" and not self.batch_invariant
@@ -322,18 +350,24 @@ class Transformer(nn.Module):
             shift = None  # no leading padding: the mask is causal as the rows stand
         if shift is not None:  # each row's real tokens from position 0: causal attention is the mask
             input_ids, position_ids = roll_rows(input_ids, shift), roll_rows(position_ids, shift)
+        return self._forward_tokens(input_ids, position_ids, mask, shift, kv_cache, head, sp, S_in)
+
+    def _forward_tokens(self, input_ids, position_ids, mask, shift, kv_cache, head, sp: bool, S_in: int):
+        past, S = (kv_cache.length if kv_cache is not None else 0), input_ids.shape[1]
         with self._autocast(input_ids.device):
-            x = self.embed(input_ids)  # (B, S, H), replicated over tp
+            x = self.embed(input_ids, sp)  # (B, S, H), replicated over tp; sequence-parallel (B, S/tp, H)
             cos, sin = rope_cos_sin(self.inv_freq, position_ids, self.compute_dtype or x.dtype)
             compiled = self._compiled_layers and kv_cache is None and not self.batch_invariant
             layers = self._compiled_layers if compiled else self.layers
             for i, block in enumerate(layers):
-                x = block(x, cos, sin, mask, kv_cache, i)
+                x = block(x, cos, sin, mask, kv_cache, i, sp)
+            x = self.norm(x, sp)  # per token: commutes with the roll below
+            x = gather_from_tp(x, self.tp_group, dim=1) if sp else x  # SP: all S to the head; bwd a slice
             if shift is not None:
                 x = roll_rows(x, shift, inverse=True)
+            x = x[:, :S_in]
             if kv_cache is not None:
                 kv_cache.length = past + S
-            x = self.norm(x)
             w = self.head_weight if self.with_lm_head else None
             if self.compute_dtype is not None:  # the head's matmul operands in the compute dtype
                 x = x.to(self.compute_dtype)
@@ -367,19 +401,6 @@ class Transformer(nn.Module):
             full = torch.randn(shape, generator=g, dtype=torch.float32, device="cpu") * std
             p.copy_(local_shard(full, name, cfg, self.tp_rank, self.tp).to(p.dtype))
         self.inv_freq = rope_inv_freq(cfg).to(self.embed.weight.device)
-
-
-def local_shard(full: torch.Tensor, name: str, cfg: ModelConfig, tp_rank: int, tp: int) -> torch.Tensor:
-    """This rank's local tensor from the full tensor: the slice of core/shards, zero-padded."""
-    sl = tp_slice(name, cfg, tp_rank, tp)
-    if sl.dim is None:
-        return full.clone()
-    part = full.narrow(sl.dim, sl.start, sl.stop - sl.start)
-    if sl.pad:
-        pad_shape = list(part.shape)
-        pad_shape[sl.dim] = sl.pad
-        part = torch.cat([part, part.new_zeros(pad_shape)], dim=sl.dim)
-    return part.contiguous()
 
 
 def build_model(cfg: ModelConfig, tp_group=None, kv_replica_group=None, seed: int | None = 0,

@@ -52,6 +52,9 @@ def check_sft_config(cfg: SFTConfig, world_size: int) -> ParallelDims:
     m.validate()
     check_optim_config(cfg.optim)
     check_train(t)
+    if p.cp != 1:
+        raise LayoutError(f"parallel.cp={p.cp}: context parallelism runs the RL passes (python -m rl.train); "
+                          "supervised fine-tuning runs with parallel.cp=1")
     dims = ParallelDims(p.resolve_dp(world_size), p.tp).validate(world_size, m.n_heads, m.n_kv_heads)
     if m.intermediate_size % p.tp:
         raise LayoutError(f"parallel.tp={p.tp} must divide model.intermediate_size={m.intermediate_size}")
@@ -122,6 +125,7 @@ def build(cfg: SFTConfig) -> SFTJob:
     opts = FSDPOptions(fsdp=p.fsdp, mixed_precision=mp,
                        activation_checkpointing=p.activation_checkpointing, cpu_offload=p.cpu_offload)
     model = parallelize(model, state.dp_mesh, opts)
+    model.sequence_parallel = cfg.parallel.sequence_parallel  # core/seq_parallel.py
     model.train()
     model.set_mixed_precision(mp)  # bf16: autocast over the fp32 master weights
     if cfg.train.compile:

@@ -22,6 +22,8 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+import torch
+
 from core.config import ModelConfig
 
 
@@ -159,3 +161,16 @@ def lora_local(full, name: str, cfg: ModelConfig, tp_rank: int, tp: int):
     if sl.dim is None:
         return full.clone()
     return full.narrow(sl.dim, sl.start, sl.stop - sl.start).contiguous()
+
+
+def local_shard(full: torch.Tensor, name: str, cfg: ModelConfig, tp_rank: int, tp: int) -> torch.Tensor:
+    """This rank's local tensor from the full tensor: the slice of core/shards, zero-padded."""
+    sl = tp_slice(name, cfg, tp_rank, tp)
+    if sl.dim is None:
+        return full.clone()
+    part = full.narrow(sl.dim, sl.start, sl.stop - sl.start)
+    if sl.pad:
+        pad_shape = list(part.shape)
+        pad_shape[sl.dim] = sl.pad
+        part = torch.cat([part, part.new_zeros(pad_shape)], dim=sl.dim)
+    return part.contiguous()

@@ -9,7 +9,9 @@ The four autograd functions come in conjugate pairs (Megatron's "f" and "g"):
 | `split_to_tp`     | keep this rank's slice of dim  | all-gather along dim            |
 | `gather_from_tp`  | all-gather along dim           | keep this rank's slice of dim   |
 
-Every collective in kltron goes through `all_reduce`, `all_gather_along` or `broadcast` below, so
+The sequence-parallel pair (all-gather / reduce-scatter along the sequence) is in
+`parallel.seq_comm`. Every collective in kltron goes through `all_reduce`, `all_gather_along`,
+`reduce_scatter_along` or `broadcast` below, so
 `CommCounter` sees each call's kind and payload bytes. With `tp_group=None` or a group of size 1
 (single process, or tp=1) they are identities and no collective is issued, so the same code runs
 without `torch.distributed` initialised.
@@ -135,6 +137,21 @@ def all_gather_along(t: torch.Tensor, dim: int, group=None) -> torch.Tensor:
     parts = [torch.empty_like(t) for _ in range(n)]
     dist.all_gather(parts, t.contiguous(), group=group)
     return torch.cat(parts, dim=dim)
+
+
+def reduce_scatter_along(t: torch.Tensor, dim: int, group=None) -> torch.Tensor:
+    """Sum every rank's `t` and keep this rank's contiguous slice along `dim` (size divisible by
+    the group size): the reduce half of an all-reduce, 1/n of its result per rank."""
+    n = group_size(group)
+    if n == 1:
+        return t
+    if t.shape[dim] % n:
+        raise ValueError(f"dimension {dim} of size {t.shape[dim]} does not split evenly over {n} ranks")
+    _record("reduce_scatter:sum", t, n)
+    parts = [c.contiguous() for c in t.chunk(n, dim)]
+    out = torch.empty_like(parts[0])
+    dist.reduce_scatter(out, parts, group=group)
+    return out
 
 
 def broadcast(t: torch.Tensor, src_group_rank: int = 0, group=None) -> torch.Tensor:

@@ -1,8 +1,12 @@
-"""Parallel layout: `ParallelDims(dp, tp)` validated by arithmetic, the ("dp", "tp") mesh and its
-sub-groups, this rank's device, seeding (`seed_everything`, `derive_seed`).
+"""Parallel layout: `ParallelDims(dp, tp, cp)` validated by arithmetic, the ("dp", "tp") mesh --
+("dp", "cp", "tp") with context parallelism -- and its sub-groups, this rank's device, seeding
+(`seed_everything`, `derive_seed`).
 
 Rank layout: tp is the fastest-varying dimension, so the ranks of one TP group are adjacent (on
-one node, over NVLink) and DP spans nodes. Global rank = dp_rank * tp + tp_rank.
+one node, over NVLink), then cp (the ranks that split one sequence: parallel/context.py), and DP
+spans nodes. Global rank = (dp_rank * cp + cp_rank) * tp + tp_rank. FSDP2 shards parameters over
+dp x cp (the flattened "dp_cp" mesh, as torchtitan does): the cp ranks of a dp replica hold the
+same parameters and see different tokens, so their gradients are summed like dp's.
 
 Validation is pure arithmetic on numbers every rank already has, so a bad layout raises the same
 error on every rank before any collective is issued and nothing hangs.
@@ -29,17 +33,22 @@ class LayoutError(ValueError):
 class ParallelDims:
     dp: int = 1
     tp: int = 1
+    cp: int = 1  # context parallel: ranks that split each sequence (parallel/context.py)
 
     def validate(self, world_size: int | None = None, n_heads: int | None = None,
                  n_kv_heads: int | None = None) -> ParallelDims:
         """Raise `LayoutError` naming the numbers when the layout cannot work; return self."""
-        for name, v in (("dp", self.dp), ("tp", self.tp)):
+        for name, v in (("dp", self.dp), ("tp", self.tp), ("cp", self.cp)):
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise LayoutError(f"parallel.{name} must be a positive integer, got {v!r}")
-        if world_size is not None and self.dp * self.tp != world_size:
+        if world_size is not None and self.dp * self.cp * self.tp != world_size:
+            if self.cp == 1:
+                raise LayoutError(
+                    f"dp * tp must equal the world size: dp={self.dp} * tp={self.tp} = "
+                    f"{self.dp * self.tp}, but the world size is {world_size}")
             raise LayoutError(
-                f"dp * tp must equal the world size: dp={self.dp} * tp={self.tp} = "
-                f"{self.dp * self.tp}, but the world size is {world_size}")
+                f"dp * cp * tp must equal the world size: dp={self.dp} * cp={self.cp} * tp={self.tp} = "
+                f"{self.dp * self.cp * self.tp}, but the world size is {world_size}")
         if n_heads is not None and n_heads % self.tp:
             raise LayoutError(
                 f"tp={self.tp} must divide the number of attention heads n_heads={n_heads}")
@@ -52,7 +61,7 @@ class ParallelDims:
 
     @property
     def world_size(self) -> int:
-        return self.dp * self.tp
+        return self.dp * self.cp * self.tp
 
 
 def backend_for(device: torch.device | str) -> str:
@@ -83,12 +92,16 @@ class ParallelState:
 
     dims: ParallelDims
     device: torch.device
-    mesh: object | None  # torch DeviceMesh ("dp", "tp") or None in a single process
+    mesh: object | None  # torch DeviceMesh ("dp", "tp"), ("dp", "cp", "tp") when cp > 1, or None in a single process
     tp_group: object | None
     dp_group: object | None
     tp_rank: int = 0
     dp_rank: int = 0
     rank: int = 0
+    cp_group: object | None = None  # the ranks that split one sequence (None when cp == 1)
+    cp_rank: int = 0
+    dp_cp_group: object | None = None  # dp x cp: where gradients are summed and parameters sharded (cp > 1)
+    _fsdp_mesh: object | None = None
 
     @property
     def world_size(self) -> int:
@@ -100,7 +113,19 @@ class ParallelState:
 
     @property
     def dp_mesh(self):
-        return None if self.mesh is None else self.mesh["dp"]
+        """The 1-D mesh FSDP2 shards over: "dp", or the flattened "dp_cp" when cp > 1."""
+        if self.mesh is None:
+            return None
+        if self.dims.cp == 1:
+            return self.mesh["dp"]
+        if self._fsdp_mesh is None:
+            self._fsdp_mesh = self.mesh["dp", "cp"]._flatten("dp_cp")
+        return self._fsdp_mesh
+
+    @property
+    def grad_group(self):
+        """The group gradients are summed over and grad norms reduced over: dp, or dp x cp."""
+        return self.dp_group if self.dims.cp == 1 else self.dp_cp_group
 
 
 def init_parallel(dims: ParallelDims, device: torch.device | str | None = None, n_heads: int | None = None,
@@ -123,10 +148,17 @@ def init_parallel(dims: ParallelDims, device: torch.device | str | None = None, 
             torch.cuda.set_device(device)
         kw = {} if timeout_s is None else {"timeout": timedelta(seconds=timeout_s)}
         dist.init_process_group(backend=backend_for(device), **kw)
-    mesh = init_device_mesh(device.type, (dims.dp, dims.tp), mesh_dim_names=("dp", "tp"))
     rank = dist.get_rank()
-    return ParallelState(dims, device, mesh, mesh.get_group("tp"), mesh.get_group("dp"),
-                         tp_rank=rank % dims.tp, dp_rank=rank // dims.tp, rank=rank)
+    if dims.cp == 1:
+        mesh = init_device_mesh(device.type, (dims.dp, dims.tp), mesh_dim_names=("dp", "tp"))
+        return ParallelState(dims, device, mesh, mesh.get_group("tp"), mesh.get_group("dp"),
+                             tp_rank=rank % dims.tp, dp_rank=rank // dims.tp, rank=rank)
+    mesh = init_device_mesh(device.type, (dims.dp, dims.cp, dims.tp), mesh_dim_names=("dp", "cp", "tp"))
+    state = ParallelState(dims, device, mesh, mesh.get_group("tp"), mesh.get_group("dp"),
+                          tp_rank=rank % dims.tp, dp_rank=rank // (dims.cp * dims.tp), rank=rank,
+                          cp_group=mesh.get_group("cp"), cp_rank=(rank // dims.tp) % dims.cp)
+    state.dp_cp_group = state.dp_mesh.get_group()
+    return state
 
 
 SEED_MIX = 1_000_003  # a prime above any step, epoch or row count a key takes, so small keys do not collide
@@ -166,9 +198,9 @@ def tp_subgroup(state: ParallelState, size: int):
     if tp % size:
         raise LayoutError(f"a TP subgroup of {size} ranks does not divide tp={tp}")
     mine = None
-    for dp_rank in range(state.dims.dp):
+    for replica in range(state.dims.dp * state.dims.cp):  # each (dp, cp) coordinate has its own TP group
         for first in range(0, tp, size):
-            ranks = [dp_rank * tp + first + i for i in range(size)]
+            ranks = [replica * tp + first + i for i in range(size)]
             g = dist.new_group(ranks)
             if state.rank in ranks:
                 mine = g

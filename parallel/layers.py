@@ -13,6 +13,11 @@ checkpoint), so these classes carry no init policy.
 
 * by the caller, once for all the column-parallel layers reading the same x (q, k, v; gate, up),
   or by the layer itself when built with `copy_input=True`.
+
+Sequence parallelism (`seq_parallel=True`; parallel/seq_comm.py): `column_parallel` gathers the
+sequence before the column-parallel layers (and keeps only this rank's slice for their backward),
+and the row-parallel layer and the embedding end in a reduce-scatter along the sequence (dim 1 of
+[B, S, H]) instead of g's all-reduce.
 """
 
 from __future__ import annotations
@@ -22,8 +27,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from parallel import invariant
-from parallel.comm import copy_to_tp, group_rank, group_size, reduce_from_tp
+from parallel.comm import all_gather_along, copy_to_tp, group_rank, group_size, reduce_from_tp, reduce_scatter_along
 from parallel.fused import head_logits
+from parallel.seq_comm import gather_seq, scatter_seq
 
 
 def tie_replicas(w: torch.Tensor, replica_group) -> torch.Tensor:
@@ -75,11 +81,13 @@ class RowParallelLinear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, local_in_features, device=device, dtype=dtype))
         self.lora = None  # a parallel.lora.LoRAAdapter, attached by apply_lora
 
-    def forward(self, x_local: torch.Tensor) -> torch.Tensor:
+    def forward(self, x_local: torch.Tensor, seq_parallel: bool = False) -> torch.Tensor:
         y = linear(x_local, self.weight)
         if self.lora is not None and self.lora.enabled:  # parallel/lora.py: partial, summed by the same g
             y = y + self.lora(x_local)
         # each rank multiplied its slice of the input features: sum the partial outputs
+        if seq_parallel:  # [B, S, H] partial -> this rank's [B, S/tp, H] of the sum
+            return scatter_seq(y, self.tp_group)
         return reduce_from_tp(y, self.tp_group)
 
 
@@ -96,14 +104,17 @@ class VocabParallelEmbedding(nn.Module):
         self.vocab_start = group_rank(tp_group) * self.local_vocab
         self.weight = nn.Parameter(torch.empty(self.local_vocab, hidden, device=device, dtype=dtype))
 
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, ids: torch.Tensor, seq_parallel: bool = False) -> torch.Tensor:
         if group_size(self.tp_group) == 1:
             return F.embedding(ids, self.weight)
         local = ids - self.vocab_start
         outside = (local < 0) | (local >= self.local_vocab)
         out = F.embedding(local.masked_fill(outside, 0), self.weight)
         out = out.masked_fill(outside.unsqueeze(-1), 0.0)
-        # exactly one rank owns each id; the sum delivers every row to every rank
+        # exactly one rank owns each id; the sum delivers every row to every rank (under sequence
+        # parallelism: each rank's tokens to it, [B, S/tp, H])
+        if seq_parallel:
+            return scatter_seq(out, self.tp_group)
         return reduce_from_tp(out, self.tp_group)
 
 
@@ -119,3 +130,56 @@ def vocab_parallel_logits(hidden: torch.Tensor, weight_local: torch.Tensor, tp_g
 def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear, or its batch-invariant form while parallel.invariant's mode is on."""
     return invariant.inv_linear(x, w, b) if invariant.enabled() else F.linear(x, w, b)
+
+
+def column_parallel(x: torch.Tensor, layers, tp_group, seq_parallel: bool = False) -> list[torch.Tensor]:
+    """The column-parallel `layers` (q, k, v; gate, up) reading one input, "f" applied once: x replicated
+    [B, S, H] through `copy_to_tp`; with `seq_parallel`, x this rank's [B, S/tp, H], gathered along the
+    sequence. The gathered path keeps x's slice, not the gathered x, for the weight gradients and gathers
+    it again in backward (Megatron's way; `_GatherLinears`), unless an adapter or the batch-invariant
+    mode needs the layers' own forward (then autograd keeps the gathered x, as `gather_seq` does)."""
+    if not seq_parallel or group_size(tp_group) == 1:
+        x = copy_to_tp(x, tp_group)  # backward: every shard contributed a partial dL/dx; one all-reduce for all
+        return [layer(x) for layer in layers]
+    if invariant.enabled() or any(layer.lora is not None and layer.lora.enabled for layer in layers):
+        x = gather_seq(x, tp_group)
+        return [layer(x) for layer in layers]
+    ws = [tie_replicas(layer.weight, layer.replica_group) for layer in layers]
+    bs = [None if layer.bias is None else tie_replicas(layer.bias, layer.replica_group) for layer in layers]
+    return list(_GatherLinears.apply(x, tp_group, len(layers), *ws, *bs))
+
+
+class _GatherLinears(torch.autograd.Function):
+    """All-gather along the sequence, then y_i = x W_i^T (+ b_i) for every layer, as one node that saves
+    this rank's [B, S/tp, H] slice of x instead of the gathered [B, S, H]: backward gathers it again for
+    dW_i = dy_i^T x, and reduce-scatters dL/dx = sum_i dy_i W_i along the sequence. Under autocast the
+    slice is cast to the autocast dtype before the gather (what F.linear would cast) and the products run
+    in it; dL/dx is summed in x's own dtype, as autograd sums the separate casts' gradients."""
+
+    @staticmethod
+    def forward(ctx, x_local, group, n, *wb):
+        dev = x_local.device.type
+        dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x_local.dtype
+        ctx.group, ctx.in_dtype, ctx.dtype = group, x_local.dtype, dtype
+        ws, bs = wb[:n], wb[n:]
+        ctx.bias_dtypes = [None if b is None else b.dtype for b in bs]
+        x_local = x_local.to(dtype).contiguous()
+        x = all_gather_along(x_local, 1, group)
+        ctx.save_for_backward(x_local, *ws)
+        return tuple(F.linear(x, w.to(dtype), None if b is None else b.to(dtype)) for w, b in zip(ws, bs))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        x_local, *ws = ctx.saved_tensors
+        x = all_gather_along(x_local, 1, ctx.group)  # the slice kept in forward, gathered again
+        x2 = x.reshape(-1, x.shape[-1])
+        dx, dws, dbs = None, [], []
+        for w, g, b_dtype in zip(ws, grads, ctx.bias_dtypes):
+            g2 = g.reshape(-1, g.shape[-1]).to(ctx.dtype)
+            d = (g2 @ w.to(ctx.dtype)).to(ctx.in_dtype)
+            dx = d if dx is None else dx + d
+            dws.append((g2.t() @ x2).to(w.dtype))
+            dbs.append(None if b_dtype is None else g2.sum(0).to(b_dtype))
+        # every rank's column shards gave a partial dL/dx for every token: sum, keep this rank's tokens
+        dx_local = reduce_scatter_along(dx.view(*x.shape[:-1], -1), 1, ctx.group)
+        return (dx_local, None, None, *dws, *dbs)

@@ -19,6 +19,7 @@ import core.ckpt as ckpt
 from core.config import ConfigError, ModelConfig, check_train, from_dict, to_dict
 from core.model_shapes import PRESETS, preset, shape_from_hf_config
 from core.runtime.budget import param_counts, projected_peak_bytes
+from parallel.context import check_context
 from parallel.dims import ParallelDims, launch_world_size, resolve_device
 from rl.config import RLConfig
 from rl.distill.config import enabled as distill_enabled
@@ -29,7 +30,8 @@ def check_rl_config(cfg: RLConfig, world: int) -> ParallelDims:
     """Arithmetic checks, identical on every rank, before any collective or file."""
     check_train(cfg.train)
     dp = cfg.parallel.resolve_dp(world)
-    dims = ParallelDims(dp=dp, tp=cfg.parallel.tp).validate(world)
+    dims = ParallelDims(dp=dp, tp=cfg.parallel.tp, cp=cfg.parallel.cp).validate(world)
+    check_context_config(cfg)
     if cfg.rollout.prompts_per_step % dims.dp:
         raise ConfigError(f"rollout.prompts_per_step={cfg.rollout.prompts_per_step} must be a multiple of "
                           f"dp={dims.dp}")
@@ -38,6 +40,31 @@ def check_rl_config(cfg: RLConfig, world: int) -> ParallelDims:
         raise ConfigError(f"algo.mini_batches={cfg.algo.mini_batches} must divide the {rows} rows per DP rank "
                           f"(prompts_per_step / dp * group_size)")
     return dims
+
+
+def check_context_config(cfg: RLConfig) -> None:
+    """What context parallelism (parallel.cp > 1) composes with; the rest refused here, naming what to use."""
+    p, a = cfg.parallel, cfg.algo
+    if p.cp == 1:
+        return
+    check_context(p.cp, p.cp_impl)  # the head counts: against the model itself, in rl/train.py's build
+    refuse = [
+        (a.name != "grpo", f"algo.name={a.name!r}: context parallelism runs the critic-free GRPO update (the PPO "
+                           "critic and distillation passes have no CP path); use algo.name=grpo or parallel.cp=1"),
+        (not a.fused_loss, "algo.fused_loss=false: under parallel.cp > 1 the loss is formed inside the fused head "
+                           "on each rank's tokens; use algo.fused_loss=true"),
+        (p.batch_invariant, "parallel.batch_invariant=true: the batch-invariant layouts are single-rank "
+                            "sequences; use parallel.cp=1 with it"),
+        (distill_enabled(cfg.distill, a.name), "distillation (a teacher pass) has no CP path; use parallel.cp=1"),
+        (cfg.lora.enabled, "lora.rank > 0 is not validated under context parallelism; use parallel.cp=1 with LoRA"),
+        (cfg.kl_ctl.mode == "grad_ratio", "kl_ctl.mode=grad_ratio measures whole-sequence gradient norms on "
+                                          "one rank; use another kl_ctl.mode"),
+        (cfg.loss.policy in ("gspo", "gspo_token"), f"loss.policy={cfg.loss.policy!r}: a sequence-level ratio "
+                                                     "reads every token of a response on one rank; use ppo or cispo"),
+    ]
+    for bad, why in refuse:
+        if bad:
+            raise ConfigError(f"parallel.cp={p.cp}: {why}")
 
 
 def memory_plan(cfg: RLConfig, model_cfg: ModelConfig, world_size: int, device: torch.device) -> dict:
@@ -128,11 +155,18 @@ def dry_run(cfg: RLConfig, world_size: int | None = None, hf_config: str | None 
     if teacher is not None:
         note = " (standing in for the reference)" if teacher_is_reference(cfg) else ""
         print(f"# teacher: {describe_model(teacher)}{note}")
-    print(f"# sequence: {plan['batch'].seq_len} tokens, precision {plan['layout'].compute_dtype}")
+    lay = plan["layout"]
+    print(f"# sequence: {plan['batch'].seq_len} tokens, precision {lay.compute_dtype}, sequence parallelism "
+          f"{'on' if lay.sp and lay.tp > 1 else 'off'}, context parallelism cp={lay.cp}")
     print(f"# projected peak per rank ({world} ranks: tp={dims.tp} x dp={dims.dp}, {device.type}, reference "
           f"{plan['placement']}): {plan['peak'] / 2**30:.3f} GiB")
     for phase in ("rollout_peak", "experience_peak", "update_peak"):
         print(f"#   {phase}: {plan[phase] / 2**30:.3f} GiB")
     for k, v in plan["parts"].items():
         print(f"#   {k}: {v / 2**30:.3f} GiB")
+    if lay.tp > 1 and not lay.sp and not cfg.lora.train_norms:  # what parallel.sequence_parallel=true would change
+        sp_cfg = replace(cfg, parallel=replace(cfg.parallel, sequence_parallel=True))
+        alt = memory_plan(sp_cfg, model_cfg, world, device)
+        print(f"# with parallel.sequence_parallel=true: peak {alt['peak'] / 2**30:.3f} GiB, sequence activations "
+              f"{alt['parts']['sequence activations'] / 2**30:.3f} GiB")
     return plan

@@ -41,6 +41,7 @@ from core.runtime.lifecycle import (
 from core.runtime.metrics import ProgressBar
 from core.runtime.run import Run, check_not_stopped, record_stop, saving, start_run
 from core.tokenizer import TOKENIZER_FILES, load_tokenizer
+from parallel.context import ContextParallel, check_context
 from parallel.dims import launch_world_size, resolve_device
 from parallel.fsdp import FSDPOptions, freeze, parallelize
 from parallel.lora import apply_lora, has_adapters
@@ -144,9 +145,14 @@ def assemble(cfg: RLConfig, state, model_cfg, tokenizer, policy, ref, critic=Non
             raise ValueError("no reference model: only pure distillation without a reference KL runs without one")
         ref = teacher
     policy.batch_invariant = ref.batch_invariant = p.batch_invariant  # rollout, reference, old, update alike
+    if p.cp > 1:  # the reference, old-log-prob and update passes split each sequence (rl/update/context_heads.py)
+        check_context(p.cp, p.cp_impl, p.tp, model_cfg.n_heads, model_cfg.n_kv_heads)
+        policy.context_parallel = ref.context_parallel = ContextParallel(state.cp_group, p.cp_impl)
     if teacher is not None:
         teacher.batch_invariant = p.batch_invariant  # the teacher's pass too
-    opt = build_optimizer(policy, cfg.optim, model_cfg, total, state.tp_group, state.dp_group)
+    for m in [m for m in (policy, ref, teacher, getattr(critic, "body", None)) if hasattr(m, "sequence_parallel")]:
+        m.sequence_parallel = p.sequence_parallel  # core/seq_parallel.py: full-sequence forwards only
+    opt = build_optimizer(policy, cfg.optim, model_cfg, total, state.tp_group, state.grad_group)
     critic_opt = None
     if critic is not None:
         critic = parallelize(critic, state.dp_mesh, opts)

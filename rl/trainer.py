@@ -91,7 +91,7 @@ class RLTrainer:
         self.updater = PolicyUpdate(cfg, policy=policy, optimizer=optimizer, critic=critic,
                                     critic_optimizer=critic_optimizer, controller=self.controller,
                                     ent_ctl=self.ent_ctl, heads=self.heads, layout_cost=self.layout_cost,
-                                    dp_group=self.dp_group, device=state.device)
+                                    dp_group=self.dp_group, device=state.device, grad_group=state.grad_group)
         self.recorder = StepRecorder(cfg, vocab=self.vocab, timer=self.timer, rollout_stats=self.rollout_stats,
                                      dp_group=self.dp_group, device=state.device)
 

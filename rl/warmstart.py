@@ -122,7 +122,9 @@ def ensure_start_checkpoint(cfg: RLConfig, tokenizer, device, stop_request=None)
         dist.all_gather_object([None] * world, None)  # a barrier: the corpus is complete before anyone looks
         _all_see(lambda: os.path.exists(data_file), f"{data_file}, written by rank 0 for the supervised warm start",
                  f"init.sft_dir={cfg.init.sft_dir}")
-    sft = SFTConfig(model=cfg.model, parallel=cfg.parallel,
+    # context parallelism is the RL passes' (SFT runs cp = 1): the warm start spreads over dp = world / tp
+    par = replace(cfg.parallel, cp=1, dp=-1) if cfg.parallel.cp > 1 else cfg.parallel
+    sft = SFTConfig(model=cfg.model, parallel=par,
                     optim=type(cfg.optim)(lr=cfg.init.sft_lr, min_lr=cfg.init.sft_lr * 0.1, warmup_steps=20),
                     data=DataConfig(text_file=data_file, tokenizer=cfg.tokenizer, seq_len=cfg.init.sft_seq_len,
                                     micro_batch_size=cfg.init.sft_micro_batch_size),

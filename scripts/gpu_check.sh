@@ -7,7 +7,9 @@
 # ~1B Llama in bf16 with and without torch.compile; the default GRPO job and a ~0.5B GRPO config with
 # step time and peak memory per phase; the fused exact-KL head vs gathering logits at T=32768, H=4096,
 # V=128256 bf16; the bf16 KL error audit; tools.kl_memory at an 8B head; the sampler; the shared layout's plans
-# against padding at long responses (bench.bench_layout_cost). Everything goes to $OUT/gpu_check.json (OUT defaults to
+# against padding at long responses (bench.bench_layout_cost); context parallelism at cp=2: exactness under NCCL
+# (gloo on the CPU with fewer than 2 GPUs) and the update at T=32768 per rank against cp=1 (tests/gpu/cp_check.py).
+# Everything goes to $OUT/gpu_check.json (OUT defaults to
 # /tmp/kltron_gpu_check), logs to $OUT/logs/, and a table is printed.
 # Exit status: the number of sections that did not pass (0 = all passed).
 set -uo pipefail

@@ -78,7 +78,7 @@ def test_pool_reports_failure_without_hanging(dist_pools):
     assert dist_pools.run(2, _collectives, 2) == [0, 1]  # the pool restarts after a failure
 
 
-def _model_collectives():
+def _model_collectives(sp: bool = False):
     import torch.distributed as dist
 
     from core.config import ModelConfig
@@ -86,6 +86,7 @@ def _model_collectives():
 
     cfg = ModelConfig(vocab_size=131, hidden_size=32, n_layers=3, n_heads=4, n_kv_heads=2, intermediate_size=64)
     model = build_model(cfg, tp_group=dist.group.WORLD, seed=0)
+    model.sequence_parallel = sp
     ids = torch.randint(0, 131, (2, 8))
     with comm.count_comm() as fwd:
         logits = model(ids)
@@ -103,3 +104,48 @@ def test_model_issues_megatron_collective_count(dist_pools):
     assert fwd == {"all_reduce:sum": (1 + 2 * L, (1 + 2 * L) * B * S * H * 4)}
     assert bwd == {"all_reduce:sum": (2 * L + 1, (2 * L + 1) * B * S * H * 4)}
     assert fmax == bmax == B * S * H
+
+
+def _seq_collectives():
+    """Sequence parallelism's pair against plain tensors: gather_seq is a concatenation whose backward sums every
+    rank's gradient and keeps this rank's slice; scatter_seq is that slice of the sum, its backward a concatenation."""
+    import torch.distributed as dist
+
+    from parallel.seq_comm import gather_seq, scatter_seq
+
+    g = dist.group.WORLD
+    n, r = dist.get_world_size(), dist.get_rank()
+    full = torch.arange(2 * 4 * n * 3, dtype=torch.float64).view(2, 4 * n, 3)  # [B, S, H], the same on every rank
+    mine = slice(4 * r, 4 * r + 4)
+    x = full[:, mine].clone().requires_grad_(True)
+    y = gather_seq(x, g)
+    assert torch.equal(y, full)
+    (y * (r + 1)).sum().backward()  # rank r's gradient (r + 1) everywhere: the sum is n (n + 1) / 2
+    assert torch.equal(x.grad, torch.full_like(x, n * (n + 1) / 2))
+    part = (full * (r + 1)).requires_grad_(True)  # rank r's partial: the sum is full * n (n + 1) / 2
+    with comm.count_comm() as c:
+        s = scatter_seq(part, g)
+        (s * full[:, mine]).sum().backward()
+    assert torch.equal(s.detach(), full[:, mine] * n * (n + 1) / 2)
+    want = torch.cat([full[:, 4 * q:4 * q + 4] for q in range(n)], 1)  # every rank's upstream gradient, gathered
+    assert torch.equal(part.grad, want)
+    return c.by_kind()
+
+
+def test_sequence_collectives(dist_pools):
+    kinds = dist_pools.run(2, _seq_collectives)[0]
+    assert kinds == {"reduce_scatter:sum": (1, 2 * 8 * 3 * 8), "all_gather": (1, 2 * 4 * 3 * 8)}
+
+
+def test_sequence_parallel_model_collective_count(dist_pools):
+    """With SP the forward's g's become reduce-scatters of the [B, S, H] partials and its f's all-gathers of
+    [B, S/tp, H] slices (plus one before the head); backward mirrors them, gathers each column group's input
+    slice again (Megatron's: the slice is what forward kept), and adds an all-reduce of each RMSNorm's weight
+    gradient ([H]: 2L + 1 of them) beside the head's f."""
+    fwd, bwd, _, _ = dist_pools.run(2, _model_collectives, True)[0]
+    L, B, S, H, tp = 3, 2, 8, 32, 2
+    act, shard = B * S * H * 4, B * S // tp * H * 4
+    assert fwd == {"reduce_scatter:sum": (1 + 2 * L, (1 + 2 * L) * act), "all_gather": (2 * L + 1, (2 * L + 1) * shard)}
+    # backward all-gathers: the row layers' and the embedding's dL/dy, and each column group's input slice again
+    assert bwd == {"reduce_scatter:sum": (2 * L, 2 * L * act), "all_gather": (4 * L + 1, (4 * L + 1) * shard),
+                   "all_reduce:sum": (1 + 2 * L + 1, act + (2 * L + 1) * H * 4)}

@@ -9,7 +9,7 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SECTIONS = ("layout", "hf_parity", "mfu_eager", "grpo_tiny", "grpo_0p5b", "kl_head", "bf16_kl", "kl_memory", "sampler",
-            "layout_cost", "mfu_compile")
+            "layout_cost", "context_parallel", "mfu_compile")
 
 
 @pytest.mark.slow
@@ -44,4 +44,7 @@ def test_gpu_check_cpu_version(tmp_path):
     lc = r["layout_cost"]["rows"]  # the shared layout's plans against padding, one row per shape
     assert [(x["P"], x["N"]) for x in lc] == [(16, 6), (32, 64)]
     assert all(x[k]["s"] > 0 and x[k]["model"] > 0 for x in lc for k in ("padded", "default", "cost"))
+    cp = r["context_parallel"]  # cp=2 exactness on gloo, and the update's per-rank peak against cp=1
+    assert cp["checks"] and all(c["ok"] for c in cp["checks"])
+    assert [x["cp"] for x in cp["steps"]] == [2, 2, 1] and all(x["peak_over_cp1"] < 0.6 for x in cp["steps"][:2])
     assert "| section" in p.stdout  # the table

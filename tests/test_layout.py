@@ -74,10 +74,11 @@ def reference_run(cfg: ModelConfig, device) -> dict:
     return out
 
 
-def layout_run(dp: int, tp: int, variant: str, ref: dict | None = None, device=None, fsdp: bool = True) -> list[float]:
+def layout_run(dp: int, tp: int, variant: str, ref: dict | None = None, device=None, fsdp: bool = True,
+               sp: bool = False) -> list[float]:
     """Run the layout on this rank and compare with `ref` (`reference_run`, computed here when
     None); raises on a mismatch. Returns the grad norm of every step. `fsdp=False`: plain data
-    parallel (gradients all-reduced, replicated over dp)."""
+    parallel (gradients all-reduced, replicated over dp). `sp`: sequence parallelism inside TP."""
     cfg = model_config(variant)
     state = init_parallel(ParallelDims(dp, tp), device, cfg.n_heads, cfg.n_kv_heads)
     device = state.device
@@ -87,6 +88,7 @@ def layout_run(dp: int, tp: int, variant: str, ref: dict | None = None, device=N
     kv_group = kv_replica_group(state, cfg.n_kv_heads)
     model = build_model(cfg, state.tp_group, kv_group, seed=SEED, device=device)
     model = parallelize(model, state.dp_mesh, FSDPOptions(fsdp=fsdp, activation_checkpointing=VARIANTS[variant]["ac"]))
+    model.sequence_parallel = sp
     assert is_fsdp(model) == (dp > 1 and fsdp)
     opt = build_optimizer(model, OPTIM, cfg, STEPS, state.tp_group, state.dp_group)
 
@@ -159,6 +161,20 @@ def test_plain_data_parallel_without_fsdp(dist_pools):
     """parallel.fsdp=False with dp=2: gradients all-reduced and counted once in the norm."""
     variant = "v131_untied"
     dist_pools.run(2, layout_run, 2, 1, variant, _reference(variant), None, False)
+
+
+@pytest.mark.parametrize("dp,tp,fsdp", [
+    pytest.param(1, 2, True, id="dp1_tp2", marks=pytest.mark.slow),
+    pytest.param(2, 2, True, id="dp2_tp2_fsdp", marks=pytest.mark.slow),
+    pytest.param(2, 2, False, id="dp2_tp2_no_fsdp", marks=pytest.mark.slow),
+    pytest.param(1, 4, True, id="dp1_tp4_kv_replicas", marks=pytest.mark.slow)])
+def test_sequence_parallel_layout_matches_single_process(dist_pools, dp, tp, fsdp):
+    """parallel.sequence_parallel: the RMSNorm weights' partial gradients summed over tp with FSDP2 and
+    without (3 clipped AdamW steps; activation checkpointing in the second variant); at tp=4 the KV heads
+    are replicated over rank pairs (their gradients summed inside the gathered q/k/v node's inputs)."""
+    for variant in VARIANTS:
+        norms = dist_pools.run(dp * tp, layout_run, dp, tp, variant, _reference(variant), None, fsdp, True)
+        assert all(n == norms[0] for n in norms), f"ranks disagree on the grad norm: {norms}"
 
 
 # ---------------------------------------------------------------------------------------------

@@ -102,6 +102,12 @@ def test_train_norms_without_lora_is_refused():
         load_config(RLConfig, None, BASE + ["lora.train_norms=true"])
 
 
+def test_train_norms_with_sequence_parallelism_is_refused():
+    with pytest.raises(Exception, match="lora.train_norms=true with parallel.sequence_parallel=true"):
+        load_config(RLConfig, None, BASE + ["lora.rank=4", "lora.train_norms=true", "parallel.tp=2",
+                                            "parallel.sequence_parallel=true"])
+
+
 def test_gradient_of_d_is_the_gradient_of_the_norm_weight():
     # independent: the same loss through a plain (unadapted) model whose norm weights are w + d
     mc, model = _adapted(dtype=torch.float64)

@@ -128,6 +128,30 @@ def test_layout_tp2_dp2(dist_pools, singles):
         _compare(singles["grpo"], r)
 
 
+def _collective_kinds(overrides) -> set:
+    from parallel.comm import count_comm
+
+    trainer, _ = _trainer(2, 1, overrides)
+    with count_comm() as c:
+        trainer.step(0)
+    return set(c.by_kind())
+
+
+@pytest.mark.slow
+def test_sequence_parallel_step_matches_single_process(dist_pools, singles):
+    """parallel.sequence_parallel=true at tp=2: GRPO (shared prompts), PPO (the critic's body too) and the exact KL
+    as the single process without it; packed sequences and the batch-invariant mode as the same layout without it."""
+    sp = ["parallel.sequence_parallel=true"]
+    assert "reduce_scatter:sum" in dist_pools.run(2, _collective_kinds, PPO + sp)[0], "the step ran without SP"
+    for name, ov in (("grpo", GRPO), ("ppo", PPO), ("exact", EXACT)):
+        _compare(singles[name], dist_pools.run(2, _steps_and_logits, 2, 1, ov + sp)[0])
+    packed = GRPO + ["algo.share_prompts=false", "algo.micro_batch_tokens=40", "algo.pack_sequences=true"]
+    invariant = GRPO + ["parallel.batch_invariant=true"]  # shared prompts under the batch-invariant layouts
+    for ov in (packed, invariant):
+        off = dist_pools.run(2, _steps_and_logits, 2, 1, ov)[0]
+        _compare(off, dist_pools.run(2, _steps_and_logits, 2, 1, ov + sp)[0])
+
+
 def _nan_reward_everywhere():
     import torch.distributed as dist
 

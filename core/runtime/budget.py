@@ -1,14 +1,18 @@
 """The RL step's memory per rank as a stacked budget: pure arithmetic on a ModelConfig, a layout
-(tp x dp, FSDP, activation checkpointing), a batch and the dtypes. Nothing is allocated.
+(tp x cp x dp, sequence parallelism, FSDP, activation checkpointing), a batch and the dtypes. Nothing is allocated.
 
 | part             | bytes per rank                                                                      |
 |------------------|-------------------------------------------------------------------------------------|
-| policy weights   | fp32 master parameters, P_tp / dp (FSDP) or P_tp, P_tp = the rank's tensor-parallel |
+| policy weights   | fp32 master parameters, P_tp / (dp cp) (FSDP) or P_tp, P_tp = the rank's TP        |
 |                  | slice (heads, MLP columns, vocabulary rows Vp/tp); + 2 gathered bf16 layers (FSDP)  |
 | gradients        | like the weights (fp32)                                                             |
 | AdamW state      | exp_avg + exp_avg_sq, 2 x the weights (fp32)                                        |
 | activations      | saved per layer per token: A = 6H + 2 q + 4 kv + 4 I/tp elements (see `layer_act`); |
 |                  | L x A x rows x S, or with checkpointing L x H x rows x S + one layer's A x rows x S |
+|                  | split in two parts: "sequence activations" (the norms' 4H, the projections' 2H, the |
+|                  | checkpointed block inputs; / tp under sequence parallelism) and "activations" (the |
+|                  | rest); with cp the tokens are rows x S / cp, plus "CP attention" buffers           |
+|                  | (core/runtime/budget_seq.py)                                                        |
 | KL head          | by method: gather ~7 [T, Vp] fp32; vp_materialized ~6 [T, Vp/tp]; fused ~6 chunk    |
 |                  | x Vp/tp fp32 + grad hidden [T, H] (the tools.kl_memory projections, checked there); |
 |                  | fused with bf16 compute: + the fp32 accumulator of the head's weight gradient       |
@@ -43,6 +47,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from core.config import ModelConfig
+from core.runtime.budget_seq import activation_parts, cp_attention_bytes
 from parallel.vocab_stats import resolve_chunk_size
 
 PLACEMENTS = ("replicated", "tp", "tp_fsdp", "cpu_offload", "policy_base")  # policy_base: LoRA's adapters off
@@ -58,6 +63,14 @@ class Layout:
     fsdp: bool = True
     compute_dtype: str = "fp32"  # "bf16": bf16 compute copies, fp32 master weights and optimizer
     activation_checkpointing: bool = False
+    sp: bool = False  # parallel.sequence_parallel (inside TP)
+    cp: int = 1  # context parallel ranks: the sequence split over cp, FSDP over dp x cp
+    cp_impl: str = "ulysses"  # "ulysses" | "ring": which attention buffers CP adds
+
+    @property
+    def fsdp_shards(self) -> int:
+        """Ranks a parameter is sharded over: dp x cp with FSDP, else 1."""
+        return self.dp * self.cp if self.fsdp and self.dp * self.cp > 1 else 1
 
 
 @dataclass
@@ -151,7 +164,7 @@ def reference_bytes(placement: str, cfg: ModelConfig, lay: Layout, ref_bytes: in
     if placement == "tp":
         return pc["total"] * (ref_bytes + master), 0.0
     if placement == "tp_fsdp":
-        return -(-pc["total"] // lay.dp) * (ref_bytes + master) + gathered, 0.0
+        return -(-pc["total"] // (lay.dp * lay.cp)) * (ref_bytes + master) + gathered, 0.0
     if placement == "cpu_offload":
         return gathered + pc["vocab"] * ref_bytes, pc["total"] * ref_bytes / PCIE_BYTES_PER_S
     if placement == "policy_base":  # the policy's frozen base with its LoRA adapters off: no weights of its own
@@ -180,23 +193,23 @@ def step_budget(cfg: ModelConfig, lay: Layout, batch: Batch, placement: str = "t
     adapters have gradients and AdamW state; with placement "policy_base" the reference costs nothing."""
     pc = param_counts(cfg, lay.tp)
     act_b = DTYPE_BYTES[lay.compute_dtype]
-    shard = lay.dp if (lay.fsdp and lay.dp > 1) else 1
+    shard = lay.fsdp_shards
     master = -(-pc["total"] // shard) * 4
     gathered = 2 * pc["layer"] * act_b if (shard > 1 or act_b != 4) else 0
-    A = layer_act(cfg, lay.tp) * act_b
-    tok = batch.update_tokens()
-    if lay.activation_checkpointing:
-        acts = cfg.n_layers * cfg.hidden_size * act_b * tok + A * tok
-    else:
-        acts = cfg.n_layers * A * tok
+    tok = -(-batch.update_tokens() // lay.cp)  # this rank's tokens (context parallel: 1/cp)
+    other, seq = activation_parts(cfg, lay, tok, act_b, lora=lora_rank > 0)
+    cp_attn = cp_attention_bytes(cfg, lay, tok, act_b)
+    acts = other + seq + cp_attn
     kv = max(cfg.n_kv_heads // lay.tp, 1) * cfg.head_dim
     kv_cache = 2 * cfg.n_layers * batch.rollout_rows * batch.seq_len * kv * act_b
     ref, offload_s = reference_bytes(placement, cfg, lay, DTYPE_BYTES[ref_dtype or lay.compute_dtype], ref_ema)
-    head = kl_head_bytes(kl_method, batch.update_rows * batch.response_len, cfg, lay.tp, batch.kl_chunk, act_b,
-                         exact=exact_kl, rollout_kl=batch.rollout_hidden)
+    head_tok = -(-batch.update_rows * batch.response_len // lay.cp)
+    head = kl_head_bytes(kl_method, head_tok, cfg, lay.tp, batch.kl_chunk, act_b, exact=exact_kl,
+                         rollout_kl=batch.rollout_hidden)
     parts = {"policy weights": master + gathered, "gradients": master, "AdamW state": 2 * master,
-             "activations": acts, "KL head": head, "rollout KV cache": kv_cache,
-             "rollout work": rollout_work(cfg, lay.tp, batch, act_b, kv_cache), "reference": ref,
+             "activations": other, "sequence activations": seq, "CP attention": cp_attn, "KL head": head,
+             "rollout KV cache": kv_cache, "rollout work": rollout_work(cfg, lay.tp, batch, act_b, kv_cache),
+             "reference": ref,
              "rollout hidden": batch.rollout_rows * batch.response_len * cfg.hidden_size * act_b
              if batch.rollout_hidden else 0}
     head_grad = -(-pc["vocab"] // shard) * 4 // (1 if cfg.tie_embeddings else 2)
@@ -221,18 +234,16 @@ def step_budget(cfg: ModelConfig, lay: Layout, batch: Batch, placement: str = "t
     # its log-probs by the fused head: one [chunk, Vp/tp] fp32 logits tensor (statistics in place)
     ref_b = DTYPE_BYTES[ref_dtype or lay.compute_dtype]
     ref_head_copy = vp_local * cfg.hidden_size * ref_b
-    ref_logits = head_chunk(batch.kl_chunk, batch.update_rows * batch.response_len, vp_local, cfg.hidden_size, ref_b)
-    ref_logits *= vp_local * 4
-    ref_fwd = ref + ref_head_copy + max(forward_transient(cfg, lay.tp, batch.update_tokens(), act_b),
-                                        ref_logits)
+    ref_logits = head_chunk(batch.kl_chunk, head_tok, vp_local, cfg.hidden_size, ref_b) * vp_local * 4
+    ref_fwd = ref + ref_head_copy + max(forward_transient(cfg, lay.tp, tok, act_b) + cp_attn, ref_logits)
     # then the policy's no-grad old-log-prob pass beside that head copy: its fused head holds the policy's
     # [chunk, Vp/tp] fp32 logits, one temporary (+ the reference's logits with the exact KL), and with
     # rollout.record_hidden the exact KL(rollout || policy) head's policy and rollout logits and a temporary
     old_rows = batch.rollout_rows if batch.old_rows is None else batch.old_rows
-    pol_logits = head_chunk(batch.kl_chunk, old_rows * batch.response_len, vp_local, cfg.hidden_size,
+    pol_logits = head_chunk(batch.kl_chunk, -(-old_rows * batch.response_len // lay.cp), vp_local, cfg.hidden_size,
                             act_b) * vp_local * 4 if old_rows else 0
     old_head = max(2 + exact_kl, 3 if batch.rollout_hidden else 0) * pol_logits
-    old_fwd = ref + ref_head_copy + max(forward_transient(cfg, lay.tp, batch.update_tokens(), act_b), old_head)
+    old_fwd = ref + ref_head_copy + max(forward_transient(cfg, lay.tp, tok, act_b) + cp_attn, old_head)
     experience = parts["policy weights"] + parts["AdamW state"] + max(ref_fwd, old_fwd) + kept
     return {"parts": parts, "rollout_peak": rollout, "update_peak": update, "experience_peak": experience,
             "reference_forward_peak": ref_fwd, "old_forward_peak": old_fwd, "peak": max(rollout, update, experience),
@@ -281,24 +292,27 @@ def projected_peak_bytes(cfg, world_size: int, device: str = "cuda", teacher: Mo
     reference is loaded, the teacher stands in."""
     par, ro, algo = cfg.parallel, cfg.rollout, cfg.algo
     tp = par.tp
-    dp = par.resolve_dp(world_size)
-    if tp < 1 or dp < 1 or tp * dp != world_size:
-        raise ValueError(f"parallel.tp={tp} x dp={dp} does not match world_size={world_size}")
+    dp, cp = par.resolve_dp(world_size), getattr(par, "cp", 1)  # parallel.cp: context parallelism, when built
+    if tp < 1 or dp < 1 or tp * dp * cp != world_size:
+        raise ValueError(f"parallel.tp={tp} x cp={cp} x dp={dp} does not match world_size={world_size}")
     mp = par.precision(device) if hasattr(par, "precision") else par.mixed_precision
-    lay = Layout(tp, dp, par.fsdp, "bf16" if mp == "bf16" else "fp32", par.activation_checkpointing)
-    rows = -(-ro.prompts_per_step * ro.group_size // dp)  # this rank's share of the step's samples
+    lay = Layout(tp, dp, par.fsdp, "bf16" if mp == "bf16" else "fp32", par.activation_checkpointing,
+                 getattr(par, "sequence_parallel", False), cp, getattr(par, "cp_impl", "ulysses"))
+    rows = -(-ro.prompts_per_step * ro.group_size // dp)  # this dp rank's share of the step's samples
     per_mb = -(-rows // algo.mini_batches)
     update_rows = min(per_mb, algo.micro_batch_size) if algo.micro_batch_size else per_mb
     seq = cfg.model.max_seq_len
     data = getattr(cfg, "data", None)
     if data is not None and getattr(data, "max_prompt_tokens", None):  # rows never pass prompt + response
         seq = min(seq, data.max_prompt_tokens + ro.max_new_tokens)
-    batch = Batch(rows, update_rows, seq, ro.max_new_tokens, algo.kl_chunk_size, **rollout_fields(ro),
+    batch = Batch(-(-rows // cp), update_rows, seq, ro.max_new_tokens, algo.kl_chunk_size, **rollout_fields(ro),
                   group_size=ro.group_size, shared_prompts=bool(getattr(algo, "share_prompts", False)))
     kl_cfg = getattr(cfg, "kl", None)
     if getattr(algo, "old_from_update", False) and getattr(kl_cfg, "where", None) == "loss":
         batch.old_rows = rows - per_mb  # epoch 0's first mini-batch: its old log-probs come from the update
-    placement = "cpu_offload" if cfg.reference.cpu_offload else ("tp_fsdp" if (par.fsdp and dp > 1) else "tp")
+    elif cp > 1:
+        batch.old_rows = rows  # the old pass runs the dp rank's rows (each cp rank generated 1/cp of them)
+    placement = "cpu_offload" if cfg.reference.cpu_offload else ("tp_fsdp" if lay.fsdp_shards > 1 else "tp")
     rc = cfg.reference
     if getattr(rc, "from_policy_base", False):
         placement = "policy_base"
@@ -314,7 +328,7 @@ def projected_peak_bytes(cfg, world_size: int, device: str = "cuda", teacher: Mo
                       exact_kl=exact, **lk)
     if teacher is not None:
         tc = cfg.teacher
-        t_place = "cpu_offload" if tc.cpu_offload else ("tp_fsdp" if (par.fsdp and dp > 1) else "tp")
+        t_place = "cpu_offload" if tc.cpu_offload else ("tp_fsdp" if lay.fsdp_shards > 1 else "tp")
         out = add_teacher(out, teacher, lay, batch, t_place, "bf16" if tc.dtype == "bf16" else None)
         placement = "the teacher" if teacher_is_reference else placement
     return {**out, "layout": lay, "batch": batch, "placement": placement, "device": device}

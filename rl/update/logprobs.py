@@ -26,6 +26,15 @@ from parallel.comm import copy_to_tp
 from parallel.fused import fused_head
 from parallel.fused_loss import fused_head_loss
 from parallel.invariant import batch_invariant
+from rl.update.context_heads import (
+    LocalTokens,
+    context_inputs,
+    context_of,
+    padded_head_pos,
+    reduce_loss_records,
+    run_context_head,
+    spread,
+)
 from rl.update.micro_batches import gather_tokens, scatter_tokens
 
 
@@ -46,7 +55,14 @@ def _through_head(model, sequences, attention_mask, prompt_len: int, tp_group, r
     """Run `model` with a head that hands the response positions, flattened, to
     fn(hidden [B*N, H] (copied to tp), weight_local, targets [B*N], ref_hidden [B*N, H] or None,
     mask [B*N] or None). `mask` [B, N] (the response mask) tells the fused heads which positions are
-    padding: those never reach a value or a gradient, whatever they hold."""
+    padding: those never reach a value or a gradient, whatever they hold. Under context parallelism
+    (rl/update/context_heads.py) each cp rank runs its own tokens and the results are the same."""
+    cp = context_of(model)
+    if cp is not None:
+        B, S = sequences.shape
+        pos = padded_head_pos(B, S, prompt_len, S - prompt_len, sequences.device)
+        return _context_head(model, cp, context_inputs(sequences, pos, attention_mask=attention_mask),
+                             sequences[:, prompt_len:], tp_group, ref_hidden, mask, fn, extra)
     return _run_head(model, sequences, dict(attention_mask=attention_mask), lambda h: _response_hidden(h, prompt_len),
                      sequences[:, prompt_len:], tp_group, ref_hidden, mask, fn, extra)
 
@@ -55,6 +71,11 @@ def _through_head_packed(model, packed, tp_group, ref_hidden, mask, fn, extra=No
     """`_through_head` over one packed sequence (rl/update/micro_batches.py's PackedRows): the head reads the
     hidden states at `packed.head_pos` [M] of the flattened [R * T] positions (R = 1 packed, R prompt
     groups shared); ref_hidden and mask are [1, M, H] and [1, M]."""
+    cp = context_of(model)
+    if cp is not None:
+        inputs = context_inputs(packed.input_ids, packed.head_pos, position_ids=packed.position_ids,
+                                document_ids=packed.document_ids, prefix_ids=packed.prefix_ids)
+        return _context_head(model, cp, inputs, packed.targets[None], tp_group, ref_hidden, mask, fn, extra)
     kw = dict(position_ids=packed.position_ids, document_ids=packed.document_ids)
     if packed.prefix_ids is not None:
         kw["prefix_ids"] = packed.prefix_ids
@@ -75,6 +96,21 @@ def _run_head(model, input_ids, model_kw: dict, select, targets, tp_group, ref_h
         return fn(hr, w, targets.reshape(-1), rh, flat_mask)
 
     return model(input_ids, **model_kw, head=head), (B, N)
+
+
+def _context_head(model, cp, inputs, targets, tp_group, ref_hidden, mask, fn, extra):
+    """`_run_head` under context parallelism: fn on this rank's head tokens, the per-token values made whole
+    over cp ([B * N] on every cp rank); a loss stays this rank's part (its gradient: this rank's tokens)."""
+    B, N = targets.shape
+    res, idx = run_context_head(model, cp, inputs, targets, tp_group, ref_hidden, mask, fn, extra)
+    loss, out = (None, res) if hasattr(res, "logprobs") else res  # stats, or (loss, stats)
+    whole = TokenStats(*(spread(cp, getattr(out, k, None), idx, B * N) for k in TokenStats._fields))
+    if loss is None:
+        return whole, (B, N)
+    token_loss = getattr(fn, "token_loss", None)
+    if token_loss is not None and hasattr(token_loss, "rec"):
+        reduce_loss_records(token_loss, cp.group)  # its statistics over every cp rank's tokens
+    return (loss, whole), (B, N)
 
 
 def _stats(out, shape) -> TokenStats:
@@ -116,7 +152,7 @@ def packed_token_stats(model, packed, *, tp_group=None, vocab_size: int, tempera
 
 
 def _stats_head(tp_group, vocab_size, temperature, chunk_size, entropy, kl, ref_weight, tap=None):
-    def fn(h, w, t, rh, m, rollout_h=None):
+    def fn(h, w, t, rh, m, rollout_h=None, tokens=None):
         if tap is not None:  # a term on the same hidden states (rl/distill/term.py): the model runs once
             tap(h, w, m)
         out = fused_head(h, w, t, tp_group, vocab_size=vocab_size, ref_hidden=rh, ref_weight_local=ref_weight,
@@ -197,6 +233,21 @@ def reference_hidden(ref, sequences, attention_mask, prompt_len: int, packed=Non
     """The reference's final hidden states at the response positions [B, N, H] and its local head
     weight [Vp/tp, H] (copied: under FSDP the gathered weight is freed after forward). `packed`: the
     shared-prompt layout of these rows to run instead (hidden states 0 outside its head tokens)."""
+    cp = context_of(ref)
+    if cp is not None:  # this rank's tokens' hidden states, made whole over cp: [B, N, H] on every cp rank
+        B, N = sequences.shape[0], sequences.shape[1] - prompt_len
+        if packed is None:
+            inputs = context_inputs(sequences, padded_head_pos(B, sequences.shape[1], prompt_len, N, sequences.device),
+                                    attention_mask=attention_mask)
+            shape = (B, N)
+        else:
+            inputs = context_inputs(packed.input_ids, packed.head_pos, position_ids=packed.position_ids,
+                                    document_ids=packed.document_ids, prefix_ids=packed.prefix_ids)
+            shape = (1, packed.head_pos.numel())
+        (h, w), idx = run_context_head(ref, cp, inputs, torch.zeros(shape, dtype=torch.long, device=sequences.device),
+                                       None, None, None, lambda h, w, *a, tokens: (h, w.detach().clone()))
+        h = spread(cp, h, idx, shape[0] * shape[1]).view(*shape, -1)
+        return (h, w) if packed is None else (scatter_tokens(packed, h, B, N), w)
     if packed is None:
         return ref(sequences, attention_mask=attention_mask,
                    head=lambda h, w: (_response_hidden(h, prompt_len).clone(), w.detach().clone()))
@@ -240,23 +291,26 @@ def packed_fused_loss(model, packed, token_loss, *, tp_group=None, vocab_size: i
 
 
 def _loss_head(token_loss, tp_group, vocab_size, temperature, chunk_size, entropy, kl, ref_weight, tap=None):
-    def fn(h, w, t, rh, m, rollout_h=None):
+    def fn(h, w, t, rh, m, rollout_h=None, tokens=None):
+        """`tokens` (context parallel): the flat indices of these head tokens in the pass's [B * N]."""
+        tl = token_loss if tokens is None else LocalTokens(token_loss, tokens)
         if tap is not None:
             tap(h, w, m)
         if getattr(token_loss, "needs_logprobs", False):
             # a sequence-level ratio (GSPO, rl/objectives/policy_objectives.py) reads every token of a response
             # before any token's loss: the head once more without a gradient, on the same hidden states
             with torch.no_grad():
-                token_loss.prepare(fused_head(h.detach(), w.detach(), t, tp_group, vocab_size=vocab_size,
+                tl.prepare(fused_head(h.detach(), w.detach(), t, tp_group, vocab_size=vocab_size,
                                               temperature=temperature, chunk_size=chunk_size, entropy=False,
                                               mask=m).logprobs)
-        loss, out = fused_head_loss(h, w, t, tp_group, token_loss=token_loss, vocab_size=vocab_size, ref_hidden=rh,
+        loss, out = fused_head_loss(h, w, t, tp_group, token_loss=tl, vocab_size=vocab_size, ref_hidden=rh,
                                     ref_weight_local=ref_weight, temperature=temperature, chunk_size=chunk_size,
                                     entropy=entropy, kl=kl, mask=m)
         if rollout_h is None:
             return loss, out
         return loss, TokenStats(out.logprobs, out.entropy, out.kl, _rollout_kl(h, w, rollout_h, m, tp_group,
                                                                                vocab_size, temperature, chunk_size))
+    fn.token_loss = token_loss
     return fn
 
 

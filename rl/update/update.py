@@ -43,8 +43,11 @@ class PolicyUpdate:
     and `ent_ctl.coef` are read when each micro-batch's loss is built."""
 
     def __init__(self, cfg: RLConfig, *, policy, optimizer, critic, critic_optimizer, controller: KLController,
-                 ent_ctl: EntropyController, heads: PolicyHeads, layout_cost: LayoutCost, dp_group, device):
+                 ent_ctl: EntropyController, heads: PolicyHeads, layout_cost: LayoutCost, dp_group, device,
+                 grad_group=None):
         self.cfg, self.policy, self.opt = cfg, policy, optimizer
+        # gradients sum over dp, or dp x cp under context parallelism (each cp rank: its tokens' part)
+        self.grad_group = dp_group if grad_group is None else grad_group
         self.critic, self.critic_opt = critic, critic_optimizer
         self.controller, self.ent_ctl, self.heads = controller, ent_ctl, heads
         self.layout_cost, self.dp_group, self.device = layout_cost, dp_group, device
@@ -78,7 +81,7 @@ class PolicyUpdate:
                     # the first mini-batch after the rollout is on-policy: its old policy IS the current one
                     acc.add(self._micro_step(data, r, scale, on_policy=epoch == 0 and mb == 0,
                                              last=i == len(micros) - 1, off=off))
-                sync_replicated_grads(self.policy, self.dp_group)
+                sync_replicated_grads(self.policy, self.grad_group)
                 opt_stats.append(self.opt.step())
                 if self.critic is not None:
                     sync_replicated_grads(self.critic, self.dp_group)

@@ -14,6 +14,8 @@ Sections (GPU / --cpu tiny version):
   kl_head      bench.bench_kl_device: fused exact-KL head vs gathering logits, T=32768 H=4096
                V=128256 bf16 / T=1024 H=64 V=4096 fp32 on CPU
   bf16_kl      bench.bench_bf16_kl --device: exact-KL error of the heads with bf16 inputs
+  context_parallel  tests/gpu/cp_check.py: cp=2 ring / Ulysses exactness under NCCL (>= 2 GPUs, else gloo on
+               the CPU) and the GRPO update at T=32768, H=1024 per rank against cp=1 / T=1024 H=64 on CPU
   mfu_compile  mfu_eager with torch.compile'd blocks (compile time = the warm-up steps); run last
 Each section: status ok | failed | timeout | skipped, seconds, result (its JSON), log file.
 Exit status: the number of sections not ok (skipped ones excepted).
@@ -113,6 +115,8 @@ def sections(out: str, cpu: bool, ngpu: int) -> list[dict]:
            else ["--hidden", "1024", "--layers", "4", "--dtype", "bf16", "--shapes", "64x64,64x512,256x2048",
                  "--repeats", "3"])
     s.append(dict(name="layout_cost", cmds=[lc], json=j("layout_cost"), timeout=90))
+    cp = [py, "-m", "tests.gpu.cp_check", "--json", j("context_parallel")] + (["--cpu"] if cpu else [])
+    s.append(dict(name="context_parallel", cmds=[cp], json=j("context_parallel"), timeout=150 if cpu else 300))
     # last: compilation time is the least predictable, and the other sections must not wait on it
     s.append(dict(name="mfu_compile", cmds=[mfu + ["--compile", "--json", j("mfu_compile")]],
                   json=j("mfu_compile"), timeout=240))
@@ -240,6 +244,12 @@ def headline(name: str, r: dict) -> str:
         return f"{r['dtype']} on {r['device']}, time / padded: " + "; ".join(
             f"{x['P']}x{x['N']} default {x['default']['s'] / x['padded']['s']:.2f}, cost plan "
             f"{x['cost']['s'] / x['padded']['s']:.2f}" for x in r["rows"])
+    if name == "context_parallel":
+        ok = sum(c["ok"] for c in r["checks"])
+        steps = ", ".join(f"{'cp=1' if x['cp'] == 1 else x['impl']} {_mib(x['peak_bytes'])} MiB {x['time_s']:.2f} s"
+                          for x in r["steps"])
+        return (f"{ok}/{len(r['checks'])} exact ({r['backend']}); T={r['tokens']} H={r['hidden']} per rank: {steps}"
+                + (" (cp=2 needs 2 GPUs: skipped)" if r.get("cp2_skipped") else ""))
     return ""
 
 

@@ -6,8 +6,9 @@
 Under torchrun on GPUs the NCCL process group is created even for N = 1 (tp = dp = 1: the groups
 exist, and every collective is an identity on one rank).
 
-Runs every layout of test_layout.LAYOUTS with dp * tp == N, both model variants, fp32 with TF32
-off, each rank against a single-GPU reference it computes itself (atol=rtol=1e-5). With
+Runs every layout of test_layout.LAYOUTS with dp * tp == N, both model variants (with tp > 1 also
+with sequence parallelism), fp32 with TF32 off, each rank against a single-GPU reference it computes
+itself (atol=rtol=1e-5). With
 --bf16-sanity (1 process): 30 SFT steps of the tiny config with bf16 autocast; loss finite and
 dropping. Prints one PASS/FAIL line per check on rank 0; exit status 1 if any failed.
 """
@@ -85,6 +86,11 @@ def main(argv=None) -> int:
                 norms = layout_run(dp, tp, v, None, device)
                 return f"grad norms {', '.join(f'{n:.6f}' for n in norms)}"
             report(f"layout dp={dp} tp={tp} {variant}", check)
+            if tp > 1:  # parallel.sequence_parallel: NCCL's reduce-scatter along the sequence, the norms' grad sum
+                def check_sp(dp=dp, tp=tp, v=variant):
+                    norms = layout_run(dp, tp, v, None, device, True, True)
+                    return f"grad norms {', '.join(f'{n:.6f}' for n in norms)}"
+                report(f"layout dp={dp} tp={tp} {variant} sequence-parallel", check_sp)
     if args.bf16_sanity and world == 1:
         report("bf16 SFT sanity (tiny, autocast)", lambda: bf16_sanity("cuda" if cuda else "cpu"))
     backend = dist.get_backend() if dist.is_initialized() else "none (one process)"

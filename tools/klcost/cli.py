@@ -55,6 +55,10 @@ def build_parser():
     ap.add_argument("--vocab", type=int)
     ap.add_argument("--model", choices=sorted(MODELS), help="take --hidden and --vocab from a model's head")
     ap.add_argument("--tp", type=int, default=1)
+    ap.add_argument("--cp", type=int, default=1,
+                    help="context-parallel ranks: each rank's head runs over ceil(T / cp) of the T tokens (the "
+                    "sequence split over cp; sequence parallelism inside tp changes nothing here: the head gets every "
+                    "token of its rank); rows keep T as tokens_total")
     ap.add_argument("--ref-hidden", type=int, default=None,
                     help="the reference's (a distillation teacher's) hidden width; default --hidden")
     ap.add_argument("--ref-model", choices=sorted(MODELS), default=None,
@@ -138,6 +142,8 @@ def check_args(ap, a):
         ap.error(f"--chunk-size must be positive or 'auto', got {a.chunk_size}")
     if a.chunk_size is not None and a.chunk_size > min(T for T, _, _ in shapes):
         ap.error(f"--chunk-size {a.chunk_size} is larger than --tokens {min(T for T, _, _ in shapes)}")
+    if a.cp < 1:
+        ap.error(f"--cp must be positive, got {a.cp}")
     if a.warmup < 0 or a.repeats < 1:
         ap.error(f"--warmup must be >= 0 and --repeats >= 1, got {a.warmup} and {a.repeats}")
 
@@ -187,6 +193,8 @@ def main(argv=None) -> list[dict]:
     if a.ref_model is not None:
         a.ref_hidden = MODELS[a.ref_model][0]
     names, notes, passes, shapes, tps = check_args(ap, a)
+    totals = {(-(-T // a.cp), H, V): T for T, H, V in shapes}  # this rank's tokens -> the sequence's
+    shapes = list(totals)
     for n in notes:
         print(f"note: {n}", file=sys.stderr, flush=True)
     if a.project:
@@ -197,6 +205,8 @@ def main(argv=None) -> list[dict]:
 
         refuse_if_too_big(ap, names, passes, shapes, tps, a)
         rows = measure_grid(names, passes, shapes, tps, a)
+    for r in rows:
+        r.update(cp=a.cp, tokens_total=totals.get((r["tokens"], r["hidden"], r["vocab"]), r["tokens"]))
     write_outputs(rows, notes, a, argv)
     return rows
 
