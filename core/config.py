@@ -130,10 +130,6 @@ def check_parallel(p: ParallelConfig, world_size: int) -> None:
         raise ConfigError(f"parallel.batch_invariant must be true or false, got {p.batch_invariant!r}")
     if not isinstance(p.sequence_parallel, bool):
         raise ConfigError(f"parallel.sequence_parallel must be true or false, got {p.sequence_parallel!r}")
-    if p.sequence_parallel and p.cp > 1:
-        raise ConfigError(f"parallel.sequence_parallel=true with parallel.cp={p.cp}: sequence parallelism inside TP "
-                          "does not compose with context parallelism yet; use parallel.cp with "
-                          "parallel.sequence_parallel=false, or sequence parallelism at cp=1")
     if p.mixed_precision not in ("fp32", "bf16", "auto"):
         raise ConfigError(f"parallel.mixed_precision must be fp32, bf16 or auto, got {p.mixed_precision!r}")
     if not (math.isfinite(p.timeout_s) and p.timeout_s > 0):

@@ -310,9 +310,12 @@ class Transformer(nn.Module):
             if kv_cache is not None or attention_mask is not None or position_ids is None or self.batch_invariant:
                 raise ValueError("Transformer.forward under context parallelism takes position_ids, no kv_cache, "
                                  "no attention_mask (padding as document_ids), no batch_invariant")
-            return self._forward_tokens(input_ids, position_ids, context.attention(input_ids.shape[1], document_ids,
-                                                                                   prefix_ids), None, None, head,
-                                        False, input_ids.shape[1])
+            S_l, sp = input_ids.shape[1], sp_active(self, None)
+            if sp and S_l % self.tp:  # each rank's tokens split over tp: ContextParallel(multiple=tp) pads for it
+                raise ValueError(f"sequence parallelism under context parallelism: this rank's {S_l} tokens are not "
+                                 f"a multiple of tp={self.tp} (build ContextParallel with multiple=tp)")
+            return self._forward_tokens(input_ids, position_ids, context.attention(S_l, document_ids, prefix_ids),
+                                        None, None, head, sp, S_l)
         with batch_invariant(self.batch_invariant):
             return self._forward(input_ids, position_ids, attention_mask, kv_cache, head, document_ids, prefix_ids)
 

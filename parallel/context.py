@@ -52,6 +52,7 @@ class ContextParallel:
 
     group: object = None
     impl: str = "ring"
+    multiple: int = 1  # sequences padded to a multiple of 2*cp*multiple (tp under sequence parallelism)
 
     def __post_init__(self):
         check_context(self.size, self.impl)
@@ -68,9 +69,10 @@ class ContextParallel:
         return balanced_index(S, self.size, self.rank, device)
 
     def shard(self, x: torch.Tensor, dim: int = 1, pad_value=0) -> torch.Tensor:
-        """This rank's tokens of `x` along `dim` (padded with `pad_value` at the end to a multiple of 2*cp)."""
+        """This rank's tokens of `x` along `dim` (padded with `pad_value` at the end to a multiple of
+        2*cp*multiple)."""
         S = x.shape[dim]
-        P = padded_len(S, self.size)
+        P = padded_len(S, self.size, self.multiple)
         if P != S:
             shape = list(x.shape)
             shape[dim] = P - S

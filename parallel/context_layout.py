@@ -32,9 +32,11 @@ def check_context(cp: int, impl: str, tp: int = 1, n_heads: int | None = None, n
                               "them); use parallel.cp_impl=ring")
 
 
-def padded_len(S: int, cp: int) -> int:
-    """S rounded up to a multiple of 2*cp (the load-balanced chunking needs 2*cp equal chunks)."""
-    return -(-S // (2 * cp)) * (2 * cp)
+def padded_len(S: int, cp: int, multiple: int = 1) -> int:
+    """S rounded up to a multiple of 2*cp*multiple (the load-balanced chunking needs 2*cp equal chunks; with
+    sequence parallelism inside TP, multiple = tp, so that each rank's 2 chunks split evenly over tp)."""
+    m = 2 * cp * multiple
+    return -(-S // m) * m
 
 
 def balanced_index(S: int, cp: int, rank: int, device=None) -> torch.Tensor:

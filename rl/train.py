@@ -147,7 +147,8 @@ def assemble(cfg: RLConfig, state, model_cfg, tokenizer, policy, ref, critic=Non
     policy.batch_invariant = ref.batch_invariant = p.batch_invariant  # rollout, reference, old, update alike
     if p.cp > 1:  # the reference, old-log-prob and update passes split each sequence (rl/update/context_heads.py)
         check_context(p.cp, p.cp_impl, p.tp, model_cfg.n_heads, model_cfg.n_kv_heads)
-        policy.context_parallel = ref.context_parallel = ContextParallel(state.cp_group, p.cp_impl)
+        policy.context_parallel = ref.context_parallel = ContextParallel(state.cp_group, p.cp_impl,
+                                                                         p.tp if p.sequence_parallel else 1)
     if teacher is not None:
         teacher.batch_invariant = p.batch_invariant  # the teacher's pass too
     for m in [m for m in (policy, ref, teacher, getattr(critic, "body", None)) if hasattr(m, "sequence_parallel")]:

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from core.config import ModelConfig
 from core.model import build_model, local_shard
 from core.shards import tp_slice
-from parallel.comm import all_reduce, copy_to_tp
+from parallel.comm import all_reduce, copy_to_tp, count_comm
 from parallel.context import ContextParallel, balanced_index, check_context, padded_len
 from parallel.dims import LayoutError, ParallelDims, init_parallel, kv_replica_group
 from parallel.fsdp import FSDPOptions, full_tensor, parallelize
@@ -203,14 +203,15 @@ def reference_model_run(dtype) -> dict:
 
 
 def model_run(cp: int, tp: int, impl: str, ref: dict, dtype=torch.float64, fsdp: bool = True, device="cpu",
-              ac: bool = False):
+              ac: bool = False, sp: bool = False):
     cfg = ModelConfig(**CFG)
     device = torch.device(device)
     state = init_parallel(ParallelDims(1, tp, cp), device, cfg.n_heads, cfg.n_kv_heads)
-    ctx = ContextParallel(state.cp_group, impl)
+    ctx = ContextParallel(state.cp_group, impl, tp if sp else 1)  # SP: each rank's tokens split over tp
     kv = kv_replica_group(state, cfg.n_kv_heads)
     pol = build_model(cfg, state.tp_group, kv, seed=SEED, dtype=dtype, device=device)
     refm = build_model(cfg, state.tp_group, kv, seed=SEED + 1, dtype=dtype, device=device)
+    pol.sequence_parallel = refm.sequence_parallel = sp
     pol = parallelize(pol, state.dp_mesh, FSDPOptions(fsdp=fsdp, activation_checkpointing=ac))
     ids, tgt, mask, adv, old = (t.to(device) for t in _batch(cfg))
     ref = {k: (v.to(device) if isinstance(v, torch.Tensor) else {n: g.to(device) for n, g in v.items()})
@@ -233,14 +234,16 @@ def model_run(cp: int, tp: int, impl: str, ref: dict, dtype=torch.float64, fsdp:
                                                                      w_l.reshape(-1)),
                                vocab_size=cfg.vocab_size, ref_hidden=ref_h.reshape(-1, H), ref_weight_local=ref_w,
                                kl="forward", entropy=True, mask=m)
-    loss, out = pol(ids_l, position_ids=pos_l, context=ctx, head=head)
+    with count_comm() as comm:
+        loss, out = pol(ids_l, position_ids=pos_l, context=ctx, head=head)
+    assert ("reduce_scatter:sum" in comm.by_kind()) == (sp and tp > 1), comm.by_kind()  # SP ran, or did not
     loss.backward()
     if not fsdp:
         from parallel.fsdp import sync_replicated_grads
         sync_replicated_grads(pol, state.grad_group)
     tol = dict(atol=1e-10, rtol=1e-10) if dtype == torch.float64 else dict(atol=1e-5, rtol=1e-5)
     vs = tp_slice("embed.weight", cfg, state.tp_rank, tp)
-    real = (ctx.global_index(padded_len(S, cp), device) < S)  # this rank's tokens that are not the tail padding
+    real = (ctx.global_index(padded_len(S, cp, ctx.multiple), device) < S)  # this rank's tokens, not the padding
     want = lambda t: ctx.shard(t.to(dtype), 1)[:, real]
     torch.testing.assert_close(logits[:, real, :vs.stop - vs.start], want(ref["logits"])[..., vs.start:vs.stop],
                                **tol, msg=lambda msg: f"logits: {msg}")
@@ -286,6 +289,14 @@ def test_model_cp2_activation_checkpointing(dist_pools, impl):
 @pytest.mark.parametrize("impl", ["ulysses", "ring"])
 def test_model_cp2_tp2_float64(dist_pools, impl):
     dist_pools.run(4, model_run, 2, 2, impl, _ref(torch.float64))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("impl", ["ulysses", "ring"])
+def test_model_cp2_tp2_sequence_parallel_float64(dist_pools, impl):
+    """Megatron SP inside TP under CP: each cp rank's tokens split again over tp between the column/row pairs
+    (the sequence padded to a multiple of 2 * cp * tp); the same logits, values, loss and gradients."""
+    dist_pools.run(4, model_run, 2, 2, impl, _ref(torch.float64), torch.float64, True, "cpu", False, True)
 
 
 @pytest.mark.slow
@@ -338,24 +349,28 @@ def digit_reward(meta, response):
     return sum(c.isdigit() for c in response) / 9.0
 
 
-def rl_steps(cp: int, impl: str, overrides: list[str]) -> tuple[list[dict], torch.Tensor]:
-    """Two float64 RL steps at cp (tp = dp = 1): each step's metrics and the policy's logits of a fixed batch."""
+def rl_steps(cp: int, impl: str, overrides: list[str], tp: int = 1) -> tuple[list[dict], torch.Tensor]:
+    """Two float64 RL steps at cp x tp (dp = 1): each step's metrics and the policy's logits of a fixed batch."""
     from core.config import load_config
     from core.tokenizer import load_tokenizer
+    from parallel.comm import gather_from_tp
     from rl.config import RLConfig
     from rl.train import assemble
 
-    cfg = load_config(RLConfig, None, RL_BASE + [f"parallel.cp={cp}", f"parallel.cp_impl={impl}"] + overrides)
+    cfg = load_config(RLConfig, None, RL_BASE + [f"parallel.cp={cp}", f"parallel.cp_impl={impl}", f"parallel.tp={tp}"]
+                      + overrides)
     mc = ModelConfig(**RL_MODEL)
-    state = init_parallel(ParallelDims(1, 1, cp), "cpu", mc.n_heads, mc.n_kv_heads)
-    policy = build_model(mc, state.tp_group, None, seed=11, dtype=torch.float64)
-    ref = build_model(mc, state.tp_group, None, seed=11, dtype=torch.float64)
+    state = init_parallel(ParallelDims(1, tp, cp), "cpu", mc.n_heads, mc.n_kv_heads)
+    kv = kv_replica_group(state, mc.n_kv_heads)
+    policy = build_model(mc, state.tp_group, kv, seed=11, dtype=torch.float64)
+    ref = build_model(mc, state.tp_group, kv, seed=11, dtype=torch.float64)
     trainer = assemble(cfg, state, mc, load_tokenizer(None), policy, ref)
     recs = [trainer.step(s) for s in range(2)]
     ids = torch.arange(3, 3 + 2 * 12).view(2, 12) % 250 + 3
     trainer.policy.context_parallel = None  # a plain forward of the trained weights (gathered by FSDP)
+    trainer.policy.sequence_parallel = False
     with torch.no_grad():
-        logits = trainer.policy(ids)[..., :256]
+        logits = gather_from_tp(trainer.policy(ids), state.tp_group)[..., :256]
     return [{k: r[k] for k in RL_KEYS if k in r} for r in recs], logits
 
 
@@ -377,6 +392,21 @@ def test_rl_step_cp2_matches_cp1(dist_pools, impl, variant):
                 assert b[k] == pytest.approx(a[k], rel=1e-6, abs=1e-9), (k, a[k], b[k])
         torch.testing.assert_close(logits, logits0, atol=1e-9, rtol=1e-9)
     assert recs0[1]["kl_mean"] > 0 and recs0[0]["grad_norm"] > 0
+
+
+@pytest.mark.slow
+def test_rl_step_cp2_tp2_sequence_parallel_matches_one_process(dist_pools):
+    """cp=2 x tp=2 with Megatron SP inside TP (ring attention, the exact KL, shared prompts): the whole two-step
+    run equals the single process."""
+    ov = RL_VARIANTS["shared"]
+    if "shared" not in _RL_SINGLE:
+        _RL_SINGLE["shared"] = rl_steps(1, "ring", ov)
+    recs0, logits0 = _RL_SINGLE["shared"]
+    for recs, logits in dist_pools.run(4, rl_steps, 2, "ring", ov + ["parallel.sequence_parallel=true"], 2):
+        for a, b in zip(recs0, recs):
+            for k in a:
+                assert b[k] == pytest.approx(a[k], rel=1e-6, abs=1e-9), (k, a[k], b[k])
+        torch.testing.assert_close(logits, logits0, atol=1e-9, rtol=1e-9)
 
 
 @pytest.mark.parametrize("override,named", [
@@ -430,7 +460,24 @@ def test_update_peak_per_rank_at_cp2_is_about_half(dist_pools, tokens):
     from bench.bench_cp import update_peak
 
     one = update_peak(tokens, None, repeats=0)["peak_bytes"]
+    assert abs(_update_budget(tokens, 1, "ring") - one) <= 0.10 * one, (_update_budget(tokens, 1, "ring"), one)
     for impl in ("ring", "ulysses"):
         peaks = [r["peak_bytes"] for r in dist_pools.run(2, _update_peak_cp2, tokens, impl)]
         assert max(peaks) <= 0.55 * one, (impl, peaks, one)
         assert min(peaks) >= 0.4 * one, (impl, peaks, one)  # each rank still holds its half
+        want = _update_budget(tokens, 2, impl)  # core/runtime/budget.py's parts of the update, per cp rank
+        assert all(abs(want - p) <= 0.10 * p for p in peaks), (impl, want, peaks)
+
+
+def _update_budget(tokens: int, cp: int, impl: str) -> int:
+    """The step budget's update transients (activations, sequence activations, CP attention, KL head) for
+    bench/bench_cp.py's shape: one row of `tokens`, a 16-token prompt, the loss-inside head in chunks of 256."""
+    import argparse
+
+    from bench.bench_cp import PROMPT, _config
+    from core.runtime.budget import Batch, Layout, step_budget
+
+    cfg = _config(argparse.Namespace(hidden=64, layers=2, vocab=256), tokens)
+    lay = Layout(1, 1, False, "fp32", False, False, cp, impl)
+    parts = step_budget(cfg, lay, Batch(1, 1, tokens, tokens - PROMPT, 256), "tp", "fused_loss")["parts"]
+    return sum(parts[k] for k in ("activations", "sequence activations", "CP attention", "KL head"))

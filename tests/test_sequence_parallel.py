@@ -205,3 +205,4 @@ def test_config_flag_checked():
     with pytest.raises(ConfigError, match="parallel.sequence_parallel"):
         check_parallel(ParallelConfig(tp=2, sequence_parallel="yes"), 2)
     check_parallel(ParallelConfig(tp=2, sequence_parallel=True), 2)
+    check_parallel(ParallelConfig(tp=2, cp=2, sequence_parallel=True), 4)

@@ -305,13 +305,13 @@ def projected_peak_bytes(cfg, world_size: int, device: str = "cuda", teacher: Mo
     data = getattr(cfg, "data", None)
     if data is not None and getattr(data, "max_prompt_tokens", None):  # rows never pass prompt + response
         seq = min(seq, data.max_prompt_tokens + ro.max_new_tokens)
-    batch = Batch(-(-rows // cp), update_rows, seq, ro.max_new_tokens, algo.kl_chunk_size, **rollout_fields(ro),
+    # the rollout keeps tp x dp: the cp ranks of a dp group each generate the group's rows (the same rows,
+    # rl/update/context_heads.py), then each pass splits every sequence over cp
+    batch = Batch(rows, update_rows, seq, ro.max_new_tokens, algo.kl_chunk_size, **rollout_fields(ro),
                   group_size=ro.group_size, shared_prompts=bool(getattr(algo, "share_prompts", False)))
     kl_cfg = getattr(cfg, "kl", None)
     if getattr(algo, "old_from_update", False) and getattr(kl_cfg, "where", None) == "loss":
         batch.old_rows = rows - per_mb  # epoch 0's first mini-batch: its old log-probs come from the update
-    elif cp > 1:
-        batch.old_rows = rows  # the old pass runs the dp rank's rows (each cp rank generated 1/cp of them)
     placement = "cpu_offload" if cfg.reference.cpu_offload else ("tp_fsdp" if lay.fsdp_shards > 1 else "tp")
     rc = cfg.reference
     if getattr(rc, "from_policy_base", False):
