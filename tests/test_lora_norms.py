@@ -354,3 +354,38 @@ def test_rl_train_resume_restores_d(sft_dir):  # noqa: F811
     assert [r["step"] for r in resumed] == [0, 1, 2, 3]
     for a, b in zip(straight, resumed):
         assert {k: a[k] for k in KEYS} == {k: b[k] for k in KEYS}
+
+
+@pytest.mark.slow
+def test_a_folder_saved_by_peft_reads_into_the_same_model(saved, tmp_path):
+    """Independent of kltron's writer: PEFT itself saves LoRA + modules_to_save norms (trained in PEFT's
+    model), and the run that reads it (lora.init_from) computes PEFT's logits."""
+    transformers = pytest.importorskip("transformers")
+    peft = pytest.importorskip("peft")
+    from core.ckpt.adapters import peft_factors
+    from tools.convert_hf import export_hf
+
+    tmp, _, _ = saved
+    export_hf(str(tmp / "base"), str(tmp_path / "base_hf"))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "base_hf")).eval()
+    pc = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                                            "up_proj", "down_proj"],
+                         modules_to_save=["input_layernorm", "post_attention_layernorm", "norm"])
+    pm = peft.get_peft_model(hf, pc)
+    g = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for p in pm.parameters():
+            if p.requires_grad:  # B (zeros in PEFT) and the norm copies: move everything off its init
+                p.add_(torch.randn(p.shape, generator=g) * 0.1)
+    pm.eval()
+    with torch.no_grad():
+        want = pm(IDS).logits
+    pm.save_pretrained(str(tmp_path / "peft_saved"))
+    mc = ModelConfig(**MODEL)
+    model = build_model(mc, seed=11)
+    cfg = LoRAConfig(rank=4, alpha=8, train_norms=True, init_from=str(tmp_path / "peft_saved"))
+    init_adapters(apply_lora(model, cfg), seed=99)
+    load_adapter_factors(model, peft_factors(cfg), "test")
+    assert all(nd.lora_d.abs().max() > 0.01 for nd in norm_deltas(model).values())
+    with torch.no_grad():
+        torch.testing.assert_close(model(IDS)[..., :256], want, atol=1e-5, rtol=1e-5)
