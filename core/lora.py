@@ -15,7 +15,7 @@ import torch
 from core.shards import lora_full_shape, lora_local
 from parallel.comm import group_rank, group_size
 from parallel.dims import derive_seed
-from parallel.lora import adapters
+from parallel.lora import adapters, norm_deltas
 
 
 @torch.no_grad()
@@ -41,8 +41,22 @@ def init_adapters(model, seed: int, b_std: float = 0.0) -> None:
 def load_adapter_factors(model, factors: dict, where: str) -> None:
     """Fill every adapter of `model` (before FSDP) from {factor name: full tensor} (e.g. a PEFT folder
     read by core/ckpt/adapters.read_peft): each rank copies its TP slice. A missing, extra or
-    misshapen factor is refused, naming `where` and the factor."""
+    misshapen factor is refused, naming `where` and the factor. {norm weight name: full saved weight}
+    entries (PEFT's modules_to_save) set that norm's delta d = w_saved - w_base (`lora.train_norms`;
+    the norms not named keep d = 0)."""
     tp, rank = group_size(model.tp_group), group_rank(model.tp_group)
+    factors = dict(factors)
+    deltas = norm_deltas(model)
+    for name in [n for n in factors if ".lora.lora_" not in n]:
+        saved = factors.pop(name)
+        if name not in deltas:
+            raise ValueError(f"{where}: '{name}' (a saved norm) has no norm delta here: set lora.train_norms=true"
+                             if name.endswith("norm.weight") else f"{where}: '{name}' is not a LoRA factor")
+        w, d = _norm_weight(model, name), deltas[name].lora_d
+        if tuple(saved.shape) != tuple(w.shape):
+            raise ValueError(f"{where}: norm '{name}' has shape {list(saved.shape)}, the model's is {list(w.shape)}")
+        acc = torch.promote_types(d.dtype, torch.float32)
+        d.copy_((saved.to(device=w.device, dtype=acc) - w.to(acc)).to(d.dtype))
     want = {}
     for name, ad in adapters(model).items():
         stem = name[:-len(".weight")]
@@ -60,3 +74,9 @@ def load_adapter_factors(model, factors: dict, where: str) -> None:
             raise ValueError(f"{where}: factor '{key}' has shape {list(full.shape)}, lora.rank and the model "
                              f"give {list(shape)}")
         p.copy_(lora_local(full, key, model.cfg, rank, tp).to(device=p.device, dtype=p.dtype))
+
+
+def _norm_weight(model, name: str) -> torch.Tensor:
+    """The base weight of norm `name` (layers.{i}.attn_norm.weight, layers.{i}.mlp_norm.weight, norm.weight)."""
+    parts = name.split(".")
+    return (model.norm if parts[0] == "norm" else getattr(model.layers[int(parts[1])], parts[2])).weight

@@ -61,12 +61,15 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps, self.tp_group = eps, tp_group
         self.weight = nn.Parameter(torch.ones(dim, device=device, dtype=dtype))
+        self.lora = None  # a parallel.lora.NormDelta (lora.train_norms): the weight is w + d while it is on
 
     def forward(self, x: torch.Tensor, seq_parallel: bool = False) -> torch.Tensor:
         # statistics in fp32 or wider (fp64 stays fp64: a float64 check of gradients summed over rows that
         # share activations, rl/update/shared_layout.py, would otherwise see fp32 rounding of each backward)
         xf = x.to(torch.promote_types(x.dtype, torch.float32))
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.lora is not None and self.lora.enabled:  # lora.train_norms (refused with SP: rl/config.py)
+            return (self.lora(self.weight) * xf.to(x.dtype)).to(torch.promote_types(self.weight.dtype, x.dtype))
         w = reduce_grad_over_tp(self.weight, self.tp_group) if seq_parallel else self.weight  # SP: grad summed
         return w * xf.to(x.dtype)
 

@@ -121,6 +121,7 @@ def tp_replicas(name: str, cfg: ModelConfig, tp: int) -> int:
 # LoRA factors (parallel/lora.py): "<base>.lora.lora_A" [r, in] and "<base>.lora.lora_B" [out, r] of the
 # base weight "<base>.weight". A column-parallel base (wq, wk, wv, w_gate, w_up) shards B's rows like
 # its own and replicates A; a row-parallel base (wo, w_down) shards A's columns and replicates B.
+# A norm's delta "<norm>.lora.lora_d" [H] (lora.train_norms) is replicated over TP like the norm.
 
 LORA_TAG = ".lora.lora_"
 
@@ -148,6 +149,8 @@ def lora_tp_replicas(name: str, cfg: ModelConfig, tp: int) -> int:
 def lora_full_shape(name: str, cfg: ModelConfig, rank: int) -> tuple[int, int]:
     """The unsharded shape of factor `name` for adapters of rank `rank`."""
     base, which, _ = lora_factor(name)
+    if which == "d":
+        return tuple(full_param_shapes(cfg)[base])
     out, inp = full_param_shapes(cfg)[base]
     return (rank, inp) if which == "A" else (out, rank)
 

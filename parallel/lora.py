@@ -25,6 +25,14 @@ Initialisation does not depend on the layout: each full A (and, for tests, B) is
 generator keyed by (seed, its name), then each rank keeps its TP slice. B starts at zero.
 `adapters_disabled(model)` runs the same modules as the base model: the adapters are skipped, not
 multiplied by zero, so the base output is bitwise what the unadapted model computes.
+
+Norms (`lora.train_norms`, PEFT's `modules_to_save` of the norms): every RMSNorm (each block's
+attn_norm and mlp_norm, the final norm) gets a `NormDelta`, a trainable fp32 vector d (zeros at
+init, parameter `<norm>.lora.lora_d`) so that the norm scales by w + d while the adapters are on;
+core/model.py's RMSNorm consults it. d is replicated over TP like w: every rank normalises all
+hidden columns of the same activations and dL/d(norm output) arrives complete through the next
+layer's "f", so dL/dd is complete on each rank with no collective. FSDP shards d with its block.
+A merge adds d into w (d <- 0); `adapters_disabled` skips d like the factors.
 """
 
 from __future__ import annotations
@@ -63,12 +71,16 @@ class LoRAConfig:
     rslora: bool = False  # scale alpha / sqrt(rank) instead of alpha / rank
     seed: int = 0  # A's initialisation (keyed further by each adapter's name)
     init_from: str | None = None  # a PEFT adapter folder to start from (rank, alpha, targets must match)
+    train_norms: bool = False  # a trainable delta on every RMSNorm weight (NormDelta), beside the adapters
 
     def __post_init__(self):
         if self.rank < 0:
             raise ValueError(f"lora.rank must be >= 0, got {self.rank}")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"lora.dropout must be in [0, 1), got {self.dropout}")
+        if self.train_norms and not self.rank:
+            raise ValueError("lora.train_norms=true trains the RMSNorm weights beside the LoRA adapters: it needs "
+                             "lora.rank > 0 (with lora.rank=0 the whole model trains, norms included)")
         bad = [t for t in self.targets if t not in TARGETS]
         if bad or (self.rank and not self.targets):
             raise ValueError(f"lora.targets: unknown {bad} (choose from {list(TARGETS)})" if bad
@@ -111,6 +123,31 @@ class LoRAAdapter(nn.Module):
         return (linear(linear(x, a), b) * self.scaling).to(dtype)
 
 
+class NormDelta(nn.Module):
+    """d of one RMSNorm (see the module docstring): `forward(w)` is w + d in fp32 or wider."""
+
+    def __init__(self, dim: int, device=None, dtype=torch.float32):
+        super().__init__()
+        self.enabled = True
+        self.lora_d = nn.Parameter(torch.zeros(dim, device=device, dtype=dtype))
+
+    def forward(self, w: torch.Tensor) -> torch.Tensor:
+        acc = torch.promote_types(w.dtype, self.lora_d.dtype)
+        return w.to(acc) + self.lora_d.to(acc)
+
+
+def _norms(model) -> list[tuple[str, nn.Module]]:
+    """(weight name, RMSNorm) of every norm `lora.train_norms` trains."""
+    out = [(f"layers.{i}.{n}.weight", getattr(b, n)) for i, b in enumerate(model.layers)
+           for n in ("attn_norm", "mlp_norm")]
+    return out + [("norm.weight", model.norm)]
+
+
+def norm_deltas(model) -> dict[str, NormDelta]:
+    """{norm weight name: NormDelta} of a model adapted with `lora.train_norms` (FSDP-wrapped or not)."""
+    return {name: norm.lora for name, norm in _norms(model) if getattr(norm, "lora", None) is not None}
+
+
 def _adapted(model) -> list[tuple[str, str, nn.Module]]:
     """(base weight name, target key, TP linear) for every layer `apply_lora` may adapt."""
     out = []
@@ -140,6 +177,11 @@ def apply_lora(model, cfg: LoRAConfig, device=None):
         elif isinstance(layer, RowParallelLinear):
             layer.lora = LoRAAdapter("row", (cfg.rank, in_l), (out_l, cfg.rank), cfg.scaling, cfg.dropout,
                                      layer.tp_group, None, **kw)
+    if cfg.train_norms:
+        for _, norm in _norms(model):
+            dev = norm.weight.device if device is None else device
+            norm.lora = NormDelta(norm.weight.shape[0], dev,
+                                  torch.float64 if norm.weight.dtype == torch.float64 else torch.float32)
     return model
 
 
@@ -154,8 +196,8 @@ def has_adapters(model) -> bool:
 
 @contextlib.contextmanager
 def adapters_disabled(model):
-    """The base model through the same modules: every adapter skipped inside the block."""
-    ads = list(adapters(model).values())
+    """The base model through the same modules: every adapter (and norm delta) skipped inside the block."""
+    ads = list(adapters(model).values()) + list(norm_deltas(model).values())
     prev = [a.enabled for a in ads]
     for a in ads:
         a.enabled = False
@@ -178,12 +220,18 @@ def lora_delta(ad: LoRAAdapter) -> torch.Tensor:
 def merge_adapters(model, reset: bool = True) -> None:
     """W <- W + s B A on every adapted layer (a local update: each rank adds its TP slice; under FSDP
     the delta is gathered over dp, then each rank keeps its own dp shard). `reset`: B <- 0 (A kept),
-    so the adapted model computes the same function right after the merge (up to W's rounding)."""
+    so the adapted model computes the same function right after the merge (up to W's rounding).
+    Norm deltas: w <- w + d, and d <- 0 with `reset`."""
     for name, ad in adapters(model).items():
         _add_to_param(_layer_of(model, name).weight, lora_delta(ad))
+    norms = dict(_norms(model))
+    for name, nd in norm_deltas(model).items():
+        _add_to_param(norms[name].weight, full_tensor(nd.lora_d))
     if reset:
         for ad in adapters(model).values():
             local_tensor(ad.lora_B).zero_()
+        for nd in norm_deltas(model).values():
+            local_tensor(nd.lora_d).zero_()
 
 
 def _layer_of(model, name: str):

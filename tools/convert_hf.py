@@ -48,7 +48,7 @@ from core.ckpt.adapters import LORA_CONFIG, read_lora_config
 from core.config import ModelConfig, from_dict, to_dict
 from core.shards import full_param_shapes
 from core.tokenizer import TOKENIZER_FILES, TokenizerError, load_tokenizer
-from tools.peft_io import is_factor, merged, write_peft
+from tools.peft_io import export_peft, is_factor, merged
 
 ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "MistralForCausalLM": "mistral"}
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "keep": None}
@@ -333,7 +333,7 @@ def export_hf(ckpt: str, hf_dir: str, max_shard_bytes: int | None = None, tokeni
         if peft:
             if not factors:
                 raise ConvertError(f"{ckpt}: --peft: the checkpoint holds no LoRA factors")
-            return write_peft({n: s.get(n) for n in factors}, read_lora_config(ckpt), hf_dir)
+            return export_peft(s.get, factors, read_lora_config(ckpt), hf_dir)  # norms: w + d (modules_to_save)
         lora = read_lora_config(ckpt) if factors else None
         for n in s.keys():
             if n not in shapes and not is_factor(n):

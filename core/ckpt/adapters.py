@@ -1,10 +1,14 @@
 """What a checkpoint records about LoRA adapters (parallel/lora.py), adapter-only checkpoints, and
 PEFT adapter folders read back (`lora.init_from`).
 
-`lora_config.json` beside the tensors: rank, alpha, rslora, targets, dropout -- what the factors
-`<base>.lora.lora_A` / `lora_B` in the safetensors files need to mean a function (tools/peft_io.py
-reads it to merge or to write a PEFT folder). It is one of the checkpoint's files, so the manifest
-hashes it like the rest.
+`lora_config.json` beside the tensors: rank, alpha, rslora, targets, dropout, train_norms -- what the
+factors `<base>.lora.lora_A` / `lora_B` (and the norm deltas `<norm>.lora.lora_d`) in the safetensors
+files need to mean a function (tools/peft_io.py reads it to merge or to write a PEFT folder). It is
+one of the checkpoint's files, so the manifest hashes it like the rest.
+
+A PEFT folder's norms (`modules_to_save`: input_layernorm, post_attention_layernorm, norm) hold full
+weights w_base + d; `read_peft` returns them by kltron weight name beside the factors and core/lora.py's
+`load_adapter_factors` turns them back into d = w_saved - w_base on the run's base.
 """
 
 from __future__ import annotations
@@ -24,6 +28,9 @@ from parallel.lora import TARGETS, LoRAConfig, apply_lora
 
 LORA_CONFIG = "lora_config.json"
 _PEFT_RE = re.compile(r"^base_model\.model\.model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+_proj)\.lora_([AB])\.weight$")
+_PEFT_NORM_RE = re.compile(r"^base_model\.model\.model\.(?:layers\.(\d+)\.)?"
+                           r"(input_layernorm|post_attention_layernorm|norm)\.weight$")
+PEFT_NORMS = {"input_layernorm": "attn_norm", "post_attention_layernorm": "mlp_norm", "norm": "norm"}
 
 
 def write_lora_config(folder: str, cfg: LoRAConfig) -> str:
@@ -31,7 +38,7 @@ def write_lora_config(folder: str, cfg: LoRAConfig) -> str:
     path = os.path.join(folder, LORA_CONFIG)
     with open(path, "w") as f:
         json.dump({"rank": cfg.rank, "alpha": cfg.alpha, "rslora": cfg.rslora, "targets": list(cfg.targets),
-                   "dropout": cfg.dropout}, f, indent=1)
+                   "dropout": cfg.dropout, "train_norms": cfg.train_norms}, f, indent=1)
     return path
 
 
@@ -43,7 +50,8 @@ def read_lora_config(ckpt: str) -> LoRAConfig:
         with open(path) as f:
             d = json.load(f)
         return LoRAConfig(rank=int(d["rank"]), alpha=float(d["alpha"]), rslora=bool(d.get("rslora", False)),
-                          targets=list(d["targets"]), dropout=float(d.get("dropout", 0.0)))
+                          targets=list(d["targets"]), dropout=float(d.get("dropout", 0.0)),
+                          train_norms=bool(d.get("train_norms", False)))
     except (OSError, KeyError, ValueError, TypeError) as e:
         raise CheckpointError(f"{path}: {e}") from e
 
@@ -110,33 +118,58 @@ def kltron_name(key: str) -> str:
     return f"layers.{m.group(1)}.{sub}.{attr}.lora.lora_{m.group(4)}"
 
 
+def kltron_norm_name(key: str) -> str | None:
+    """PEFT key of a saved norm -> kltron weight name (base_model.model.model.layers.0.input_layernorm.weight
+    -> layers.0.attn_norm.weight); None for any other key."""
+    m = _PEFT_NORM_RE.match(key)
+    if m is None or (m.group(1) is None) != (m.group(2) == "norm"):
+        return None
+    return "norm.weight" if m.group(1) is None else f"layers.{m.group(1)}.{PEFT_NORMS[m.group(2)]}.weight"
+
+
 def read_peft(folder: str) -> tuple[LoRAConfig, dict[str, torch.Tensor]]:
-    """(LoRA config, {kltron factor name: full tensor}) of a PEFT LoRA adapter folder."""
+    """(LoRA config, {kltron factor name: full tensor} and {kltron norm weight name: full saved weight}
+    in one dict) of a PEFT LoRA adapter folder; norms come from `modules_to_save` (config: train_norms)."""
     cfg_path, w_path = os.path.join(folder, "adapter_config.json"), os.path.join(folder, "adapter_model.safetensors")
     for p in (cfg_path, w_path):
         if not os.path.isfile(p):
             raise CheckpointError(f"{folder}: no {os.path.basename(p)} (a PEFT LoRA adapter folder has both)")
     with open(cfg_path) as f:
         c = json.load(f)
-    if c.get("peft_type") != "LORA" or c.get("bias", "none") != "none" or c.get("modules_to_save"):
-        raise CheckpointError(f"{cfg_path}: only plain LoRA adapters convert (peft_type LORA, bias none, no "
-                              f"modules_to_save)")
+    saved = c.get("modules_to_save") or []
+    if c.get("peft_type") != "LORA" or c.get("bias", "none") != "none" or isinstance(saved, str) \
+            or any(m not in PEFT_NORMS for m in saved):
+        raise CheckpointError(f"{cfg_path}: only LoRA adapters convert (peft_type LORA, bias none, modules_to_save "
+                              f"among {sorted(PEFT_NORMS)}), found peft_type {c.get('peft_type')!r}, bias "
+                              f"{c.get('bias', 'none')!r}, modules_to_save {saved!r}")
     mods = c.get("target_modules") or []
     by_proj = {hf.split(".")[1]: key for key, (_, _, hf) in TARGETS.items()}
     bad = [m for m in mods if m not in by_proj]
     if bad or isinstance(mods, str):
         raise CheckpointError(f"{cfg_path}: target_modules {mods!r}: supported {sorted(by_proj)}")
     lora = LoRAConfig(rank=int(c["r"]), alpha=float(c["lora_alpha"]), rslora=bool(c.get("use_rslora", False)),
-                      dropout=float(c.get("lora_dropout", 0.0)), targets=[by_proj[m] for m in mods])
+                      dropout=float(c.get("lora_dropout", 0.0)), targets=[by_proj[m] for m in mods],
+                      train_norms=bool(saved))
+    out = {}
     with open_safetensors(w_path) as f:  # the hardened reader: a malformed file is refused by name
-        factors = {kltron_name(k): f.get(k) for k in f.keys()}
-    return lora, factors
+        for k in f.keys():
+            norm = kltron_norm_name(k)
+            if norm is not None and k.split(".")[-2] in saved:  # a norm's full weight (modules_to_save)
+                out[norm] = f.get(k)
+            else:
+                out[kltron_name(k)] = f.get(k)
+    return lora, out
 
 
 def peft_factors(cfg: LoRAConfig) -> dict[str, torch.Tensor]:
-    """The factors of the PEFT folder `cfg.init_from`, after checking that its rank, alpha, rslora and
-    targets are the run's (`lora.*`): the adapters must mean the same function here."""
+    """The factors (and saved norm weights) of the PEFT folder `cfg.init_from`, after checking that its rank,
+    alpha, rslora and targets are the run's (`lora.*`): the adapters must mean the same function here.
+    Saved norms need `lora.train_norms` (else their change would be dropped); a folder without them
+    starts the norm deltas at zero."""
     lora, factors = read_peft(cfg.init_from)
+    if lora.train_norms and not cfg.train_norms:
+        raise CheckpointError(f"lora.init_from={cfg.init_from}: its adapter_config.json saves the norms "
+                              f"(modules_to_save), this run does not train them: set lora.train_norms=true")
     for key, got, want in (("rank", lora.rank, cfg.rank), ("alpha", lora.alpha, cfg.alpha),
                            ("rslora", lora.rslora, cfg.rslora), ("targets", sorted(lora.targets), sorted(cfg.targets))):
         if got != want:

@@ -93,7 +93,7 @@ def param_specs(module: nn.Module, cfg: ModelConfig, tp: int) -> list[ParamSpec]
         name = clean_name(name)
         model_name = name.removeprefix("body.")
         if LORA_TAG in model_name:  # a LoRA factor (parallel/lora.py): sliced like its base weight
-            rank = p.shape[0] if model_name.endswith("lora_A") else p.shape[1]
+            rank = p.shape[0] if model_name.endswith("lora_A") else p.shape[-1]  # (a norm's d: unused)
             shapes = {**shapes, model_name: lora_full_shape(model_name, cfg, rank)}
         if model_name not in shapes:
             out.append(ParamSpec(name, None, tuple(p.shape), p))

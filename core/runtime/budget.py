@@ -172,19 +172,21 @@ def reference_bytes(placement: str, cfg: ModelConfig, lay: Layout, ref_bytes: in
     raise ValueError(f"reference placement {placement!r}: choose from {PLACEMENTS}")
 
 
-def lora_params(cfg: ModelConfig, tp: int, rank: int, targets) -> int:
+def lora_params(cfg: ModelConfig, tp: int, rank: int, targets, norms: bool = False) -> int:
     """LoRA adapter parameters on one TP rank (parallel/lora.py): A [r, in] and B [out, r] of every
-    target in every layer, a column layer's B and a row layer's A split over tp, the other factor whole."""
+    target in every layer, a column layer's B and a row layer's A split over tp, the other factor whole;
+    `norms` (lora.train_norms): a delta [H], replicated over tp, on each block's two norms and the final one."""
     H, hd, I = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
     q, kv = cfg.n_heads * hd // tp, max(cfg.n_kv_heads // tp, 1) * hd
     per = {"q": H + q, "k": H + kv, "v": H + kv, "o": q + H, "gate": H + I // tp, "up": H + I // tp,
            "down": I // tp + H}
-    return cfg.n_layers * rank * sum(per[t] for t in targets)
+    return cfg.n_layers * rank * sum(per[t] for t in targets) + ((2 * cfg.n_layers + 1) * H if norms else 0)
 
 
 def step_budget(cfg: ModelConfig, lay: Layout, batch: Batch, placement: str = "tp", kl_method: str = "fused",
                 ref_dtype: str | None = None, ref_ema: bool = False, lora_rank: int = 0,
-                lora_targets=("q", "k", "v", "o", "gate", "up", "down"), exact_kl: bool = False) -> dict:
+                lora_targets=("q", "k", "v", "o", "gate", "up", "down"), exact_kl: bool = False,
+                lora_norms: bool = False) -> dict:
     """{'parts': {name: bytes}, 'rollout_peak', 'experience_peak', 'reference_forward_peak', 'update_peak',
     'peak', 'offload_s_per_forward'} per rank. `ref_ema`: the reference is EMA-synced (reference_bytes).
     `lora_rank` > 0: the base is frozen (its weights stay, no gradient, no AdamW state) and only the fp32
@@ -216,7 +218,7 @@ def step_budget(cfg: ModelConfig, lay: Layout, batch: Batch, placement: str = "t
     # more vocabulary-table gradients (measured: MemTracker's Temp = 3 of them at the peak)
     tied_extra = 2 * head_grad if cfg.tie_embeddings else 0
     if lora_rank:  # frozen base: no head or embedding gradient; adapters' fp32 gradients and AdamW state
-        adapter = -(-lora_params(cfg, lay.tp, lora_rank, lora_targets) // shard) * 4
+        adapter = -(-lora_params(cfg, lay.tp, lora_rank, lora_targets, lora_norms) // shard) * 4
         parts.update({"policy weights": master + gathered + adapter, "gradients": adapter,
                       "AdamW state": 2 * adapter})
         head_grad = tied_extra = 0
@@ -316,7 +318,8 @@ def projected_peak_bytes(cfg, world_size: int, device: str = "cuda", teacher: Mo
         placement = "policy_base"
     ema = rc.sync_mode == "ema" and (rc.sync_every > 0 or rc.sync_below is not None)
     lora = getattr(cfg, "lora", None)
-    lk = dict(lora_rank=lora.rank, lora_targets=tuple(lora.targets)) if lora is not None and lora.rank else {}
+    lk = dict(lora_rank=lora.rank, lora_targets=tuple(lora.targets),
+              lora_norms=getattr(lora, "train_norms", False)) if lora is not None and lora.rank else {}
     if teacher is not None and teacher_is_reference:
         placement = "policy_base"  # no reference is loaded: the teacher stands in for it (rl/distill/config.py)
     method = "fused_loss" if getattr(algo, "fused_loss", False) else "fused"
