@@ -68,10 +68,11 @@ class RMSNorm(nn.Module):
         # share activations, rl/update/shared_layout.py, would otherwise see fp32 rounding of each backward)
         xf = x.to(torch.promote_types(x.dtype, torch.float32))
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        if self.lora is not None and self.lora.enabled:  # lora.train_norms (refused with SP: rl/config.py)
-            return (self.lora(self.weight) * xf.to(x.dtype)).to(torch.promote_types(self.weight.dtype, x.dtype))
-        w = reduce_grad_over_tp(self.weight, self.tp_group) if seq_parallel else self.weight  # SP: grad summed
-        return w * xf.to(x.dtype)
+        lora = self.lora is not None and self.lora.enabled  # lora.train_norms: the weight is w + d
+        w = self.lora(self.weight) if lora else self.weight
+        w = reduce_grad_over_tp(w, self.tp_group) if seq_parallel else w  # SP: grad (of w, or of d) summed over tp
+        out = w * xf.to(x.dtype)
+        return out.to(torch.promote_types(self.weight.dtype, x.dtype)) if lora else out
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:

@@ -331,11 +331,6 @@ class RLConfig:
     def _resolve_lora_reference(self):
         """reference.from_policy_base: on by default with LoRA; it needs LoRA and excludes a reference of its own."""
         ref, lora = self.reference, self.lora
-        if lora.train_norms and self.parallel.sequence_parallel:
-            raise ValueError("lora.train_norms=true with parallel.sequence_parallel=true: the norm deltas "
-                             "(parallel/lora.py NormDelta) are not wired for sequence parallelism yet (each TP rank "
-                             "would see only its sequence shard's gradient of d); set parallel.sequence_parallel=false "
-                             "or lora.train_norms=false")
         if ref.from_policy_base is None:
             ref.from_policy_base = lora.enabled
         if not ref.from_policy_base:

@@ -164,7 +164,7 @@ def dry_run(cfg: RLConfig, world_size: int | None = None, hf_config: str | None 
         print(f"#   {phase}: {plan[phase] / 2**30:.3f} GiB")
     for k, v in plan["parts"].items():
         print(f"#   {k}: {v / 2**30:.3f} GiB")
-    if lay.tp > 1 and not lay.sp and not cfg.lora.train_norms:  # what parallel.sequence_parallel=true would change
+    if lay.tp > 1 and not lay.sp:  # what parallel.sequence_parallel=true would change
         sp_cfg = replace(cfg, parallel=replace(cfg.parallel, sequence_parallel=True))
         alt = memory_plan(sp_cfg, model_cfg, world, device)
         print(f"# with parallel.sequence_parallel=true: peak {alt['peak'] / 2**30:.3f} GiB, sequence activations "
