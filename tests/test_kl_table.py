@@ -1,4 +1,4 @@
-"""The README's table, row by row, by exact enumeration over a small vocabulary: for every KL
+"""The KL table of docs/kl_playbook.md, row by row, by exact enumeration over a small vocabulary: for every KL
 estimator x place (loss / reward) x importance weight, what its expected gradient is, on-policy
 (samples from pi) and off-policy (samples from pi_old != pi). Closed forms in float64:
 grad KL(pi||ref) = p * (log(p/q) - KL), grad KL(ref||pi) = p - q (w.r.t. the logits of pi)."""
