@@ -2,7 +2,12 @@
 side in one process (tp = dp = 1, fp32, CPU): step time and the tracked peak memory of the step's work
 after the rollout (reference / teacher / old passes, advantages, the update).
 
-    python -m bench.bench_distill [--steps 5] [--json OUT]
+    python -m bench.bench_distill [--steps 5] [--json OUT] [--vocab full|tokenizer]
+
+`--steps 0`: the memory only (one warm-up step per row, then the tracked peak). The heads run over the
+model's full vocabulary (32000 rows: bench/bench_lora_memory.py's FullVocabTokenizer); `--vocab tokenizer`
+gives the shipped 256-piece tokenizer's vocabulary instead (the heads then cover 256 rows only, as in the
+measurements made before this option existed).
 
 Rows (the policy, its batch and its seed identical in all):
   grpo_exact_kl      algo.name=grpo, the exact KL(pi || ref) in the loss (kl.exact=true), beta 0.02
