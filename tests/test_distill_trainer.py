@@ -92,11 +92,11 @@ def _update_grads(overrides):
     return data.ro.sequences, got
 
 
+@pytest.mark.slow  # two trainers each (~10 s); the fast tier checks the chunk term in tests/test_distill.py
 @pytest.mark.parametrize("overrides", [
     ["algo.name=distill", "distill.loss=jsd", "distill.beta=0.3"],
-    pytest.param(["algo.name=distill", "distill.loss=topk_forward_kl", "distill.top_k=5", "teacher.temperature=1.5"],
-                 marks=pytest.mark.slow),
-    pytest.param(["algo.name=grpo", "distill.coef=0.7", "kl.exact=true", "kl_ctl.beta=0.1"], marks=pytest.mark.slow)])
+    ["algo.name=distill", "distill.loss=topk_forward_kl", "distill.top_k=5", "teacher.temperature=1.5"],
+    ["algo.name=grpo", "distill.coef=0.7", "kl.exact=true", "kl_ctl.beta=0.1"]])
 def test_term_in_the_loss_head_gives_the_second_head_calls_gradient(overrides):
     """The term inside the loss-inside head (its gradient added to the policy's per chunk) and the same term as a
     second head call (algo.fused_loss=false: the policy's recomputing head, the term's own autograd backward,
