@@ -2,7 +2,12 @@
 side in one process (tp = dp = 1, fp32, CPU): step time and the tracked peak memory of the step's work
 after the rollout (reference / teacher / old passes, advantages, the update).
 
-    python -m bench.bench_distill [--steps 5] [--json OUT]
+    python -m bench.bench_distill [--steps 5] [--json OUT] [--vocab full|tokenizer]
+
+`--steps 0`: the memory only (one warm-up step per row, then the tracked peak). The heads run over the
+model's full vocabulary (32000 rows: bench/bench_lora_memory.py's FullVocabTokenizer); `--vocab tokenizer`
+gives the shipped 256-piece tokenizer's vocabulary instead (the heads then cover 256 rows only, as in the
+measurements made before this option existed).
 
 Rows (the policy, its batch and its seed identical in all):
   grpo_exact_kl      algo.name=grpo, the exact KL(pi || ref) in the loss (kl.exact=true), beta 0.02
@@ -29,6 +34,7 @@ import sys
 
 import torch
 
+from bench.bench_lora_memory import FullVocabTokenizer
 from bench.bench_rl_step import REWARD, WideVocabTokenizer, tracked_peak
 from core.config import ModelConfig, load_config
 from core.model import build_model
@@ -57,14 +63,16 @@ ROWS = {
 }
 
 
-def build(overrides: list, teacher_cfg: ModelConfig | None):
+def build(overrides: list, teacher_cfg: ModelConfig | None, full_vocab: bool = True):
     extra = [] if teacher_cfg is None else ["teacher.checkpoint=seeded-in-process"]
     cfg = load_config(RLConfig, None, COMMON + overrides + extra)
     state = init_parallel(ParallelDims(1, 1), "cpu", MODEL.n_heads, MODEL.n_kv_heads)
     policy = build_model(MODEL, seed=11)
     teacher = None if teacher_cfg is None else build_model(teacher_cfg, seed=29)
     ref = None if teacher_is_reference(cfg) else build_model(MODEL, seed=11)  # as rl.train.build loads them
-    return assemble(cfg, state, MODEL, WideVocabTokenizer(load_tokenizer(None)), policy, ref, teacher=teacher)
+    inner = load_tokenizer(None)
+    tok = FullVocabTokenizer(inner, MODEL.vocab_size) if full_vocab else WideVocabTokenizer(inner)
+    return assemble(cfg, state, MODEL, tok, policy, ref, teacher=teacher)
 
 
 def post_rollout_peak(tr, step: int) -> int:
@@ -94,14 +102,15 @@ def post_rollout_peak(tr, step: int) -> int:
     return int(max(exp["Total"], upd["Total"]))
 
 
-def bench_rows(names: list, steps: int, log=print) -> list[dict]:
+def bench_rows(names: list, steps: int, log=print, full_vocab: bool = True) -> list[dict]:
     """All rows' trainers built first, then their steps interleaved (step s of every row, then s + 1): on a
-    machine shared with other jobs the load falls on every row alike."""
+    machine shared with other jobs the load falls on every row alike. `steps` 0: the memory only (one
+    warm-up step, then the tracked peak)."""
     trainers = {}
     for name in names:
         overrides, teacher_cfg = ROWS[name]
         torch.manual_seed(0)
-        trainers[name] = build(overrides, teacher_cfg)
+        trainers[name] = build(overrides, teacher_cfg, full_vocab)
         trainers[name].step(0)  # warm-up
     recs = {name: [] for name in names}
     for s in range(1, steps + 1):
@@ -109,13 +118,16 @@ def bench_rows(names: list, steps: int, log=print) -> list[dict]:
             recs[name].append(trainers[name].step(s))
     rows = []
     for name in names:
-        med = lambda f, rs=recs[name]: statistics.median(f(r) for r in rs)  # noqa: E731
-        row = {"row": name, "step_s": med(lambda r: r["step_time_s"]),
-               "post_rollout_s": med(lambda r: r["step_time_s"] - r["time_rollout_s"]),
-               "response_tokens": med(lambda r: r["response_len"] * r["samples"]),
-               "peak_bytes": post_rollout_peak(trainers[name], steps + 1)}
-        log(f"{name:16s} step {row['step_s']:.3f} s  post-rollout {row['post_rollout_s']:.3f} s  "
-            f"peak {row['peak_bytes'] / 2**20:.1f} MiB  tokens {row['response_tokens']:.0f}")
+        row = {"row": name, "peak_bytes": post_rollout_peak(trainers[name], steps + 1)}
+        if steps:
+            med = lambda f, rs=recs[name]: statistics.median(f(r) for r in rs)  # noqa: E731
+            row.update(step_s=med(lambda r: r["step_time_s"]),
+                       post_rollout_s=med(lambda r: r["step_time_s"] - r["time_rollout_s"]),
+                       response_tokens=med(lambda r: r["response_len"] * r["samples"]))
+            log(f"{name:16s} step {row['step_s']:.3f} s  post-rollout {row['post_rollout_s']:.3f} s  "
+                f"peak {row['peak_bytes'] / 2**20:.1f} MiB  tokens {row['response_tokens']:.0f}")
+        else:
+            log(f"{name:16s} peak {row['peak_bytes'] / 2**20:.1f} MiB")
         rows.append(row)
     return rows
 
@@ -125,17 +137,22 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--rows", default=",".join(ROWS))
     ap.add_argument("--json", default=None)
+    ap.add_argument("--vocab", choices=("full", "tokenizer"), default="full",
+                    help="the heads over the model's 32000 rows (default), or the shipped tokenizer's 256")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
-    rows = bench_rows(args.rows.split(","), args.steps)
+    rows = bench_rows(args.rows.split(","), args.steps, full_vocab=args.vocab == "full")
     base = next((r for r in rows if r["row"] == "grpo_exact_kl"), None)
     if base is not None:
         for r in rows:
-            r["time_ratio"] = r["step_s"] / base["step_s"]
-            r["post_rollout_ratio"] = r["post_rollout_s"] / base["post_rollout_s"]
             r["memory_ratio"] = r["peak_bytes"] / base["peak_bytes"]
-            print(f"{r['row']:16s} time x{r['time_ratio']:.2f} (post-rollout x{r['post_rollout_ratio']:.2f})  "
-                  f"memory x{r['memory_ratio']:.3f}")
+            if args.steps:
+                r["time_ratio"] = r["step_s"] / base["step_s"]
+                r["post_rollout_ratio"] = r["post_rollout_s"] / base["post_rollout_s"]
+                print(f"{r['row']:16s} time x{r['time_ratio']:.2f} (post-rollout x{r['post_rollout_ratio']:.2f})  "
+                      f"memory x{r['memory_ratio']:.3f}")
+            else:
+                print(f"{r['row']:16s} memory x{r['memory_ratio']:.3f}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"model": MODEL.__dict__, "rows": rows}, f, indent=1, default=str)

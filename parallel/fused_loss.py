@@ -63,7 +63,7 @@ class _FusedHeadLoss(torch.autograd.Function):
     in forward and saved."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, ref_hidden, ref_weight, targets, keep, sh, spec, chunk_size, token_loss):
+    def forward(ctx, hidden, weight, ref_hidden, ref_weight, targets, keep, sh, spec, chunk_size, token_loss, extra):
         T = hidden.shape[0]
         need = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], False, False)
         acc = GradAccumulator(hidden, weight, None, None, need, sh.nv)
@@ -76,6 +76,9 @@ class _FusedHeadLoss(torch.autograd.Function):
             kc = part(keep, s, e)
             zp = mm_p(hidden[s:e], kc)  # [c, nv]
             zq = mm_q(ref_hidden[s:e], kc) if spec.has_q else None
+            # a term beside the loss (parallel/distill_chunk.py) reads the student's logits before the statistics
+            # take their buffer, and returns its gradient with respect to them
+            xl, xdz = (None, None) if extra is None else extra.chunk(zp, s, e, need[0] or need[1])
             tsel = None if tl is None else (tl[0][s:e], tl[1][s:e])
             maxes, sums = spec.buffers(e - s, hidden, sh.dtype)
             local_stats_kept(zp, zq, tsel, spec, maxes, sums)  # zp: z_p - local max, zq: the cross term
@@ -85,15 +88,20 @@ class _FusedHeadLoss(torch.autograd.Function):
             for k in spec.outputs:
                 stats[k][s:e] = masked(st[k], kc)
             chunk_loss, g = _token_loss_and_grads(token_loss, st, kc, s, e, need[0] or need[1])
+            if xl is not None:
+                chunk_loss = chunk_loss + xl.to(chunk_loss.dtype)
             loss = chunk_loss if loss is None else loss + chunk_loss
+            gp = xdz
             if any(v is not None for v in g.values()):
                 g = {k: masked(v.to(sh.dtype), kc) for k, v in g.items() if v is not None}
                 gp = grad_logits_kept(zp, zq, tsel, shifted_stats(st, maxes, spec), g, spec,
                                       sh.temperature)  # in zp's buffer: the logits' last use
-                zq = None  # freed before the gradient's matmuls (and its cast to the weight's dtype)
+                if xdz is not None:
+                    gp.add_(xdz)
+                zq = xdz = None  # freed before the gradient's matmuls (and its cast to the weight's dtype)
+            if gp is not None:
                 acc.add(s, e, kc, gp, None)
-                del gp
-            del zp, zq
+            del zp, zq, gp, xdz
         gh, gw, _, _ = acc.grads()
         ctx.save_for_backward(gh, gw)
         outs = tuple(stats[k] for k in spec.outputs)
@@ -113,7 +121,7 @@ class _FusedHeadLoss(torch.autograd.Function):
         for g in (gh, gw):
             if g is not None:
                 g.mul_(grad_loss)  # exact when grad_loss is 1; no device sync to test it
-        return (gh, gw, None, None, None, None, None, None, None, None)
+        return (gh, gw, None, None, None, None, None, None, None, None, None)
 
 
 def _token_loss_and_grads(token_loss, st: dict, keep, s: int, e: int, need: bool):
@@ -135,7 +143,7 @@ def _token_loss_and_grads(token_loss, st: dict, keep, s: int, e: int, need: bool
 
 def fused_head_loss(hidden, weight_local, targets=None, tp_group=None, *, token_loss, vocab_size=None,
                     ref_hidden=None, ref_weight_local=None, temperature=1.0, chunk_size=None, kl=None,
-                    entropy=True, fp32=True, mask=None) -> tuple[torch.Tensor, FusedHeadOutput]:
+                    entropy=True, fp32=True, mask=None, extra=None) -> tuple[torch.Tensor, FusedHeadOutput]:
     """loss = sum over chunks of token_loss(logprobs, entropy, kl, tokens).sum(), with the gradient
     to hidden and weight_local computed chunk by chunk in this call.
 
@@ -153,6 +161,10 @@ def fused_head_loss(hidden, weight_local, targets=None, tp_group=None, *, token_
     indexed as `old_logprobs.reshape(-1)[tokens]`. Any torch function of its inputs; it must be
     the same on every tp rank.
 
+    `extra`: a term of the policy's logits beside token_loss (parallel/distill_chunk.py's DistillChunkTerm, over
+    the flattened tokens): its value joins the loss and its gradient the policy's, chunk by chunk, before the
+    gradient matmuls: one weight-gradient accumulator for both.
+
     Returns (loss: 0-d tensor with grad to hidden and weight_local, stats: FusedHeadOutput of the
     detached per-token values, shaped like targets, fields not requested None)."""
     if not callable(token_loss):
@@ -160,8 +172,10 @@ def fused_head_loss(hidden, weight_local, targets=None, tp_group=None, *, token_
     ph = prepare_head(hidden, weight_local, targets, tp_group, vocab_size, ref_hidden, ref_weight_local,
                       temperature, entropy, kl, fp32, "fused_head_loss", mask, chunk_size)
     ref_hidden = None if ph.ref_hidden is None else ph.ref_hidden.detach()
+    if extra is not None:
+        extra.bind(ph.sh, ph.keep, ph.hidden.shape[0], weight_local.shape[0])
     ref_weight = None if ref_weight_local is None else ref_weight_local.detach()
     loss, *outs = _FusedHeadLoss.apply(ph.hidden, weight_local, ref_hidden, ref_weight, ph.targets, ph.keep,
-                                       ph.sh, ph.spec, ph.chunk_size, token_loss)
+                                       ph.sh, ph.spec, ph.chunk_size, token_loss, extra)
     got = {name: o.reshape(ph.lead) for name, o in zip(ph.spec.outputs, outs)}
     return loss, FusedHeadOutput(*(got.get(k) for k in FusedHeadOutput._fields))

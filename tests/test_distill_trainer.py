@@ -59,7 +59,7 @@ def _divergence(ls, lt, kind, beta=0.5):
                                         ("reverse_kl", ["kl.exact=true", "kl_ctl.beta=0.1"])])
 def test_distill_loss_equals_full_logits(loss, extra):
     """reverse_kl / forward_kl inside the policy's head (the teacher in its KL slot); jsd, and any term beside an
-    exact reference KL, as a second head call on the same hidden states."""
+    exact reference KL, as a chunk term of the same loss-inside head (parallel/distill_chunk.py)."""
     t = _trainer(["algo.name=distill", f"distill.loss={loss}", "distill.beta=0.3"] + extra)
     tau_t = t.cfg.teacher.temperature
     data = t.make_experience(0)
@@ -75,6 +75,39 @@ def test_distill_loss_equals_full_logits(loss, extra):
         assert float(data.kl.abs().max()) < 1e-12 and abs(upd["kl_loss"]) < 1e-12
     tl = lt.gather(-1, data.ro.responses_ids[..., None])[..., 0]
     torch.testing.assert_close(data.teacher_logp, torch.where(m, tl, 0.0).float(), atol=1e-6, rtol=1e-6)
+
+
+def _update_grads(overrides):
+    """(the rollout's sequences, the policy's gradient of the first update's loss) before clipping."""
+    t = _trainer(overrides)
+    data = t.make_experience(0)
+    got, norm = {}, t.opt.grad_norm
+
+    def grab():
+        got.update({n: p.grad.clone() for n, p in t.policy.named_parameters() if p.grad is not None})
+        return norm()
+
+    t.opt.grad_norm = grab
+    t.update(data, 0)
+    return data.ro.sequences, got
+
+
+@pytest.mark.slow  # two trainers each (~10 s); the fast tier checks the chunk term in tests/test_distill.py
+@pytest.mark.parametrize("overrides", [
+    ["algo.name=distill", "distill.loss=jsd", "distill.beta=0.3"],
+    ["algo.name=distill", "distill.loss=topk_forward_kl", "distill.top_k=5", "teacher.temperature=1.5"],
+    ["algo.name=grpo", "distill.coef=0.7", "kl.exact=true", "kl_ctl.beta=0.1"]])
+def test_term_in_the_loss_head_gives_the_second_head_calls_gradient(overrides):
+    """The term inside the loss-inside head (its gradient added to the policy's per chunk) and the same term as a
+    second head call (algo.fused_loss=false: the policy's recomputing head, the term's own autograd backward,
+    parallel/distill_head.py and distill_topk.py, checked against full logits in tests/test_distill.py) give
+    the policy the same gradient on the same rollout."""
+    seq_in, g_in = _update_grads(overrides)
+    seq_out, g_out = _update_grads(overrides + ["algo.fused_loss=false"])
+    assert torch.equal(seq_in, seq_out)
+    assert g_in.keys() == g_out.keys() and len(g_in) > 0
+    for n in g_in:
+        torch.testing.assert_close(g_in[n], g_out[n], atol=1e-12, rtol=1e-9, msg=n)
 
 
 def test_bf16_teacher_keeps_the_fp32_divergence():

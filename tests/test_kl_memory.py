@@ -16,6 +16,7 @@ from core.config import ModelConfig
 from tests.dist import REPO
 from tools import kl_memory
 from tools.klcost import cli, methods
+from tools.klcost.distill_methods import TOP_K
 from tools.klcost.project import project
 
 FIELDS = {"name", "method", "mode", "pass", "source", "tokens", "hidden", "vocab", "tp", "dtype", "peak_bytes",
@@ -23,6 +24,7 @@ FIELDS = {"name", "method", "mode", "pass", "source", "tokens", "hidden", "vocab
 # the KL-to-reference methods; the distillation rows (a teacher of another width, other values) are checked
 # against their own float64 formulas in tests/test_distill.py::test_kl_memory_distillation_rows
 ALL = [m for m in methods.METHODS if not m.startswith("distill_")]
+WITH_DISTILL = list(methods.METHODS)  # the memory and projection checks: every method
 
 
 def _run_cli(args, timeout=240):
@@ -35,11 +37,12 @@ def test_cli_tp2_rows_comm_and_projection(tmp_path):
     T, H, V, tp = 24, 8, 131, 2
     out = tmp_path / "kl.json"
     proc = _run_cli(["--tokens", str(T), "--hidden", str(H), "--vocab", str(V), "--tp", str(tp), "--json", str(out),
-                     "--chunk-size", "8", "--pass", "both", "--methods", ",".join(ALL), "--repeats", "1",
+                     "--chunk-size", "8", "--pass", "both", "--methods", ",".join(WITH_DISTILL), "--repeats", "1",
                      "--warmup", "0"], timeout=600)
     assert proc.returncode == 0, proc.stderr
     rows = json.loads(out.read_text())
-    assert {(r["name"], r["pass"]) for r in rows} == {(n, p) for n in ALL for p in ("forward", "forward+backward")}
+    passes = ("forward", "forward+backward")
+    assert {(r["name"], r["pass"]) for r in rows} == {(n, p) for n in WITH_DISTILL for p in passes}
     for r in rows:
         assert FIELDS <= set(r), r
         assert (r["tokens"], r["hidden"], r["vocab"], r["tp"], r["source"]) == (T, H, V, tp, "measured")
@@ -64,10 +67,11 @@ def test_cli_tp2_rows_comm_and_projection(tmp_path):
     # process, as a user runs it: nothing earlier in this one can touch its fake group or allocator)
     proj = tmp_path / "proj.json"
     proc = _run_cli(["--tokens", str(T), "--hidden", str(H), "--vocab", str(V), "--tp", str(tp), "--json", str(proj),
-                     "--chunk-size", "8", "--pass", "both", "--methods", ",".join(ALL), "--project"], timeout=600)
+                     "--chunk-size", "8", "--pass", "both", "--methods", ",".join(WITH_DISTILL), "--project"],
+                    timeout=600)
     assert proc.returncode == 0, proc.stderr
     projected = json.loads(proj.read_text())
-    assert len(projected) >= 2 * (len(ALL) - 1)  # every method but (at most) one that cannot be projected
+    assert len(projected) >= 2 * (len(WITH_DISTILL) - 1)  # every method but (at most) one that cannot be projected
     for pr in projected:
         r = by[pr["name"], pr["pass"]]
         assert pr["source"] == "projected" and pr["comm_bytes"] == r["comm_bytes"], (pr["name"], pr["pass"])
@@ -78,6 +82,14 @@ def test_cli_tp2_rows_comm_and_projection(tmp_path):
             # thread for a moment after the call returns (seen in ~0.2-2% of calls; more under load;
             # docs/kl_cost.md). The bound allows exactly those three; the other rows keep the 10% bound.
             assert r["peak_bytes"] - 3 * T * width * 4 <= pr["peak_bytes"] <= r["peak_bytes"] * 1.10, (pr, r)
+            continue
+        if pr["name"] == "distill_topk":
+            # The same gloo effect on the teacher's top-k all-gathers: measured once in a few runs 9600 bytes
+            # above the projection at T = 24 (docs/distillation.md's 40420 against 30820) and 12800 at T = 32,
+            # T k (4 + 8 tp): the values' [T, k] fp32 input and the ids' tp gathered [T, k] int64 parts, still
+            # referenced for a moment after the call returns. Otherwise the two agree to the byte.
+            held = T * TOP_K * (4 + 8 * tp)
+            assert r["peak_bytes"] - held <= pr["peak_bytes"] <= r["peak_bytes"] * 1.10, (pr, r)
             continue
         assert abs(pr["peak_bytes"] - r["peak_bytes"]) <= 0.10 * r["peak_bytes"], (pr, r)
 
@@ -115,7 +127,8 @@ def test_every_method_agrees_with_float64(tmp_path):
         assert r["time_vs_floor"] > 0
 
 
-@pytest.mark.parametrize("name", ["gather", "vp_chunked", "fused_exact", "fused_exact_loss", "fused_k3_loss"])
+@pytest.mark.parametrize("name", ["gather", "vp_chunked", "fused_exact", "fused_exact_loss", "fused_k3_loss",
+                                  "distill_fused_loss", "distill_jsd", "distill_topk", "distill_jsd_call"])
 @pytest.mark.slow
 def test_projection_matches_measurement_tp1(name):
     from tools.klcost.measure import measure

@@ -13,14 +13,19 @@ micro-batch or DP split). The update adds `loss` to the policy loss before the b
 `fuse_into`: where the policy's head computes no exact reference KL (kl.exact=false) and the term is a KL
 (reverse_kl / forward_kl), the teacher takes the reference's place in the policy's own fused head (`kl=`,
 ref_hidden, ref_weight) and the term joins the per-token loss there: one pass over the vocabulary, one
-weight-gradient buffer, the memory of GRPO's exact-KL step. JSD, top-k and distillation beside an exact
-reference KL run as a second head call on the same hidden states (`__call__`).
+weight-gradient buffer, the memory of GRPO's exact-KL step. `in_head`: JSD, top-k and any term beside an
+exact reference KL join the same loss-inside head as a chunk term (parallel/distill_chunk.py): the term's
+gradient with respect to the student's logits is added to the policy's in each chunk, so again one pass over
+the student's vocabulary and one weight-gradient buffer (the teacher's logits are the second matmul, as the
+reference's are in GRPO's exact KL). Only without the loss-inside head (algo.fused_loss=false) the term is
+a second head call on the same hidden states (`__call__`), with its own weight-gradient buffer.
 """
 
 from __future__ import annotations
 
 import torch
 
+from parallel.distill_chunk import DistillChunkTerm
 from parallel.distill_head import distill_divergence
 from parallel.distill_topk import topk_cross_entropy
 from rl.distill.config import FULL_VOCAB, DistillConfig
@@ -37,8 +42,29 @@ class DistillTap:
         self.kw = dict(vocab_size=vocab_size, temperature=temperature, chunk_size=chunk_size)
         self.tp_group, self.t_temp = tp_group, teacher_temperature
         self.loss: torch.Tensor | None = None
-        self.value = 0.0  # sum_t weights_t * D_t, detached: the metric
+        self._value = 0.0  # sum_t weights_t * D_t, detached: the metric
         self.inner = None  # the policy's per-token loss, when fused
+        self.term: DistillChunkTerm | None = None  # the chunk term, when in the head (`in_head`)
+
+    @property
+    def value(self) -> float:
+        """sum_t weights_t * D_t of this micro-batch (detached): the metric."""
+        if self.term is not None and self.term.values is not None:
+            return float((self.weights.reshape(-1).to(self.term.values.dtype) * self.term.values).sum())
+        return self._value
+
+    def in_head(self, kw: dict) -> None:
+        """Hand the term to the policy's loss-inside head as its `extra` (module docstring)."""
+        th = self.th.reshape(-1, self.th.shape[-1]).detach()
+        if self.t_temp != self.kw["temperature"]:  # the head divides both sides by the student's temperature
+            th = th * (self.kw["temperature"] / self.t_temp)
+        topk = None
+        if self.cfg.loss not in FULL_VOCAB:
+            ids, probs = self.topk
+            topk = (ids.reshape(-1, ids.shape[-1]), probs.reshape(-1, probs.shape[-1]))
+        self.term = DistillChunkTerm(self.cfg.loss, self.weights.reshape(-1), th, self.tw, topk=topk,
+                                     beta=self.cfg.beta, coef=self.coef)
+        kw["extra"] = self.term
 
     def fuse_into(self, kw: dict, token_loss, exact_kl_used: bool):
         """Route the teacher through the policy head's KL slot and return the per-token loss that adds the
@@ -60,7 +86,7 @@ class DistillTap:
         m = self.inner.m[tokens]
         w = self.inner.w[tokens].to(kl.dtype)
         d = torch.where(m, w * kl, kl.new_zeros(()))  # masked positions hold 0 already; never multiplied
-        self.value += float(d.detach().sum())
+        self._value += float(d.detach().sum())
         return base + self.coef * d.to(base.dtype)
 
     def __call__(self, h: torch.Tensor, w: torch.Tensor, mask: torch.Tensor | None) -> None:
@@ -73,7 +99,7 @@ class DistillTap:
             d = topk_cross_entropy(h, w, ids.reshape(M, -1), probs.reshape(M, -1), self.tp_group, mask=mask,
                                    **self.kw)
         wd = (self.weights.reshape(M).to(d.dtype) * d).sum()
-        self.value = float(wd.detach())
+        self._value = float(wd.detach())
         self.loss = self.coef * wd
 
 

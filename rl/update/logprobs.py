@@ -266,13 +266,15 @@ def policy_fused_loss(model, sequences, attention_mask, prompt_len: int, token_l
                       vocab_size: int, temperature: float = 1.0, chunk_size: int | None = None, entropy: bool = False,
                       kl: str | None = None, ref_hidden: torch.Tensor | None = None,
                       ref_weight: torch.Tensor | None = None, mask: torch.Tensor | None = None,
-                      rollout_hidden: torch.Tensor | None = None, tap=None) -> tuple[torch.Tensor, TokenStats]:
+                      rollout_hidden: torch.Tensor | None = None, tap=None,
+                      extra=None) -> tuple[torch.Tensor, TokenStats]:
     """The policy loss over the response tokens through `parallel.fused_loss.fused_head_loss`
     (gradient formed in forward, no logits recomputed in backward). Returns (loss, detached
     per-token stats [B, N]). Positions where `mask` [B, N] is False are dropped inside the head.
     `rollout_hidden` [B, N, H]: also the exact KL(rollout || model) per token (no gradient). `tap(h, w, mask)`:
-    called on the head's flat hidden states and weight too (a distillation term, rl/distill/term.py)."""
-    fn = _loss_head(token_loss, tp_group, vocab_size, temperature, chunk_size, entropy, kl, ref_weight, tap)
+    called on the head's flat hidden states and weight too (a distillation term, rl/distill/term.py). `extra`: a
+    term inside the head (fused_head_loss's `extra`, parallel/distill_chunk.py)."""
+    fn = _loss_head(token_loss, tp_group, vocab_size, temperature, chunk_size, entropy, kl, ref_weight, tap, extra)
     (loss, out), shape = _through_head(model, sequences, attention_mask, prompt_len, tp_group, ref_hidden, mask, fn,
                                        rollout_hidden)
     return loss, _stats(out, shape)
@@ -282,15 +284,17 @@ def packed_fused_loss(model, packed, token_loss, *, tp_group=None, vocab_size: i
                       chunk_size: int | None = None, entropy: bool = False, kl: str | None = None,
                       ref_hidden: torch.Tensor | None = None, ref_weight: torch.Tensor | None = None,
                       mask: torch.Tensor | None = None,
-                      rollout_hidden: torch.Tensor | None = None, tap=None) -> tuple[torch.Tensor, TokenStats]:
+                      rollout_hidden: torch.Tensor | None = None, tap=None,
+                      extra=None) -> tuple[torch.Tensor, TokenStats]:
     """`policy_fused_loss` over the M response tokens of a packed sequence (see `packed_token_stats`):
     (loss, detached per-token stats [1, M]); `token_loss` is bound to [1, M] tensors."""
-    fn = _loss_head(token_loss, tp_group, vocab_size, temperature, chunk_size, entropy, kl, ref_weight, tap)
+    fn = _loss_head(token_loss, tp_group, vocab_size, temperature, chunk_size, entropy, kl, ref_weight, tap, extra)
     (loss, out), shape = _through_head_packed(model, packed, tp_group, ref_hidden, mask, fn, rollout_hidden)
     return loss, _stats(out, shape)
 
 
-def _loss_head(token_loss, tp_group, vocab_size, temperature, chunk_size, entropy, kl, ref_weight, tap=None):
+def _loss_head(token_loss, tp_group, vocab_size, temperature, chunk_size, entropy, kl, ref_weight, tap=None,
+               extra=None):
     def fn(h, w, t, rh, m, rollout_h=None, tokens=None):
         """`tokens` (context parallel): the flat indices of these head tokens in the pass's [B * N]."""
         tl = token_loss if tokens is None else LocalTokens(token_loss, tokens)
@@ -305,7 +309,7 @@ def _loss_head(token_loss, tp_group, vocab_size, temperature, chunk_size, entrop
                                               mask=m).logprobs)
         loss, out = fused_head_loss(h, w, t, tp_group, token_loss=tl, vocab_size=vocab_size, ref_hidden=rh,
                                     ref_weight_local=ref_weight, temperature=temperature, chunk_size=chunk_size,
-                                    entropy=entropy, kl=kl, mask=m)
+                                    entropy=entropy, kl=kl, mask=m, extra=extra)
         if rollout_h is None:
             return loss, out
         return loss, TokenStats(out.logprobs, out.entropy, out.kl, _rollout_kl(h, w, rollout_h, m, tp_group,

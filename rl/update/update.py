@@ -129,9 +129,13 @@ class PolicyUpdate:
                              **sequence_ids(cfg.loss, data.mask, tok))
         tap, head_fn = self._distill_tap(data, tok, weights), fn
         if tap is not None:  # the distillation term on the same forward's hidden states: inside the policy's
-            head_fn = tap.fuse_into(kw, fn, exact_kl_used=cfg.kl.exact)  # head when it can, else beside it
-            if head_fn is None:
-                head_fn, kw["tap"] = fn, tap
+            head_fn = tap.fuse_into(kw, fn, exact_kl_used=cfg.kl.exact)  # head: in its KL slot, else as a
+            if head_fn is None:  # chunk term of the loss-inside head; without that head beside it
+                head_fn = fn
+                if cfg.algo.fused_loss:
+                    tap.in_head(kw)
+                else:
+                    kw["tap"] = tap
         loss, cur = self._policy_loss(data.ro, mb, mask, head_fn, kw)
         if tap is not None and tap.loss is not None:
             loss = loss + tap.loss

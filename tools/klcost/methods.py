@@ -15,8 +15,9 @@ backpropagate.
 |                  |            |       | with k3(log p, log q) in its token_loss: like with like for fused_exact_loss |
 
 Distillation (tools/klcost/distill_methods.py, the reference's side read as a teacher whose hidden width
-`ref_hidden` may differ from the student's): distill_fused_loss, distill_jsd, distill_topk, and gather /
-fused_exact themselves at two widths. Peers (tools/klcost/peers.py) add verl_k3, trl_k3, cce_k3 and liger_jsd.
+`ref_hidden` may differ from the student's): distill_fused_loss, distill_jsd, distill_topk, distill_jsd_call,
+and gather / fused_exact themselves at two widths. Peers (tools/klcost/peers.py) add verl_k3, trl_k3, cce_k3
+and liger_jsd.
 
 The forward+backward loss is a fixed linear function of the outputs (coefficients `coef` [3, T]),
 so every method backpropagates the same thing.
@@ -44,10 +45,11 @@ METHODS = {  # name -> (method, mode)
     "fused_k3": ("fused", "k3"),
     "fused_k3_loss": ("fused_loss", "k3"),
     "distill_fused_loss": ("fused_loss", "exact"),  # the teacher in the policy head's KL slot (the trainer's path)
-    "distill_jsd": ("fused", "jsd"),  # the policy's loss head, then the JSD head on the same hidden states
-    "distill_topk": ("topk", "topk"),  # the teacher's top-k shipped, then the student's fused cross-entropy
+    "distill_jsd": ("fused_loss", "jsd"),  # the JSD as the loss head's chunk term (the trainer's path)
+    "distill_topk": ("fused_loss", "topk"),  # the teacher's top-k shipped, the cross-entropy as the chunk term
+    "distill_jsd_call": ("fused", "jsd"),  # the loss head, then the JSD head as a second call
 }
-DISTILL = ("distill_fused_loss", "distill_jsd", "distill_topk")
+DISTILL = ("distill_fused_loss", "distill_jsd", "distill_topk", "distill_jsd_call")
 DEFAULT = ["gather", "vp_materialized", "vp_chunked", "fused_exact", "fused_exact_loss", "fused_k3", "fused_k3_loss"]
 CHUNKED = {"matmul_floor", "vp_chunked", "fused_exact", "fused_exact_loss", "fused_k3", "fused_k3_loss", *DISTILL}
 
