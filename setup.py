@@ -20,7 +20,7 @@ setup(
         "jinja2>=3.1.6",  # chat templates
     ],
     extras_require={
-        "dev": ["pytest>=8", "ruff>=0.6", "transformers>=4.45", "matplotlib", "hypothesis"],
+        "dev": ["pytest>=8", "pytest-xdist>=3.6", "ruff>=0.6", "transformers>=4.45", "matplotlib", "hypothesis"],
         "plot": ["matplotlib"],
         "data": ["pyarrow"],  # Parquet prompt sets
         "peft": ["peft", "transformers>=4.45"],  # tools.convert_hf export --peft, checked by tests with peft
