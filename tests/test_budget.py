@@ -90,7 +90,8 @@ def test_projected_peak_bytes_for_an_rl_config():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("lora_rank", [0, 8])
-def test_budget_of_a_whole_step_with_lora_and_without(lora_rank):
+@pytest.mark.parametrize("exact", [False, True])
+def test_budget_of_a_whole_step_with_lora_and_without(lora_rank, exact):
     """projected_peak_bytes against MemTracker's peak of a whole GRPO step (rollout, reference and old
     passes, update) on a model whose activations and KL head matter beside its weights: LoRA with the
     adapters-off reference (frozen base: no base gradients or AdamW state, the adapters' only) and full
@@ -99,5 +100,7 @@ def test_budget_of_a_whole_step_with_lora_and_without(lora_rank):
 
     mc = ModelConfig(vocab_size=4096, hidden_size=128, n_layers=2, n_heads=4, n_kv_heads=2, intermediate_size=352,
                      max_seq_len=64, bos_id=1, eos_id=2, pad_id=0)
-    r = step_peak(lora_rank, mc, JOB)
+    # the exact KL: the reference's hidden states and head copy are kept through the update
+    job = [j for j in JOB if not j.startswith("kl.estimator")] + ["kl.exact=true"] if exact else JOB
+    r = step_peak(lora_rank, mc, job)
     assert abs(r["budget_peak"] - r["peak_total"]) <= 0.10 * r["peak_total"], r

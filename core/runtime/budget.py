@@ -226,9 +226,13 @@ def step_budget(cfg: ModelConfig, lay: Layout, batch: Batch, placement: str = "t
     rollout = parts["policy weights"] + parts["AdamW state"] + ref + kv_cache + parts["rollout work"] + kept
     # backward frees activations as it makes gradients: the head's transients meet the head's gradient
     # only (the first made), the full gradients meet no activations; the larger of the two is the top
-    update = (parts["policy weights"] + parts["AdamW state"] + ref + kept
-              + max(acts + head + head_grad, parts["gradients"] + tied_extra))
     vp_local = cfg.padded_vocab_size(lay.tp) // lay.tp
+    # the exact KL in the loss: the reference's hidden states [rows, N, H] and its head copy [Vp/tp, H], made in
+    # the experience phase (rl/update/step_data.py), stay alive through the update, where the loss head reads them
+    exact_kept = ((batch.rollout_rows * batch.response_len + vp_local) * cfg.hidden_size
+                  * DTYPE_BYTES[ref_dtype or lay.compute_dtype]) if exact_kl else 0
+    update = (parts["policy weights"] + parts["AdamW state"] + ref + kept + exact_kept
+              + max(acts + head + head_grad, parts["gradients"] + tied_extra))
     # the reference's no-grad pass (experience phase): the copy of its head weight [Vp/tp, H] that
     # rl/update/logprobs.py's reference_hidden keeps, plus the larger of one layer's forward transients and
     # its log-probs by the fused head: one [chunk, Vp/tp] fp32 logits tensor (statistics in place)
