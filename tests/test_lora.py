@@ -162,7 +162,7 @@ def test_lora_ppo_trains_the_adapters_and_the_whole_critic():
     critic_before = [p.detach().clone() for p in trainer.critic.parameters()]
     trainer.step(0)
     moved = {n for n, p in trainer.policy.named_parameters() if not torch.equal(p, before[n])}
-    assert moved and all(".lora_" in n or "lora" in n.split(".")[-2:][0] or "lora" in n for n in moved), moved
+    assert moved and all("lora" in n for n in moved), moved
     assert all(not p.requires_grad for n, p in trainer.policy.named_parameters() if "lora" not in n)
     assert all(p.requires_grad for p in trainer.critic.parameters())
     assert sum(not torch.equal(a, b) for a, b in zip(critic_before, trainer.critic.parameters())) > 0
