@@ -352,3 +352,53 @@ def test_a_correction_does_not_depend_on_the_layout(dist_pools):
     for tp, dp in ((2, 1), (1, 2)):
         for got in dist_pools.run(2, _steps_and_logits, tp, dp, over, keys):
             _compare(single, got)
+
+
+def _old_pass_rows(trainer, monkeypatch):
+    """(the step's StepData, rows the old-log-prob pass computes: every local row but the deferred ones)."""
+    from rl.update.step_data import ExperienceMaker
+    seen, real = [], ExperienceMaker._old_pass
+
+    def spy(self, ro, shared, deferred, **kw):
+        seen.append(ro.response_mask.shape[0] - (0 if deferred is None else deferred.numel()))
+        return real(self, ro, shared, deferred, **kw)
+    monkeypatch.setattr(ExperienceMaker, "_old_pass", spy)
+    data = trainer.make_experience(0)
+    monkeypatch.undo()
+    return data, sum(seen)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["tis", "mis", "decoupled", "seq_tis"])
+def test_token_level_corrections_take_the_first_mini_batch_s_pi_old_from_the_update(kind, monkeypatch):
+    """algo.old_from_update with a token-level correction: the first mini-batch's rows get no old-log-prob pass
+    (their c_t comes from the update's own forward, inside the loss); a sequence-level one (seq_tis) still needs
+    every row's pi_old first. The update's loss, KL and weight metrics equal the run that recomputes every row
+    (float64: the same forward, another batch shape), and the correction's metrics cover every row."""
+    from tests.test_rl_trainer import _trainer
+    torch.set_num_threads(1)
+    over = ["algo.name=grpo", "kl.estimator=k3+", "kl_ctl.beta=0.1", "algo.mini_batches=2", "algo.max_staleness=1",
+            f"algo.off_policy.correction={kind}", *([f"algo.off_policy.cap={1.5}"] if kind != "decoupled" else [])]
+    got = {}
+    for defer in (True, False):
+        trainer, _ = _trainer(1, 1, over + [f"algo.old_from_update={str(defer).lower()}"], dtype=torch.float64)
+        data, rows = _old_pass_rows(trainer, monkeypatch)
+        B = data.mask.shape[0]
+        assert rows == (B // 2 if defer and kind != "seq_tis" else B), (defer, rows)
+        # mu as an older policy's: the recorded log-probs moved by a fixed +-0.4 pattern, so the weights spread
+        # across the cap (truncated, masked and kept tokens all occur)
+        g = torch.Generator().manual_seed(5)
+        data.rollout_logprobs = data.rollout_logprobs + 0.4 * torch.randn(data.mask.shape, generator=g).double()
+        got[defer] = (trainer.update(data, 0), data)
+    (a, da), (b, db) = got[True], got[False]
+    assert torch.allclose(da.old_logp, db.old_logp, rtol=0, atol=1e-12)  # the deferred rows filled in
+    for k in ("pg_loss", "kl_loss", "off_policy_weight_mean", "off_policy_weight_max", "off_policy_truncated_share",
+              "off_policy_dropped_share", "grad_norm", "ratio_mean"):
+        assert a[k] == pytest.approx(b[k], rel=1e-9, abs=1e-14), k
+    # the metrics against float64 over every row, from the recorded log-probs
+    mask = db.mask
+    rho = torch.where(mask, (db.old_logp.double() - db.rollout_logprobs.double()).exp(), 0.0)
+    if kind != "seq_tis":
+        c = _hand_sync(kind, 1.5, rho, mask)
+        assert a["off_policy_weight_mean"] == pytest.approx(float(c[mask].mean()), rel=1e-10)
+        assert (c[mask] != rho[mask]).any() or kind == "decoupled"  # the cap acts

@@ -311,7 +311,8 @@ class TokenPolicyLoss:
 
     weights, mask, old_logp, advantages, ref_logp: [B, S] (flattened here); `weights` from `token_weights`;
     `is_weights` (c_t on the policy-gradient term) and `kl_old` (log mu: the KL term's weight is pi/mu, not
-    pi/old_logp) from rl/objectives/off_policy.py's `loss_inputs`. Everything bound here and the head's values
+    pi/old_logp) from rl/objectives/off_policy.py's `loss_inputs`; `is_weight_fn` in place of `is_weights` on
+    the deferred rows (on_policy): c_t from this forward's own detached log-prob. Everything bound here and the head's values
     are sanitized at masked positions before any arithmetic: padding reaches no value and no gradient.
     `on_policy`: the first mini-batch after the rollout, whose old policy is the current one (old log-probs:
     the current ones, detached).
@@ -324,8 +325,12 @@ class TokenPolicyLoss:
                  advantages: torch.Tensor, *, kl_cfg: KLConfig | None = None, beta: float = 0.0,
                  ref_logp: torch.Tensor | None = None, on_policy: bool = False, entropy_coef: float | None = None,
                  kl_future: torch.Tensor | None = None, is_weights: torch.Tensor | None = None,
-                 kl_old: torch.Tensor | None = None):
+                 kl_old: torch.Tensor | None = None, is_weight_fn=None):
         self.cfg, self.kl_cfg, self.beta, self.on_policy = cfg, kl_cfg, beta, on_policy
+        self.c_fn = is_weight_fn  # deferred rows: c_t = fn(log pi_old - log mu, mask), pi_old this forward's own
+        if is_weight_fn is not None and (not on_policy or kl_old is None):
+            raise ValueError("TokenPolicyLoss: is_weight_fn needs on_policy=True (pi_old is this forward's "
+                             "log-prob) and kl_old (log mu)")
         self.ent_coef = cfg.entropy_coef if entropy_coef is None else entropy_coef  # adaptive: the controller's
         self.m = mask.reshape(-1).bool()
         flat = lambda t: None if t is None else sanitize(t.reshape(-1), self.m).detach()  # noqa: E731
@@ -345,7 +350,9 @@ class TokenPolicyLoss:
         logp = sanitize(logp, mm)
         o = logp.detach() if self.on_policy else self.old[tokens]
         pg, clipped, dual, lr = self._surrogate(logp, o, mm, tokens)
-        if self.c is not None:
+        if self.c_fn is not None:
+            pg = pg * self.c_fn(o - self.kl_old[tokens], mm).to(pg.dtype)
+        elif self.c is not None:
             pg = pg * self.c[tokens].to(pg.dtype)
         total = pg
         rec = {"pg": pg, "log_ratio": lr, "clipped": clipped, "dual": dual}

@@ -35,15 +35,19 @@ Every c_t is detached. `decoupled` is the unbiased one: E_mu[rho_t f] = E_pi_old
 forms trade that bias for bounded variance (geo_rs rejects whole responses whose mean log-ratio is far, and
 weighs the rest as tis does, so with nothing rejected or truncated it is the decoupled objective). In the
 synchronous run (max_staleness = 0) `none` keeps today's objective exactly (clip on pi/pi_old, mu only
-measured); every other correction needs the rollout's log-probs and every row's pi_old before the update
-(the old pass then defers no row). The KL term of the loss is weighted by pi/mu whenever mu is not pi_old
+measured); every other correction needs the rollout's log-probs. The token-level ones (tis, mis, decoupled) read
+token t's pi_old alone, so the rows whose pi_old is the update's own first forward (`algo.old_from_update`) get
+c_t inside the loss from that forward's detached log-prob (`token_correction`), with no old-log-prob pass over
+them; seq_tis and geo_rs weigh a row by all its tokens' pi_old, so the old pass then defers no row. The KL term of the loss is weighted by pi/mu whenever mu is not pi_old
 (`kl_old`): the KL-under-staleness table (docs/off_policy.md, tests/test_kl_staleness.py) is why.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -51,6 +55,7 @@ import torch
 from parallel import comm
 
 CORRECTIONS = ("none", "tis", "seq_tis", "mis", "geo_rs", "decoupled")
+TOKEN_LEVEL = ("tis", "mis", "decoupled")  # c_t reads token t's pi_old alone
 BEHAVIOURS = ("tempered", "sampled")  # which recorded log-prob is log mu (OffPolicyConfig.behaviour)
 DEFAULT_CAP = {"tis": 2.0, "seq_tis": 2.0, "mis": 2.0, "geo_rs": 2.0, "decoupled": None, "none": None}
 LOG_RHO_CLAMP = 20.0  # log rho is clamped to +-20 before exp (as loss.log_ratio_clamp does the clip's ratio)
@@ -160,19 +165,15 @@ def correction_weights(cfg: OffPolicyConfig, old_logp: torch.Tensor, behaviour_l
     kind = cfg.correction
     if kind == "none":
         c = torch.ones_like(lr)
-    elif kind == "tis":
-        c, truncated = lr.clamp(max=logc).exp(), lr > logc
+    elif kind in TOKEN_LEVEL:
+        c, truncated = _token_c(kind, lr, logc), (lr > logc) if kind == "tis" else truncated
     elif kind == "seq_tis":
         s = _rows_sum(lr, m)  # log prod_t rho_t per response
         c, truncated = s.clamp(max=logc).exp().expand_as(lr), (s > logc).expand_as(m)
-    elif kind == "mis":
-        c = torch.where(lr.abs() <= logc, lr.exp(), zero)
     elif kind == "geo_rs":
         g = _rows_sum(lr, m) / m.sum(-1, keepdim=True).clamp(min=1)  # log of the geometric-mean ratio
         rejected = (g.abs() > logc) & rows
         c, truncated = torch.where(rejected, zero, lr.clamp(max=logc).exp()), (lr > logc) & ~rejected
-    elif kind == "decoupled":
-        c = torch.where(lr <= logc, lr.exp(), zero)
     else:
         raise ValueError(f"correction_weights: unknown correction {kind!r}")
     c = torch.where(m, c, zero)
@@ -181,6 +182,28 @@ def correction_weights(cfg: OffPolicyConfig, old_logp: torch.Tensor, behaviour_l
                         rows.sum().to(dt), rejected.sum().to(dt)])
     cmax = c.max().reshape(1) if c.numel() else torch.zeros(1, dtype=dt, device=dev)
     return c, {"sums": sums, "max": cmax}
+
+
+def _token_c(kind: str, lr: torch.Tensor, logc: float) -> torch.Tensor:
+    """c_t of a token-level correction (TOKEN_LEVEL) from log rho_t (clamped), 0 where it drops the token."""
+    zero = torch.zeros((), dtype=lr.dtype, device=lr.device)
+    if kind == "tis":
+        return lr.clamp(max=logc).exp()
+    if kind == "mis":
+        return torch.where(lr.abs() <= logc, lr.exp(), zero)
+    if kind == "decoupled":
+        return torch.where(lr <= logc, lr.exp(), zero)
+    raise ValueError(f"{kind!r} is not a token-level correction {TOKEN_LEVEL}")
+
+
+def token_correction(cfg: OffPolicyConfig, log_rho: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """c_t of the token-level correction `cfg.correction` from log rho_t = log pi_old - log mu of any shape (float64,
+    detached, 0 off `mask`): what `correction_weights` gives token by token, for a loss that learns pi_old in its own
+    forward (the deferred rows of `algo.old_from_update`)."""
+    m = mask.bool()
+    lr = torch.where(m, log_rho.detach().to(torch.float64), 0.0).clamp(-LOG_RHO_CLAMP, LOG_RHO_CLAMP)
+    c = _token_c(cfg.correction, lr, math.log(cfg.cap) if cfg.cap is not None else math.inf)
+    return torch.where(m, c, 0.0)
 
 
 def weight_metrics(parts: dict, dp_group=None) -> dict[str, float]:
@@ -202,13 +225,17 @@ def weight_metrics(parts: dict, dp_group=None) -> dict[str, float]:
 class LossInputs:
     """What the policy loss takes from the three policies (all [B, N] or None): `old_logp` the clip's anchor,
     `weights` the correction's c_t, `kl_old` the log-prob the KL term's importance weight divides by (None: the
-    anchor), `on_policy_ok` whether epoch 0's first mini-batch may take the anchor from its own forward."""
+    anchor), `on_policy_ok` whether epoch 0's first mini-batch may take the anchor from its own forward,
+    `deferred_weights` c_t of a token-level correction as a function of (log rho, mask) for the rows whose pi_old
+    is that forward (`StepData.deferred`; `weights` holds nothing meaningful there): the correction's metrics
+    then come after the update (`correction_metrics`)."""
 
     old_logp: torch.Tensor
     weights: torch.Tensor | None
     kl_old: torch.Tensor | None
     on_policy_ok: bool
     metrics: dict
+    deferred_weights: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
 
 
 def loss_inputs(cfg, data, dp_group=None) -> LossInputs:
@@ -229,8 +256,21 @@ def loss_inputs(cfg, data, dp_group=None) -> LossInputs:
     if op.correction == "none":  # naive PPO: the clip on pi/mu; the KL weight pi/anchor is then pi/mu
         return LossInputs(mu, None, None, False, metrics)
     c, parts = correction_weights(op, data.old_logp, mu, data.mask)
-    metrics.update(weight_metrics(parts, dp_group))
-    return LossInputs(data.old_logp, c, mu, True, metrics)
+    if getattr(data, "deferred", None) is None:
+        metrics.update(weight_metrics(parts, dp_group))
+        return LossInputs(data.old_logp, c, mu, True, metrics)
+    if op.correction not in TOKEN_LEVEL:
+        raise ValueError(f"algo.off_policy.correction={op.correction!r} weighs a response by every token's pi_old, "
+                         f"so no row's pi_old may be deferred to the update (StepData.deferred must be None)")
+    return LossInputs(data.old_logp, c, mu, True, metrics, functools.partial(token_correction, op))
+
+
+def correction_metrics(cfg, data, dp_group=None) -> dict[str, float]:
+    """`weight_metrics` of the step's correction over every row of `data` (a StepData whose old log-probs are all
+    known: after the update has filled the deferred rows). Every DP rank calls it."""
+    op = cfg.algo.off_policy
+    mu = behaviour_logprobs(data, op.behaviour).to(data.old_logp.dtype)
+    return weight_metrics(correction_weights(op, data.old_logp, mu, data.mask)[1], dp_group)
 
 
 def staleness_metrics(data, max_staleness: int, dp_group=None) -> dict[str, float]:

@@ -28,6 +28,7 @@ from rl.experience.rollout import Rollout
 from rl.objectives.advantages import gae, kl_shaped_rewards, outcome_advantages, whiten
 from rl.objectives.controller import KLController
 from rl.objectives.kl import HEAD_DIRECTION, kl_from_config, sanitize
+from rl.objectives.off_policy import TOKEN_LEVEL
 from rl.update.distill_step import distill_advantages, teacher_pass
 from rl.update.logprobs import (
     PolicyHeads,
@@ -166,7 +167,7 @@ class ExperienceMaker:
         if not c.algo.old_from_update or c.kl.where != "loss" or c.kl_ctl.mode == "grad_ratio" or \
                 c.kl.gradient == "sequence":  # its future-KL returns read every row's KL before the update
             return None
-        if c.algo.off_policy.correction != "none" or c.algo.max_staleness > 0:  # c_t reads every row's pi_old first
+        if c.algo.off_policy.correction not in ("none", *TOKEN_LEVEL):  # a row's weight reads all its tokens' pi_old
             return None
         if truncates(c) and not c.kl.exact:  # the exact KL the controller reads comes from the old pass
             return None

@@ -23,7 +23,7 @@ from rl.objectives.controller import EntropyController, KLController
 from rl.objectives.kl import HEAD_DIRECTION, kl_from_config
 from rl.objectives.kl_place import future_kl
 from rl.objectives.losses import aggregate, clipped_value_loss, loss_scale, token_weights
-from rl.objectives.off_policy import LossInputs, loss_inputs
+from rl.objectives.off_policy import LossInputs, correction_metrics, loss_inputs
 from rl.objectives.policy_objectives import make_token_loss, sequence_ids
 from rl.update.distill_term import DistillTap, needs_tap
 from rl.update.logprobs import PolicyHeads, critic_values, packed_fused_loss, packed_token_stats
@@ -92,6 +92,8 @@ class PolicyUpdate:
                     break
         if data.deferred is not None and not cfg.kl.exact:  # the sampled KL of the filled-in rows
             data.kl = kl_from_config(cfg.kl, data.old_logp, data.ref_logp, data.mask)
+        if off.deferred_weights is not None:  # every row's pi_old is known now: the correction's metrics
+            off.metrics.update(correction_metrics(cfg, data, self.dp_group))
         out = acc.summary(self.dp_group)
         out.update(grad_norm=opt_stats[-1].grad_norm, lr=opt_stats[-1].lr,
                    skipped=sum(int(s.skipped) for s in opt_stats), skipped_total=opt_stats[-1].skipped_total,
@@ -126,6 +128,7 @@ class PolicyUpdate:
                              beta=self.controller.beta, ref_logp=tok(data.ref_logp),
                              on_policy=on_policy and off.on_policy_ok, entropy_coef=self.ent_ctl.coef,
                              kl_future=self._kl_future(data, tok), is_weights=tok(off.weights), kl_old=tok(off.kl_old),
+                             is_weight_fn=off.deferred_weights if fill else None,
                              **sequence_ids(cfg.loss, data.mask, tok))
         tap, head_fn = self._distill_tap(data, tok, weights), fn
         if tap is not None:  # the distillation term on the same forward's hidden states: inside the policy's
