@@ -24,6 +24,7 @@ from parallel.dims import ParallelDims, launch_world_size, resolve_device
 from rl.config import RLConfig
 from rl.distill.config import enabled as distill_enabled
 from rl.distill.config import teacher_is_reference
+from rl.update.step_data import defers_old_rows
 
 
 def check_rl_config(cfg: RLConfig, world: int) -> ParallelDims:
@@ -72,7 +73,8 @@ def memory_plan(cfg: RLConfig, model_cfg: ModelConfig, world_size: int, device: 
     with the distillation teacher when there is one (`planned_teacher`)."""
     teacher = planned_teacher(cfg, model_cfg)
     return projected_peak_bytes(replace(cfg, model=model_cfg), world_size, device.type, teacher=teacher,
-                                teacher_is_reference=teacher is not None and teacher_is_reference(cfg))
+                                teacher_is_reference=teacher is not None and teacher_is_reference(cfg),
+                                old_deferred=defers_old_rows(cfg, teacher is not None))
 
 
 def planned_teacher(cfg: RLConfig, model_cfg: ModelConfig) -> ModelConfig | None:

@@ -88,6 +88,27 @@ def test_projected_peak_bytes_for_an_rl_config():
         projected_peak_bytes(load_config(RLConfig, path, ["parallel.tp=2", "parallel.dp=2"]), 3)
 
 
+@pytest.mark.parametrize("over,deferred", [([], True), (["algo.off_policy.correction=decoupled"], True),
+                                           (["algo.off_policy.correction=seq_tis"], False),
+                                           (["kl.where=reward", "kl.estimator=k1"], False)])
+def test_the_plan_prices_the_old_pass_over_the_rows_the_trainer_runs(over, deferred):
+    """The pre-flight plan's old-log-prob pass covers the rows rl/update/step_data.py's ExperienceMaker computes:
+    every row but epoch 0's first mini-batch where that mini-batch's old values come from the update, every row
+    where something reads them first (a sequence-level correction, the KL in the reward)."""
+    import torch
+
+    from core.config import load_config
+    from rl.config import RLConfig
+    from rl.preflight import memory_plan
+    from tests.dist import REPO
+
+    cfg = load_config(RLConfig, f"{REPO}/configs/grpo_tiny.yaml", ["parallel.tp=1", "algo.mini_batches=2", *over])
+    b = memory_plan(cfg, cfg.model, 1, torch.device("cpu"))["batch"]
+    rows = cfg.rollout.prompts_per_step * cfg.rollout.group_size
+    old_rows = b.rollout_rows if b.old_rows is None else b.old_rows  # None: every rollout row
+    assert b.rollout_rows == rows and old_rows == (rows - rows // 2 if deferred else rows)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("lora_rank", [0, 8])
 @pytest.mark.parametrize("exact", [False, True])

@@ -287,13 +287,15 @@ def rollout_work(cfg: ModelConfig, tp: int, batch: Batch, act_bytes: int, kv_cac
 
 
 def projected_peak_bytes(cfg, world_size: int, device: str = "cuda", teacher: ModelConfig | None = None,
-                         teacher_is_reference: bool = False) -> dict:
+                         teacher_is_reference: bool = False, old_deferred: bool | None = None) -> dict:
     """The projected peak per rank of one RL step for an RLConfig-shaped `cfg` (sections model,
     parallel, rollout, algo, reference; duck-typed, so core does not import rl) on `world_size`
     ranks: step_budget's dict plus 'layout', 'batch' and 'device'. `device` ("cuda" or "cpu") labels the
     result and resolves parallel.mixed_precision "auto" (bf16 on CUDA only). `teacher`: a distillation
     teacher's shape (cfg.teacher says its placement and dtype; `add_teacher`); `teacher_is_reference`: no
-    reference is loaded, the teacher stands in."""
+    reference is loaded, the teacher stands in. `old_deferred`: whether the old-log-prob pass skips epoch 0's
+    first mini-batch (rl/update/step_data.py's `defers_old_rows`; None: whenever algo.old_from_update is on and
+    the KL is in the loss)."""
     par, ro, algo = cfg.parallel, cfg.rollout, cfg.algo
     tp = par.tp
     dp, cp = par.resolve_dp(world_size), getattr(par, "cp", 1)  # parallel.cp: context parallelism, when built
@@ -314,7 +316,9 @@ def projected_peak_bytes(cfg, world_size: int, device: str = "cuda", teacher: Mo
     batch = Batch(rows, update_rows, seq, ro.max_new_tokens, algo.kl_chunk_size, **rollout_fields(ro),
                   group_size=ro.group_size, shared_prompts=bool(getattr(algo, "share_prompts", False)))
     kl_cfg = getattr(cfg, "kl", None)
-    if getattr(algo, "old_from_update", False) and getattr(kl_cfg, "where", None) == "loss":
+    if old_deferred is None:
+        old_deferred = getattr(algo, "old_from_update", False) and getattr(kl_cfg, "where", None) == "loss"
+    if old_deferred:
         batch.old_rows = rows - per_mb  # epoch 0's first mini-batch: its old log-probs come from the update
     placement = "cpu_offload" if cfg.reference.cpu_offload else ("tp_fsdp" if lay.fsdp_shards > 1 else "tp")
     rc = cfg.reference

@@ -312,8 +312,8 @@ class TokenPolicyLoss:
     weights, mask, old_logp, advantages, ref_logp: [B, S] (flattened here); `weights` from `token_weights`;
     `is_weights` (c_t on the policy-gradient term) and `kl_old` (log mu: the KL term's weight is pi/mu, not
     pi/old_logp) from rl/objectives/off_policy.py's `loss_inputs`; `is_weight_fn` in place of `is_weights` on
-    the deferred rows (on_policy): c_t from this forward's own detached log-prob. Everything bound here and the head's values
-    are sanitized at masked positions before any arithmetic: padding reaches no value and no gradient.
+    the deferred rows (on_policy): c_t from this forward's own detached log-prob. Everything bound here and the
+    head's values are sanitized at masked positions before any arithmetic: padding reaches no value and no gradient.
     `on_policy`: the first mini-batch after the rollout, whose old policy is the current one (old log-probs:
     the current ones, detached).
 

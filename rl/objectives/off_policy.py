@@ -38,8 +38,9 @@ synchronous run (max_staleness = 0) `none` keeps today's objective exactly (clip
 measured); every other correction needs the rollout's log-probs. The token-level ones (tis, mis, decoupled) read
 token t's pi_old alone, so the rows whose pi_old is the update's own first forward (`algo.old_from_update`) get
 c_t inside the loss from that forward's detached log-prob (`token_correction`), with no old-log-prob pass over
-them; seq_tis and geo_rs weigh a row by all its tokens' pi_old, so the old pass then defers no row. The KL term of the loss is weighted by pi/mu whenever mu is not pi_old
-(`kl_old`): the KL-under-staleness table (docs/off_policy.md, tests/test_kl_staleness.py) is why.
+them; seq_tis and geo_rs weigh a row by all its tokens' pi_old, so the old pass then defers no row. The KL
+term of the loss is weighted by pi/mu whenever mu is not pi_old (`kl_old`): the KL-under-staleness table
+(docs/off_policy.md, tests/test_kl_staleness.py) is why.
 """
 
 from __future__ import annotations

@@ -86,6 +86,22 @@ class StepData:
         return self.kl if self.kl_exact_metric is None else self.kl_exact_metric
 
 
+def defers_old_rows(c: RLConfig, has_teacher: bool = False) -> bool:
+    """Whether epoch 0's first mini-batch takes its old values from its own on-policy update forward
+    (`algo.old_from_update`), so the old-log-prob pass skips those rows. Not where something reads old
+    log-probs before the update: the KL in the reward, grad_ratio's beta, kl.gradient=sequence's future-KL
+    returns, a correction that weighs a row by all its tokens' pi_old (seq_tis, geo_rs), the controller's exact
+    KL under a truncating sampler, the sampled distillation baseline's advantages."""
+    if not c.algo.old_from_update or c.kl.where != "loss" or c.kl_ctl.mode == "grad_ratio" or \
+            c.kl.gradient == "sequence":
+        return False
+    if c.algo.off_policy.correction not in ("none", *TOKEN_LEVEL):
+        return False
+    if truncates(c) and not c.kl.exact:  # the exact KL the controller reads comes from the old pass
+        return False
+    return not (has_teacher and c.distill.loss == "sampled_reverse_kl")
+
+
 def truncates(cfg: RLConfig) -> bool:
     """Does the rollout sample from a truncated distribution mu != pi (top-k, top-p or min-p on)?"""
     r = cfg.rollout
@@ -161,19 +177,10 @@ class ExperienceMaker:
 
     def _deferred_rows(self, ro: Rollout, step: int) -> torch.Tensor | None:
         """Epoch 0's first mini-batch (local rows), whose old values its on-policy update forward provides
-        (`algo.old_from_update`), or None where the old-log-prob pass must compute every row: something
-        reads old log-probs before the update (the KL in the reward, grad_ratio's beta), or the option is off."""
-        c = self.cfg
-        if not c.algo.old_from_update or c.kl.where != "loss" or c.kl_ctl.mode == "grad_ratio" or \
-                c.kl.gradient == "sequence":  # its future-KL returns read every row's KL before the update
+        (`defers_old_rows`), or None where the old-log-prob pass must compute every row."""
+        if not defers_old_rows(self.cfg, self.teacher is not None):
             return None
-        if c.algo.off_policy.correction not in ("none", *TOKEN_LEVEL):  # a row's weight reads all its tokens' pi_old
-            return None
-        if truncates(c) and not c.kl.exact:  # the exact KL the controller reads comes from the old pass
-            return None
-        if self.teacher is not None and c.distill.loss == "sampled_reverse_kl":  # its advantages read old log-probs
-            return None
-        return mini_batches(c, ro.row_ids.cpu(), step, 0, self.device)[0]
+        return mini_batches(self.cfg, ro.row_ids.cpu(), step, 0, self.device)[0]
 
     def _old_pass(self, ro: Rollout, shared, deferred: torch.Tensor | None, **kw) -> TokenStats:
         """The old-log-prob pass (policy, no grad) over every local row but `deferred`: TokenStats [B, N],
