@@ -68,13 +68,52 @@ def check_context_config(cfg: RLConfig) -> None:
             raise ConfigError(f"parallel.cp={p.cp}: {why}")
 
 
+def role_dims(cfg, world: int) -> tuple[ParallelDims, ParallelDims]:
+    """(trainer dims, rollout dims) of `world` ranks split by parallel.rollout_ranks; ConfigError by name."""
+    p, R = cfg.parallel, cfg.parallel.rollout_ranks
+    if R >= world:
+        raise ConfigError(f"parallel.rollout_ranks={R} leaves no trainer rank in a world of {world}")
+    rollout = ParallelDims(dp=R // p.rollout_tp, tp=p.rollout_tp)
+    if cfg.rollout.prompts_per_step % rollout.dp:
+        raise ConfigError(f"rollout.prompts_per_step={cfg.rollout.prompts_per_step} must be a multiple of the rollout "
+                          f"ranks' dp={rollout.dp} (parallel.rollout_ranks / parallel.rollout_tp)")
+    if getattr(p, "cp", 1) > 1:
+        raise ConfigError(f"parallel.rollout_ranks > 0 with parallel.cp={p.cp}: the split launch lays the trainer "
+                          "ranks out by tp x dp only; set parallel.cp=1 or parallel.rollout_ranks=0")
+    if cfg.lora.enabled:
+        raise ConfigError("parallel.rollout_ranks > 0 with lora.rank > 0: the weight sync sends full weights, not "
+                          "adapters; train LoRA colocated (parallel.rollout_ranks=0)")
+    return check_rl_config(cfg, world - R), rollout
+
+
 def memory_plan(cfg: RLConfig, model_cfg: ModelConfig, world_size: int, device: torch.device) -> dict:
     """core.runtime.budget's projected peak bytes per rank of one step of this exact config, model and layout,
     with the distillation teacher when there is one (`planned_teacher`)."""
     teacher = planned_teacher(cfg, model_cfg)
-    return projected_peak_bytes(replace(cfg, model=model_cfg), world_size, device.type, teacher=teacher,
+    if cfg.parallel.rollout_ranks:  # the rollout ranks record no final hidden states: none reach the trainer
+        cfg = replace(cfg, rollout=replace(cfg.rollout, record_hidden=False))
+    plan = projected_peak_bytes(replace(cfg, model=model_cfg), world_size, device.type, teacher=teacher,
                                 teacher_is_reference=teacher is not None and teacher_is_reference(cfg),
                                 old_deferred=defers_old_rows(cfg, teacher is not None))
+    return split_roles_plan(plan, cfg, model_cfg, device) if cfg.parallel.rollout_ranks else plan
+
+
+def split_roles_plan(plan: dict, cfg: RLConfig, model_cfg: ModelConfig, device: torch.device) -> dict:
+    """A launch split into trainer and rollout ranks (parallel.rollout_ranks, rl/pipeline): `plan`, made for the
+    trainer ranks, without the rollout's KV cache and decode work (the rollout ranks generate), and the rollout
+    ranks' own peak under 'rollout_ranks': the policy's weights at parallel.rollout_tp, unsharded, no gradient,
+    optimizer state or reference, with the KV cache and decode work of their dp group's share of the step's
+    rows (no final hidden states recorded: rl/pipeline/rollout_worker.py)."""
+    p = cfg.parallel
+    parts = dict(plan["parts"], **{"rollout KV cache": 0, "rollout work": 0})
+    trainer = max(plan["experience_peak"], plan["update_peak"])
+    ro_par = replace(p, rollout_ranks=0, tp=p.rollout_tp, dp=p.rollout_ranks // p.rollout_tp, cp=1, fsdp=False,
+                     sequence_parallel=False)
+    ro_cfg = replace(cfg, model=model_cfg, parallel=ro_par, rollout=replace(cfg.rollout, record_hidden=False))
+    ro = projected_peak_bytes(ro_cfg, p.rollout_ranks, device.type)
+    ro_parts = {k: ro["parts"][k] for k in ("policy weights", "rollout KV cache", "rollout work")}
+    rollout_ranks = {"peak": sum(ro_parts.values()), "parts": ro_parts, "layout": ro["layout"], "batch": ro["batch"]}
+    return dict(plan, parts=parts, rollout_peak=0, peak=trainer, rollout_ranks=rollout_ranks)
 
 
 def planned_teacher(cfg: RLConfig, model_cfg: ModelConfig) -> ModelConfig | None:
@@ -147,10 +186,11 @@ def dry_run(cfg: RLConfig, world_size: int | None = None, hf_config: str | None 
     label = "cuda" if cfg.train.device == "cuda" else None
     if label and not torch.cuda.is_available():  # plan for the GPUs from a machine without them
         cfg = replace(cfg, train=replace(cfg.train, device="cpu"))
-    dims = check_rl_config(cfg, world)
+    R = cfg.parallel.rollout_ranks  # a split launch: the plan is the trainer ranks', the rollout ranks' beside it
+    dims = role_dims(cfg, world)[0] if R else check_rl_config(cfg, world)
     model_cfg, src = planned_model(cfg, hf_config, preset_name)
     device = torch.device(label) if label else resolve_device(cfg.train.device)
-    plan = memory_plan(cfg, model_cfg, world, device)
+    plan = memory_plan(cfg, model_cfg, world - R, device)
     print(yaml.safe_dump(to_dict(cfg), sort_keys=False), end="")
     print(f"# model: {src}: {describe_model(model_cfg)}")
     teacher = planned_teacher(cfg, model_cfg)
@@ -160,12 +200,19 @@ def dry_run(cfg: RLConfig, world_size: int | None = None, hf_config: str | None 
     lay = plan["layout"]
     print(f"# sequence: {plan['batch'].seq_len} tokens, precision {lay.compute_dtype}, sequence parallelism "
           f"{'on' if lay.sp and lay.tp > 1 else 'off'}, context parallelism cp={lay.cp}")
-    print(f"# projected peak per rank ({world} ranks: tp={dims.tp} x dp={dims.dp}, {device.type}, reference "
+    who = f"{world - R} trainer ranks of {world}" if R else f"{world} ranks"
+    print(f"# projected peak per rank ({who}: tp={dims.tp} x dp={dims.dp}, {device.type}, reference "
           f"{plan['placement']}): {plan['peak'] / 2**30:.3f} GiB")
-    for phase in ("rollout_peak", "experience_peak", "update_peak"):
+    for phase in ("experience_peak", "update_peak") if R else ("rollout_peak", "experience_peak", "update_peak"):
         print(f"#   {phase}: {plan[phase] / 2**30:.3f} GiB")
     for k, v in plan["parts"].items():
         print(f"#   {k}: {v / 2**30:.3f} GiB")
+    if R:
+        ro = plan["rollout_ranks"]
+        print(f"# projected peak per rollout rank ({R} ranks: tp={ro['layout'].tp} x dp={ro['layout'].dp}, "
+              f"{ro['batch'].rollout_rows} rows each): {ro['peak'] / 2**30:.3f} GiB")
+        for k, v in ro["parts"].items():
+            print(f"#   {k}: {v / 2**30:.3f} GiB")
     if lay.tp > 1 and not lay.sp:  # what parallel.sequence_parallel=true would change
         sp_cfg = replace(cfg, parallel=replace(cfg.parallel, sequence_parallel=True))
         alt = memory_plan(sp_cfg, model_cfg, world, device)

@@ -53,3 +53,30 @@ def test_start_up_refuses_a_run_that_cannot_fit(monkeypatch):
     off = load_config(RLConfig, CFG, ["train.memory_check=false"])
     preflight.check_memory(off, mc, 1, torch.device("cuda"))  # overridden: no error
     preflight.check_memory(cfg, mc, 1, torch.device("cpu"))  # CPU runs are not checked
+
+
+def test_dry_run_of_a_split_launch_plans_each_role(tmp_path, capsys):
+    """A one-step-off launch (parallel.rollout_ranks): the trainer ranks are world - rollout_ranks laid out by tp x
+    dp and hold no KV cache; the rollout ranks' peak is the policy's fp32 weights at rollout_tp plus the KV cache of
+    their share of the step's rows, here computed by hand from the shapes."""
+    cfg_path = os.path.join(REPO, "configs", "grpo_tiny_async.yaml")
+    over = ["--world-size", "5", "parallel.rollout_ranks=2", "rollout.prompts_per_step=30", "train.device=cpu",
+            f"train.out_dir={tmp_path / 'run'}", f"init.sft_dir={tmp_path / 'sft'}"]
+    assert rl_train.main(["--config", cfg_path, "--dry-run", *over]) == 0
+    text = capsys.readouterr().out
+    assert "(3 trainer ranks of 5: tp=1 x dp=3, cpu" in text, text[-2000:]
+    cfg = load_config(RLConfig, cfg_path, over[2:])
+    plan = preflight.memory_plan(cfg, cfg.model, 3, torch.device("cpu"))
+    assert plan["parts"]["rollout KV cache"] == 0 and plan["peak"] == max(plan["experience_peak"], plan["update_peak"])
+    ro = plan["rollout_ranks"]
+    m = cfg.model
+    rows = 30 * cfg.rollout.group_size // 2  # rollout dp = 2 ranks / rollout_tp 1
+    kv = 2 * m.n_layers * rows * m.max_seq_len * m.n_kv_heads * (m.hidden_size // m.n_heads) * 4
+    from core.model import build_model
+    weights = 4 * sum(p.numel() for p in build_model(m, seed=None, device="meta").parameters())
+    assert ro["parts"]["policy weights"] >= weights  # fp32, unsharded (padding rows included)
+    assert ro["batch"].rollout_rows == rows and ro["parts"]["rollout KV cache"] == kv
+    assert f"# projected peak per rollout rank (2 ranks: tp=1 x dp=2, {rows} rows each): " \
+           f"{ro['peak'] / 2**30:.3f} GiB" in text
+    assert rl_train.main(["--config", cfg_path, "--dry-run", "--world-size", "5", "parallel.rollout_ranks=5"]) != 0
+    assert "parallel.rollout_ranks=5 leaves no trainer rank in a world of 5" in capsys.readouterr().err

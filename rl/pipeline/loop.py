@@ -23,12 +23,12 @@ from typing import NamedTuple
 import torch.distributed as dist
 
 import core.ckpt as ckpt
-from core.config import ConfigError, ModelConfig, from_dict, to_dict
+from core.config import ModelConfig, from_dict, to_dict
 from core.runtime.lifecycle import RankStalled, Watchdog, check_same_everywhere, is_comm_failure
 from core.runtime.metrics import ProgressBar
 from core.runtime.run import check_not_stopped, record_stop, saving
 from core.tokenizer import load_tokenizer
-from parallel.dims import ParallelDims, launch_world_size, resolve_device
+from parallel.dims import launch_world_size, resolve_device
 from parallel.roles import split_roles
 from rl.distill.config import enabled
 from rl.experience.rollout import pad_id_of
@@ -37,7 +37,7 @@ from rl.pipeline import channel
 from rl.pipeline.rollout_worker import RolloutWorker
 from rl.pipeline.schedule import check_staleness, in_flight_until, sends_after
 from rl.pipeline.weight_sync import send_stop, send_weights
-from rl.preflight import check_rl_config
+from rl.preflight import role_dims
 from rl.warmstart import ensure_start_checkpoint, ensure_teacher_checkpoint
 
 INFLIGHT_KEY = "pipeline_in_flight"  # the checkpoint's extra state: base64 of the in-flight rollouts
@@ -56,24 +56,6 @@ class TrainHooks(NamedTuple):
     tokenizer_files: object
     tokenizer_path: object
     prompt_sources: object
-
-
-def role_dims(cfg, world: int) -> tuple[ParallelDims, ParallelDims]:
-    """(trainer dims, rollout dims) of `world` ranks split by parallel.rollout_ranks; ConfigError by name."""
-    p, R = cfg.parallel, cfg.parallel.rollout_ranks
-    if R >= world:
-        raise ConfigError(f"parallel.rollout_ranks={R} leaves no trainer rank in a world of {world}")
-    rollout = ParallelDims(dp=R // p.rollout_tp, tp=p.rollout_tp)
-    if cfg.rollout.prompts_per_step % rollout.dp:
-        raise ConfigError(f"rollout.prompts_per_step={cfg.rollout.prompts_per_step} must be a multiple of the rollout "
-                          f"ranks' dp={rollout.dp} (parallel.rollout_ranks / parallel.rollout_tp)")
-    if getattr(p, "cp", 1) > 1:
-        raise ConfigError(f"parallel.rollout_ranks > 0 with parallel.cp={p.cp}: the split launch lays the trainer "
-                          "ranks out by tp x dp only; set parallel.cp=1 or parallel.rollout_ranks=0")
-    if cfg.lora.enabled:
-        raise ConfigError("parallel.rollout_ranks > 0 with lora.rank > 0: the weight sync sends full weights, not "
-                          "adapters; train LoRA colocated (parallel.rollout_ranks=0)")
-    return check_rl_config(cfg, world - R), rollout
 
 
 class RolloutQueue:
