@@ -7,8 +7,9 @@ The 58.5M bench model (bench/bench_rl_vs_trl.py's "60m": hidden 512, 8 layers, v
 its 32000-id tokenizer.json) runs GRPO under `torchrun --nproc_per_node 2 -m rl.train`, OMP_NUM_THREADS=1,
 in three launches that differ only in layout:
 
-- `split_k1`: parallel.rollout_ranks=1, algo.max_staleness=1 -- rank 1 generates step s+1 while rank 0
-  updates step s, then rank 0 broadcasts the new weights (one-step-off);
+- `split_k1`: parallel.rollout_ranks=1, algo.max_staleness=1 with the decoupled correction (as
+  configs/grpo_tiny_async.yaml) -- rank 1 generates step s+1 while rank 0 updates step s, then rank 0
+  broadcasts the new weights (one-step-off);
 - `split_k0`: the same two disjoint ranks with algo.max_staleness=0 -- each waits for the other;
 - `colocated`: both ranks train and generate (dp=2, FSDP), each its half of the prompts.
 
@@ -35,7 +36,7 @@ import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODES = {
-    "split_k1": ["parallel.rollout_ranks=1", "algo.max_staleness=1"],
+    "split_k1": ["parallel.rollout_ranks=1", "algo.max_staleness=1", "algo.off_policy.correction=decoupled"],
     "split_k0": ["parallel.rollout_ranks=1", "algo.max_staleness=0"],
     "colocated": ["parallel.rollout_ranks=0"],
 }
