@@ -8,7 +8,9 @@
 # step time and peak memory per phase; the fused exact-KL head vs gathering logits at T=32768, H=4096,
 # V=128256 bf16; the bf16 KL error audit; tools.kl_memory at an 8B head; the sampler; the shared layout's plans
 # against padding at long responses (bench.bench_layout_cost); context parallelism at cp=2: exactness under NCCL
-# (gloo on the CPU with fewer than 2 GPUs) and the update at T=32768 per rank against cp=1 (tests/gpu/cp_check.py).
+# (gloo on the CPU with fewer than 2 GPUs) and the update at T=32768 per rank against cp=1 (tests/gpu/cp_check.py);
+# the batch-invariant mode in fp32 and bf16: rollout and trainer log-probs bit-equal, KL(rollout || train) exactly 0,
+# the bf16 mismatch without it, its time (tests/gpu/invariant_check.py).
 # Everything goes to $OUT/gpu_check.json (OUT defaults to
 # /tmp/kltron_gpu_check), logs to $OUT/logs/, and a table is printed.
 # Exit status: the number of sections that did not pass (0 = all passed).

@@ -9,7 +9,7 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SECTIONS = ("layout", "hf_parity", "mfu_eager", "grpo_tiny", "grpo_0p5b", "kl_head", "bf16_kl", "kl_memory", "sampler",
-            "layout_cost", "context_parallel", "mfu_compile")
+            "layout_cost", "context_parallel", "invariant", "mfu_compile")
 
 
 @pytest.mark.slow
@@ -47,4 +47,7 @@ def test_gpu_check_cpu_version(tmp_path):
     cp = r["context_parallel"]  # cp=2 exactness on gloo, and the update's per-rank peak against cp=1
     assert cp["checks"] and all(c["ok"] for c in cp["checks"])
     assert [x["cp"] for x in cp["steps"]] == [2, 2, 1] and all(x["peak_over_cp1"] < 0.6 for x in cp["steps"][:2])
+    inv = r["invariant"]  # fp32 and bf16 bit-equal with the mode on; the bf16 mismatch with it off is not 0
+    assert len(inv["checks"]) == 2 and all(c["ok"] for c in inv["checks"])
+    assert inv["off_bf16"]["logp_max_abs_diff_padded"] > 0 and set(inv["timing"]) == {"fp32", "bf16"}
     assert "| section" in p.stdout  # the table

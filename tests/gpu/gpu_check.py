@@ -16,6 +16,9 @@ Sections (GPU / --cpu tiny version):
   bf16_kl      bench.bench_bf16_kl --device: exact-KL error of the heads with bf16 inputs
   context_parallel  tests/gpu/cp_check.py: cp=2 ring / Ulysses exactness under NCCL (>= 2 GPUs, else gloo on
                the CPU) and the GRPO update at T=32768, H=1024 per rank against cp=1 / T=1024 H=64 on CPU
+  invariant    tests/gpu/invariant_check.py: batch-invariant mode, fp32 and bf16: the rollout's recorded hidden
+               states and log-probs equal the trainer's (padded and shared layouts) bit for bit, KL(rollout ||
+               train) exactly 0; the mismatch with the mode off in bf16; generation + forward time on / off
   mfu_compile  mfu_eager with torch.compile'd blocks (compile time = the warm-up steps); run last
 Each section: status ok | failed | timeout | skipped, seconds, result (its JSON), log file.
 Exit status: the number of sections not ok (skipped ones excepted).
@@ -117,6 +120,8 @@ def sections(out: str, cpu: bool, ngpu: int) -> list[dict]:
     s.append(dict(name="layout_cost", cmds=[lc], json=j("layout_cost"), timeout=90))
     cp = [py, "-m", "tests.gpu.cp_check", "--json", j("context_parallel")] + (["--cpu"] if cpu else [])
     s.append(dict(name="context_parallel", cmds=[cp], json=j("context_parallel"), timeout=150 if cpu else 300))
+    inv = [py, "-m", "tests.gpu.invariant_check", "--json", j("invariant")] + (["--cpu"] if cpu else [])
+    s.append(dict(name="invariant", cmds=[inv], json=j("invariant"), timeout=90 if cpu else 240))
     # last: compilation time is the least predictable, and the other sections must not wait on it
     s.append(dict(name="mfu_compile", cmds=[mfu + ["--compile", "--json", j("mfu_compile")]],
                   json=j("mfu_compile"), timeout=240))
@@ -250,6 +255,13 @@ def headline(name: str, r: dict) -> str:
                           for x in r["steps"])
         return (f"{ok}/{len(r['checks'])} exact ({r['backend']}); T={r['tokens']} H={r['hidden']} per rank: {steps}"
                 + (" (cp=2 needs 2 GPUs: skipped)" if r.get("cp2_skipped") else ""))
+    if name == "invariant":
+        ok = sum(c["ok"] for c in r["checks"])
+        off = r.get("off_bf16") or {}
+        t = ", ".join(f"{k} on/off {v['on_over_off']:.2f}x" for k, v in r["timing"].items())
+        return (f"{ok}/{len(r['checks'])} bit-equal on {r['device']}; mode off bf16: max |dlogp| "
+                f"{off.get('logp_max_abs_diff_padded', float('nan')):.1e}, KL max "
+                f"{off.get('rollout_kl_max_padded', float('nan')):.1e}; {t}")
     return ""
 
 
