@@ -25,3 +25,31 @@ def plugin_hangs_on_rank_1(meta, response):
     if os.environ.get("RANK") == "1":
         re.match(r"(a+)+$", "a" * 64 + "b")
     return 1.0
+
+
+# dense and sparse rewards the trainer tests score with (an untrained model already varies on them)
+
+
+def digits_over_5(meta, response):
+    """The count of digits in the response over 5."""
+    return sum(c.isdigit() for c in response) / 5.0
+
+
+def digits_over_6(meta, response):
+    """The count of digits in the response over 6 (the share of a 6-token response's characters, about)."""
+    return sum(c.isdigit() for c in response) / 6.0
+
+
+def digits_over_9(meta, response):
+    """The count of digits in the response over 9."""
+    return sum(c.isdigit() for c in response) / 9.0
+
+
+def sevens(meta, response):
+    """A sparse 0/1 reward: many groups of an untrained policy score all 0, which dynamic sampling drops."""
+    return float("7" in response)
+
+
+def nan_on_prompts_from_1(meta, response):
+    """NaN for the prompts that start with "1", else 0."""
+    return float("nan") if meta["prompt"].startswith("1") else 0.0

@@ -329,7 +329,7 @@ def test_fused_head_matches_on_local_tokens():
 RL_MODEL = dict(vocab_size=256, hidden_size=32, n_layers=2, n_heads=4, n_kv_heads=2, intermediate_size=64,
                 max_seq_len=64)
 RL_BASE = ["rollout.prompts_per_step=4", "rollout.group_size=4", "rollout.max_new_tokens=9", "train.steps=2",
-           "reward.use_task_reward=false", "reward.fns=[tests.test_context_parallel:digit_reward]",
+           "reward.use_task_reward=false", "reward.fns=[tests.reward_plugins:digits_over_9]",
            "optim.lr=1e-2", "optim.warmup_steps=0", "optim.grad_clip=0.5", "kl_ctl.beta=0.1",
            "train.progress=false", "optim.eps=1e-6", "algo.name=grpo", "loss.entropy_coef=0.01"]
 # the exact KL in the loss (reference hidden states across the cp ranks), two mini-batches and two epochs (the
@@ -342,11 +342,6 @@ RL_VARIANTS = {
 }
 RL_KEYS = ("reward_mean", "kl_mean", "kl_p50", "kl_p90", "kl_max", "pg_loss", "grad_norm", "entropy", "ratio_mean",
            "clipfrac", "logp_drift")
-
-
-def digit_reward(meta, response):
-    """A dense reward an untrained model already varies on: the share of digits."""
-    return sum(c.isdigit() for c in response) / 9.0
 
 
 def rl_steps(cp: int, impl: str, overrides: list[str], tp: int = 1) -> tuple[list[dict], torch.Tensor]:

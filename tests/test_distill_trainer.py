@@ -20,7 +20,7 @@ STUDENT = dict(vocab_size=256, hidden_size=32, n_layers=2, n_heads=4, n_kv_heads
                max_seq_len=64)
 TEACHER = dict(STUDENT, hidden_size=48, n_layers=3, n_heads=6, n_kv_heads=2, intermediate_size=96)
 BASE = ["rollout.prompts_per_step=2", "rollout.group_size=2", "rollout.max_new_tokens=5", "train.steps=2",
-        "reward.use_task_reward=false", "reward.fns=[tests.test_rl_trainer:digit_reward]", "optim.lr=1e-2",
+        "reward.use_task_reward=false", "reward.fns=[tests.reward_plugins:digits_over_6]", "optim.lr=1e-2",
         "optim.warmup_steps=0", "kl_ctl.beta=0.0", "train.progress=false", "rollout.eval_every=0",
         "teacher.checkpoint=unused-in-assemble"]
 

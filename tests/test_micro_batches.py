@@ -131,7 +131,7 @@ def test_packed_forward_equals_each_row_alone(variant):
 MODEL = dict(vocab_size=256, hidden_size=32, n_layers=2, n_heads=4, n_kv_heads=2, intermediate_size=64,
              max_seq_len=64)
 BASE = ["rollout.prompts_per_step=4", "rollout.group_size=4", "rollout.max_new_tokens=6", "train.steps=1",
-        "reward.use_task_reward=false", "reward.fns=[tests.test_micro_batches:digit_reward]", "optim.lr=1e-2",
+        "reward.use_task_reward=false", "reward.fns=[tests.reward_plugins:digits_over_6]", "optim.lr=1e-2",
         "optim.warmup_steps=0", "optim.grad_clip=0.5", "kl_ctl.beta=0.1", "train.progress=false",
         "algo.epochs=2", "algo.mini_batches=2"]
 GRPO = ["algo.name=grpo", "kl.estimator=k3+", "loss.entropy_coef=0.01"]
@@ -142,10 +142,6 @@ BUDGET, PACKED = ["algo.micro_batch_tokens=40", "algo.share_prompts=false"], ["a
                                                                                "algo.pack_sequences=true"]
 SHARED = ["algo.micro_batch_tokens=40", "algo.share_prompts=true"]  # each prompt once, R x W <= 40
 STATS = ("pg_loss", "kl_loss", "clipfrac", "ratio_mean", "approx_kl_old", "grad_norm")
-
-
-def digit_reward(meta, response):
-    return sum(c.isdigit() for c in response) / 6.0
 
 
 def _skew(data) -> None:

@@ -19,12 +19,8 @@ from tools.diagnose import diagnose
 MODEL = dict(vocab_size=256, hidden_size=32, n_layers=2, n_heads=4, n_kv_heads=2, intermediate_size=64,
              max_seq_len=64)
 BASE = ["rollout.prompts_per_step=4", "rollout.group_size=4", "rollout.max_new_tokens=6",
-        "reward.use_task_reward=false", "reward.fns=[tests.test_playbook_trainer:digit_reward]", "optim.lr=1e-2",
+        "reward.use_task_reward=false", "reward.fns=[tests.reward_plugins:digits_over_6]", "optim.lr=1e-2",
         "optim.warmup_steps=0", "optim.grad_clip=0.5", "train.progress=false"]
-
-
-def digit_reward(meta, response):
-    return sum(c.isdigit() for c in response) / 6.0
 
 
 def _trainer(overrides):

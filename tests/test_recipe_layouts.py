@@ -24,13 +24,8 @@ KEYS = ("reward_mean", "kl_mean", "pg_loss", "grad_norm", "entropy", "ratio_mean
         "overlong_rate", "response_len", "samples")
 
 
-def sevens(meta, response):
-    """A sparse 0/1 reward: many groups of an untrained policy score all 0, which dynamic sampling drops."""
-    return float("7" in response)
-
-
 # DAPO with its data side: dynamic sampling (rounds of new prompts), overlong filter and punishment
-DAPO = ["algo.recipe=dapo", "reward.fns=[tests.test_recipe_layouts:sevens]", "algo.dynamic_sampling_max_rounds=3",
+DAPO = ["algo.recipe=dapo", "reward.fns=[tests.reward_plugins:sevens]", "algo.dynamic_sampling_max_rounds=3",
         "rollout.group_size=2"]
 LAYOUTS = {  # single-process variants of the same update
     "unshared": ["algo.share_prompts=false"],

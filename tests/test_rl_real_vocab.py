@@ -20,7 +20,7 @@ MODEL = dict(vocab_size=PADDED, hidden_size=32, n_layers=2, n_heads=4, n_kv_head
              max_seq_len=64)
 BASE = ["rollout.prompts_per_step=4", "rollout.group_size=2", "rollout.max_new_tokens=5", "train.steps=2",
         "kl.exact=true", "train.progress=false", "rollout.eval_prompts=3", "rollout.eval_every=1",
-        "rollout.eval_k=2", "reward.use_task_reward=false", "reward.fns=[tests.test_rl_trainer:digit_reward]"]
+        "rollout.eval_k=2", "reward.use_task_reward=false", "reward.fns=[tests.reward_plugins:digits_over_6]"]
 
 
 def _trainer(tp=1, dp=1):

@@ -111,7 +111,7 @@ def test_kl_stop_guard_saves_and_stops(sft_dir):
     with pytest.raises(SystemExit) as exc:
         main(["--config", CONFIG, *SMALL, f"init.sft_dir={sft}", f"train.out_dir={out}",
               "guard.kl_stop_per_token=1e-9", "guard.kl_warn_per_token=1e-10", "reward.use_task_reward=false",
-              "reward.fns=[tests.test_rl_trainer:digit_reward]", "train.steps=6"])
+              "reward.fns=[tests.reward_plugins:digits_over_6]", "train.steps=6"])
     msg = str(exc.value.code)
     assert "nats per token passed guard.kl_stop_per_token" in msg and "tools.diagnose" in msg
     rows = _rows(str(out))

@@ -16,21 +16,12 @@ from rl.models.critic import Critic
 MODEL = dict(vocab_size=256, hidden_size=32, n_layers=2, n_heads=4, n_kv_heads=2, intermediate_size=64,
              max_seq_len=64)
 BASE = ["rollout.prompts_per_step=4", "rollout.group_size=4", "rollout.max_new_tokens=6", "train.steps=2",
-        "reward.use_task_reward=false", "reward.fns=[tests.test_rl_trainer:digit_reward]", "optim.lr=1e-2",
+        "reward.use_task_reward=false", "reward.fns=[tests.reward_plugins:digits_over_6]", "optim.lr=1e-2",
         "optim.warmup_steps=0", "optim.grad_clip=0.5", "kl_ctl.beta=0.1", "train.progress=false",
         # AdamW's eps above rounding noise: with 1e-8, a gradient component that is 0 up to rounding
         # (~1e-12, its sign set by summation order) is normalised to a full +-lr step, which turns
         # last-bit layout differences into lr-sized weight differences; 1e-6 leaves real gradients be
         "optim.eps=1e-6"]
-
-
-def digit_reward(meta, response):
-    """A dense plug-in reward an untrained model already varies on: the share of digits."""
-    return sum(c.isdigit() for c in response) / 6.0
-
-
-def nan_reward(meta, response):
-    return math.nan if meta["prompt"].startswith("1") else 0.0
 
 
 def _trainer(tp, dp, overrides, dtype=torch.float32):
@@ -155,7 +146,8 @@ def test_sequence_parallel_step_matches_single_process(dist_pools, singles):
 def _nan_reward_everywhere():
     import torch.distributed as dist
 
-    trainer, _ = _trainer(1, 2, ["reward.fns=[tests.test_rl_trainer:nan_reward]", "rollout.prompts_per_step=8"])
+    trainer, _ = _trainer(1, 2, ["reward.fns=[tests.reward_plugins:nan_on_prompts_from_1]",
+                                 "rollout.prompts_per_step=8"])
     try:
         trainer.step(0)
     except ValueError as e:

@@ -344,7 +344,7 @@ def _trainer_params(overrides: list[str], plans: list | None = None, old_rows: l
 
     torch.set_num_threads(1)
     base = ["rollout.prompts_per_step=4", "rollout.group_size=4", "rollout.max_new_tokens=5", "train.steps=1",
-            "reward.use_task_reward=false", "reward.fns=[tests.test_shared_prompts:digit_reward]", "optim.lr=1e-2",
+            "reward.use_task_reward=false", "reward.fns=[tests.reward_plugins:digits_over_5]", "optim.lr=1e-2",
             "optim.warmup_steps=0", "kl_ctl.beta=0.1", "train.progress=false", "algo.epochs=2",
             "algo.mini_batches=2", "algo.name=grpo", "loss.entropy_coef=0.01", "algo.micro_batch_size=3"]
     cfg = load_config(RLConfig, None, base + overrides)
@@ -365,10 +365,6 @@ def _trainer_params(overrides: list[str], plans: list | None = None, old_rows: l
         tr.heads.token_stats = counted
     rec = [tr.step(s) for s in range(steps)][-1]
     return {n: p.detach().clone() for n, p in tr.policy.named_parameters()}, rec
-
-
-def digit_reward(meta, response):
-    return sum(c.isdigit() for c in response) / 5.0
 
 
 @pytest.mark.parametrize("algo", [["kl.estimator=k3+"], ["kl.exact=true", "loss.agg=seq-mean-token-mean"],
