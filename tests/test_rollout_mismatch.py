@@ -224,3 +224,68 @@ def test_rollout_select_keeps_the_records_of_its_rows():
     bare = Rollout(*[getattr(ro, f) for f in ("sequences", "attention_mask", "response_mask", "prompt_len", "scores",
                                               "row_ids", "metas", "responses")])
     assert bare.select(rows).rollout_logprobs is None
+
+
+@pytest.mark.parametrize("over", [["kl.estimator=k3+"], ["kl.exact=true"]], ids=["k3", "exact"])
+def test_old_pass_runs_each_head_matmul_once(monkeypatch, over):
+    """The old pass with the rollout's hidden states: under a sampled estimator the policy's logits are
+    computed once per chunk and the rollout's beside them (2 head matmuls, the reference's weight never
+    read: the reference's log-probs come from the reference pass); with the exact KL to the reference the
+    reference takes the head's other side and the mismatch KL a second pass (4). The test model's tokens
+    fit in one chunk. The values are checked against float64 enumeration above."""
+    from parallel.fused import HeadMatmul
+    from rl.experience.rollout import collect_rollout
+    from tests.test_rl_trainer import _trainer
+    tr, st = _trainer(1, 1, ["algo.old_from_update=false", *over])
+    c = tr.cfg
+    ro = collect_rollout(tr.policy, tr.tok, tr.task, tr.reward_fn, c.rollout, seed=c.train.seed, step=0,
+                         device=st.device)
+    calls, inside = [], []
+    real_call, real_pass = HeadMatmul.__call__, tr.experience._old_pass
+
+    def spy(self, h, keep=None):
+        if inside:
+            calls.append(self.w.data_ptr())
+        return real_call(self, h, keep)
+
+    def old_pass(*a, **kw):
+        inside.append(1)
+        try:
+            return real_pass(*a, **kw)
+        finally:
+            inside.clear()
+    monkeypatch.setattr(HeadMatmul, "__call__", spy)
+    monkeypatch.setattr(tr.experience, "_old_pass", old_pass)
+    data = tr.experience.make_experience(ro, 0)
+    assert data.rollout_kl is not None and data.rollout_kl[data.mask].abs().max() < 1e-4
+    pol_w = tr.policy.head_weight.data_ptr()
+    if over == ["kl.estimator=k3+"]:
+        assert calls == [pol_w, pol_w]
+    else:  # the reference's side: the head weight the reference pass handed over (a copy)
+        assert len(calls) == 4 and calls[0] == calls[2] == calls[3] == pol_w and calls[1] != pol_w
+
+
+def test_update_takes_the_deferred_rows_mismatch_kl_from_its_own_logits(monkeypatch):
+    """The rows deferred to the update (epoch 0's first mini-batch) get their KL(rollout || train) inside the
+    loss head: per chunk the policy's logits once and the rollout's beside them, so one epoch of two
+    mini-batches multiplies by the head 3 times (2 for the deferred mini-batch, 1 for the other), not 4 (the
+    policy's logits again in a separate pass). The values: test_step_rollout_kl_equals_float64_enumeration."""
+    from parallel.fused import HeadMatmul
+    from rl.experience.rollout import collect_rollout
+    from tests.test_rl_trainer import _trainer
+    tr, st = _trainer(1, 1, ["algo.old_from_update=true", "algo.mini_batches=2", "algo.epochs=1",
+                             "kl.estimator=k3+"])
+    c = tr.cfg
+    ro = collect_rollout(tr.policy, tr.tok, tr.task, tr.reward_fn, c.rollout, seed=c.train.seed, step=0,
+                         device=st.device)
+    data = tr.experience.make_experience(ro, 0)
+    assert data.deferred is not None
+    calls, real_call = [], HeadMatmul.__call__
+
+    def spy(self, h, keep=None):
+        calls.append(self.w.data_ptr())
+        return real_call(self, h, keep)
+    monkeypatch.setattr(HeadMatmul, "__call__", spy)
+    tr.update(data, 0)
+    assert calls == [tr.policy.head_weight.data_ptr()] * 3
+    assert data.rollout_kl[data.deferred].abs().max() < 1e-4

@@ -128,7 +128,8 @@ def policy_token_stats(model, sequences, attention_mask, prompt_len: int, *, tp_
     is False. `packed`: the shared-prompt layout of these rows (rl/update/shared_layout.py) to run instead;
     the results are the same [B, N] (0 outside its head tokens). `rollout_hidden` [B, N, H]: the
     rollout's final hidden states of these tokens; adds `rollout_kl`, the exact KL(rollout || model)
-    through the same head weight (a second pass of the fused head, no [T, V] tensor)."""
+    through the same head weight (the head's reference side where no reference KL takes it, else a second
+    pass of the fused head; no [T, V] tensor either way)."""
     fn = _stats_head(tp_group, vocab_size, temperature, chunk_size, entropy, kl, ref_weight, tap)
     if packed is None:
         return _stats(*_through_head(model, sequences, attention_mask, prompt_len, tp_group, ref_hidden, mask, fn,
@@ -152,11 +153,22 @@ def packed_token_stats(model, packed, *, tp_group=None, vocab_size: int, tempera
 
 
 def _stats_head(tp_group, vocab_size, temperature, chunk_size, entropy, kl, ref_weight, tap=None):
+    """The head of the no-loss passes: log-probs, entropy, the exact KL to the reference when `kl` names a
+    direction (the reference's hidden states and head read only then: without it they would be a second
+    head matmul whose log-probs nobody reads) and the rollout-vs-training KL. With no reference KL and no
+    gradient, the rollout's hidden states take the fused head's reference side: one pass of the head gives
+    the log-probs, the entropy and KL(rollout || model), the policy's logits computed once, not twice."""
     def fn(h, w, t, rh, m, rollout_h=None, tokens=None):
         if tap is not None:  # a term on the same hidden states (rl/distill/term.py): the model runs once
             tap(h, w, m)
-        out = fused_head(h, w, t, tp_group, vocab_size=vocab_size, ref_hidden=rh, ref_weight_local=ref_weight,
-                         temperature=temperature, chunk_size=chunk_size, entropy=entropy, kl=kl, mask=m)
+        if kl is None and rollout_h is not None and not torch.is_grad_enabled():
+            out = fused_head(h, w, t, tp_group, vocab_size=vocab_size, ref_hidden=rollout_h, ref_weight_local=w,
+                             temperature=temperature, chunk_size=chunk_size, entropy=entropy, kl="reverse", mask=m)
+            return TokenStats(out.logprobs, out.entropy, None, out.kl)
+        rw = ref_weight if kl is not None else None
+        out = fused_head(h, w, t, tp_group, vocab_size=vocab_size, ref_hidden=rh if kl is not None else None,
+                         ref_weight_local=rw, temperature=temperature, chunk_size=chunk_size, entropy=entropy,
+                         kl=kl, mask=m)
         if rollout_h is None:
             return out
         return TokenStats(out.logprobs, out.entropy, out.kl, _rollout_kl(h, w, rollout_h, m, tp_group, vocab_size,
@@ -293,6 +305,17 @@ def packed_fused_loss(model, packed, token_loss, *, tp_group=None, vocab_size: i
     return loss, _stats(out, shape)
 
 
+class _WithoutKL:
+    """A token loss called with the head's KL column withheld (that column is the rollout-vs-training KL,
+    a metric): the loss and its gradient are those of the wrapped loss without a reference KL."""
+
+    def __init__(self, token_loss):
+        self.inner = token_loss
+
+    def __call__(self, logprobs, entropy, kl, tokens):
+        return self.inner(logprobs, entropy, None, tokens)
+
+
 def _loss_head(token_loss, tp_group, vocab_size, temperature, chunk_size, entropy, kl, ref_weight, tap=None,
                extra=None):
     def fn(h, w, t, rh, m, rollout_h=None, tokens=None):
@@ -307,6 +330,14 @@ def _loss_head(token_loss, tp_group, vocab_size, temperature, chunk_size, entrop
                 tl.prepare(fused_head(h.detach(), w.detach(), t, tp_group, vocab_size=vocab_size,
                                               temperature=temperature, chunk_size=chunk_size, entropy=False,
                                               mask=m).logprobs)
+        if kl is None and rollout_h is not None:
+            # the rollout's hidden states take the head's reference side (read detached, no gradient): the
+            # rollout-vs-training KL from the loss's own logits, not from a second pass that recomputes them;
+            # the loss never sees that KL
+            loss, out = fused_head_loss(h, w, t, tp_group, token_loss=_WithoutKL(tl), vocab_size=vocab_size,
+                                        ref_hidden=rollout_h, ref_weight_local=w, temperature=temperature,
+                                        chunk_size=chunk_size, entropy=entropy, kl="reverse", mask=m, extra=extra)
+            return loss, TokenStats(out.logprobs, out.entropy, None, out.kl)
         loss, out = fused_head_loss(h, w, t, tp_group, token_loss=tl, vocab_size=vocab_size, ref_hidden=rh,
                                     ref_weight_local=ref_weight, temperature=temperature, chunk_size=chunk_size,
                                     entropy=entropy, kl=kl, mask=m, extra=extra)
