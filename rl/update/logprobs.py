@@ -330,10 +330,11 @@ def _loss_head(token_loss, tp_group, vocab_size, temperature, chunk_size, entrop
                 tl.prepare(fused_head(h.detach(), w.detach(), t, tp_group, vocab_size=vocab_size,
                                               temperature=temperature, chunk_size=chunk_size, entropy=False,
                                               mask=m).logprobs)
-        if kl is None and rollout_h is not None:
+        if kl is None and rollout_h is not None and extra is None:
             # the rollout's hidden states take the head's reference side (read detached, no gradient): the
             # rollout-vs-training KL from the loss's own logits, not from a second pass that recomputes them;
-            # the loss never sees that KL
+            # the loss never sees that KL. Not beside an in-head term (distillation): its teacher logits
+            # would be a third [chunk, V] buffer at the loss head's peak
             loss, out = fused_head_loss(h, w, t, tp_group, token_loss=_WithoutKL(tl), vocab_size=vocab_size,
                                         ref_hidden=rollout_h, ref_weight_local=w, temperature=temperature,
                                         chunk_size=chunk_size, entropy=entropy, kl="reverse", mask=m, extra=extra)
