@@ -2,7 +2,7 @@
 prompts and work; and generation alone against transformers' `generate`. fp32, CPU, one process.
 
     python -m bench.bench_rl_vs_trl [--sizes tiny,60m] [--steps 3] [--warmup 1] [--threads 2] [--rounds 1] [--json OUT]
-        [--response-len N --prompts 8 --group 4] [--layers L] [--phases]
+        [--response-len N --prompts 8 --group 4] [--layers L] [--phases] [--set KEY=VALUE ...]
 
 Same weights: a seeded kltron model saved as a kltron checkpoint, exported with tools.convert_hf.export_hf.
 Same tokenizer: the shipped sentencepiece BPE model (256 pieces) rebuilt as one tokenizer.json (its ids,
@@ -28,6 +28,8 @@ max_seq_len = 64 + N positions. `--prompts P --group G` set the rollout (default
 is P x G / 2 rows on both sides); `--layers L` overrides the size's layer count (a smaller model of the
 same shape). `--phases`: a table per model of each phase's seconds on both sides, their ratio, and
 how far kltron's phase is from half of TRL's (the seconds it would have to lose for a 2x step).
+`--set KEY=VALUE ...`: RLConfig overrides for the kltron side only (`rollout.record_hidden=false` drops the exact
+KL(rollout || train) metric, which TRL does not compute: the two sides then do the same work).
 Generation alone: core.generation.generate.generate vs transformers' generate(do_sample=True, top_k=0, top_p=1),
 same model and 256-row batch, alternating; the two models' prompt logits are compared first.
 """
@@ -336,6 +338,8 @@ def run_side(side: str, size: str, setup: dict, a) -> dict:
            "--hf-dir", setup["hf_dir"], "--steps", str(a.steps), "--warmup", str(a.warmup),
            "--threads", str(a.threads), "--gen-reps", str(a.gen_reps), "--prompts", str(a.prompts),
            "--group", str(a.group), "--layers", str(a.layers or 0), "--response-len", str(a.response_len or 0)]
+    if side == "kltron" and a.override:
+        cmd += ["--set", *a.override]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")]),
                TOKENIZERS_PARALLELISM="false")
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=REPO)
@@ -434,6 +438,9 @@ def parse(argv):
     ap.add_argument("--group", type=int, default=GROUP, help="samples per prompt")
     ap.add_argument("--layers", type=int, default=0, help="override the size's layer count (0: the size's own)")
     ap.add_argument("--phases", action="store_true", help="a per-phase table: both sides, ratio, gap to 2x")
+    ap.add_argument("--set", nargs="*", default=[], dest="override", metavar="KEY=VALUE",
+                    help="further RLConfig overrides for the kltron side (e.g. rollout.record_hidden=false: no "
+                         "rollout-vs-training KL, a metric TRL does not compute)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--workdir", default=None, help="keep checkpoints and exports here (default: a temp folder)")
     for internal in ("--side", "--size", "--ckpt", "--hf-dir"):
