@@ -23,6 +23,9 @@ logits and log-prob, bit for bit. What varies with the batch's shape, and how ea
 
 What is already invariant and left alone (same probe): RMSNorm's mean over the hidden size, the
 per-token reductions over the vocabulary, the vocab-parallel max and the rank-ordered sums.
+
+The invariance is the forward's; the attention's backward is standard attention's, recomputed with SDPA
+(parallel/invariant_grad.py), not autograd through the blocked computation.
 """
 
 from __future__ import annotations
@@ -34,6 +37,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from parallel.invariant_grad import exact_forward, reference_attention
 
 ROW_BLOCK = 8  # matmul rows are padded to a multiple of this (the BLAS's full-block kernel for every row)
 KEY_BLOCK = 64  # attention sums keys in blocks of this many positions, from position 0
@@ -213,7 +218,18 @@ class CanonicalLayout:
         return out.view(B, S, h, hd).transpose(1, 2)
 
     def attend(self, q, k, v) -> torch.Tensor:
-        """Attention of physical q [B, nh, S, hd] over k, v [B, nkv, S, hd] through the canonical layout."""
+        """Attention of physical q [B, nh, S, hd] over k, v [B, nkv, S, hd] through the canonical layout
+        (backward: standard attention's gradient, parallel/invariant_grad.py)."""
+        return exact_forward(self._attend, self._reference, q, k, v)
+
+    def _reference(self, q, k, v) -> torch.Tensor:
+        """What `_attend` computes, by SDPA over the canonical layout (the backward's recomputation)."""
+        D, Lc = self.gather.shape
+        pos = torch.arange(Lc, device=q.device).expand(D, Lc)
+        y = reference_attention(self.to_canonical(q), self.to_canonical(k), self.to_canonical(v), pos, self.valid)
+        return self.from_canonical(y)
+
+    def _attend(self, q, k, v) -> torch.Tensor:
         qc, kc, vc = self.to_canonical(q), self.to_canonical(k), self.to_canonical(v)
         D, Lc = self.gather.shape
         pos = torch.arange(Lc, device=q.device).expand(D, Lc)
@@ -313,7 +329,9 @@ def invariant_attend(layout, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) 
     if isinstance(layout, CanonicalLayout):
         return layout.attend(q, k, v)
     seen = torch.ones(k.shape[0], k.shape[2], dtype=torch.bool, device=k.device)  # j <= position: written
-    return grouped_attention(q, k, v, layout.pos, seen, layout.length)
+    pos = layout.pos
+    return exact_forward(lambda q, k, v: grouped_attention(q, k, v, pos, seen, layout.length),
+                         lambda q, k, v: reference_attention(q, k, v, pos, seen), q, k, v)
 
 
 def grouped_attention(q, k, v, q_pos: torch.Tensor, k_valid: torch.Tensor, length: int | None = None) -> torch.Tensor:
