@@ -159,22 +159,30 @@ def inv_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torc
     Sp = S + (-S % ROW_BLOCK)
     if Sp != S:
         qf = torch.cat([qf, qf.new_zeros(B, h, Sp - S, hd)], 2)
-    qp = torch.cat([q_pos, q_pos.new_zeros(B, Sp - S)], 1) if Sp != S else q_pos
     j = torch.arange(Lp, device=q.device)
-    see = (j[None, None, :] <= qp[:, :, None]) & k_valid.bool()[:, None, :]  # (B, Sp, Lp)
-    s = torch.matmul(qf.contiguous(), kf.transpose(-1, -2))  # (B, h, Sp, Lp): one dot product of hd per entry
+    see = (j[None, None, :] <= q_pos[:, :, None]) & k_valid.bool()[:, None, :]  # (B, S, Lp)
+    # the matmuls take whole tiles of rows; a row's result does not depend on the others', so the
+    # pointwise steps run on the S real rows only and the padding rows of the value matmul are zeros
+    s = torch.matmul(qf.contiguous(), kf.transpose(-1, -2))[:, :, :S]  # (B, h, S, Lp): a dot product of hd each
     s = s.masked_fill(~see[:, None], float("-inf"))
     m = s.amax(-1, keepdim=True)  # a max is exact in any order
     m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))  # a query that sees nothing: all weights 0
-    e = torch.exp(s - m)  # (B, h, Sp, Lp), exactly 0 where not seen
-    den = qf.new_zeros(B, h, Sp, 1)
-    num = qf.new_zeros(B, h, Sp, hd)
-    for a in range(0, nb * KEY_BLOCK, KEY_BLOCK):  # in position order: the same additions for every layout
-        eb = e[..., a:a + KEY_BLOCK]
-        den = den + eb.sum(-1, keepdim=True)
-        num = num + torch.matmul(eb.contiguous(), vf[:, :, a:a + KEY_BLOCK].contiguous())
+    e = torch.exp(s - m).reshape(B, h, S, Lp // KEY_BLOCK, KEY_BLOCK)[:, :, :, :nb]  # exactly 0 where not seen
+    dens = e.sum(-1, keepdim=True)  # (B, h, S, nb, 1): each block's normaliser, a fixed-size sum
+    eb = e.new_zeros(B, h, nb, Sp, KEY_BLOCK)  # each block's weights as a whole tile of rows
+    eb[:, :, :, :S] = e.transpose(2, 3)
+    if Lp == nb * KEY_BLOCK:  # every block's [Sp, KEY_BLOCK] @ [KEY_BLOCK, hd] in one batched matmul
+        nums = torch.matmul(eb, vf.view(B, h, nb, KEY_BLOCK, hd)).unbind(2)
+    else:  # a cache read in place: its first nb blocks only (slicing them out would copy them all)
+        nums = [torch.matmul(eb[:, :, i].contiguous(), vf[:, :, i * KEY_BLOCK:(i + 1) * KEY_BLOCK].contiguous())
+                for i in range(nb)]
+    den = qf.new_zeros(B, h, S, 1)
+    num = qf.new_zeros(B, h, S, hd)
+    for i in range(nb):  # in position order: the same additions for every layout (a sum over the block
+        den = den + dens[:, :, :, i]  # dimension would not fix their order)
+        num = num + nums[i][:, :, :S]
     y = num / torch.where(den > 0, den, torch.ones_like(den))
-    return y[:, :, :S].to(out_dtype)
+    return y.to(out_dtype)
 
 
 # ---------------------------------------------------------------------------------------------
