@@ -169,8 +169,9 @@ def inv_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torc
     m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))  # a query that sees nothing: all weights 0
     e = torch.exp(s - m).reshape(B, h, S, Lp // KEY_BLOCK, KEY_BLOCK)[:, :, :, :nb]  # exactly 0 where not seen
     dens = e.sum(-1, keepdim=True)  # (B, h, S, nb, 1): each block's normaliser, a fixed-size sum
-    eb = e.new_zeros(B, h, nb, Sp, KEY_BLOCK)  # each block's weights as a whole tile of rows
+    eb = e.new_empty(B, h, nb, Sp, KEY_BLOCK)  # each block's weights as a whole tile of rows
     eb[:, :, :, :S] = e.transpose(2, 3)
+    eb[:, :, :, S:] = 0.0
     if Lp == nb * KEY_BLOCK:  # every block's [Sp, KEY_BLOCK] @ [KEY_BLOCK, hd] in one batched matmul
         nums = torch.matmul(eb, vf.view(B, h, nb, KEY_BLOCK, hd)).unbind(2)
     else:  # a cache read in place: its first nb blocks only (slicing them out would copy them all)
