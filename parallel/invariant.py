@@ -138,8 +138,8 @@ def inv_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torc
     several block sizes.
 
     A KV cache at its capacity (contiguous, whole key blocks, in the compute dtype) is read in place:
-    the scores cover every capacity position (those past a query are masked to -inf, weight 0) and the
-    block sums stop at `length`; anything else is copied once into whole blocks."""
+    the scores against its blocks up to `length` (a view) and the block sums over them; anything else
+    is copied once into whole blocks."""
     del k_pos  # the layout contract; kept in the signature so call sites state it
     B, h, S, hd = q.shape
     L = k.shape[2]
@@ -152,6 +152,9 @@ def inv_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torc
     # every matmul operand contiguous: ATen's batched matmul picks its path by the operands' strides too
     # (a KV cache's slice has the cache's stride), and the paths round differently (tp 4, fp32)
     kf, vf = _key_blocks(k, Lp, ct), _key_blocks(v, Lp, ct)
+    if whole and nb * KEY_BLOCK < L:  # a cache in place: the scores against its filled blocks only, a view
+        Lp = nb * KEY_BLOCK  # (a batch stride of the cache's: the same bits in tests/test_batch_invariant.py,
+        kf = kf[:, :, :Lp]  # tp 1/2/4, fp32 and bf16; the values' blocks are still copied)
     if Lp != L:
         k_valid = (k_valid[:, :Lp] if L > Lp else
                    torch.cat([k_valid, k_valid.new_zeros(B, Lp - L)], 1))
@@ -172,7 +175,7 @@ def inv_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torc
     eb = e.new_empty(B, h, nb, Sp, KEY_BLOCK)  # each block's weights as a whole tile of rows
     eb[:, :, :, :S] = e.transpose(2, 3)
     eb[:, :, :, S:] = 0.0
-    if Lp == nb * KEY_BLOCK:  # every block's [Sp, KEY_BLOCK] @ [KEY_BLOCK, hd] in one batched matmul
+    if vf.shape[2] == nb * KEY_BLOCK:  # every block's [Sp, KEY_BLOCK] @ [KEY_BLOCK, hd] in one batched matmul
         nums = torch.matmul(eb, vf.view(B, h, nb, KEY_BLOCK, hd)).unbind(2)
     else:  # a cache read in place: its first nb blocks only (slicing them out would copy them all)
         nums = [torch.matmul(eb[:, :, i].contiguous(), vf[:, :, i * KEY_BLOCK:(i + 1) * KEY_BLOCK].contiguous())
