@@ -121,7 +121,7 @@ class Attention(nn.Module):
         v = v.view(B, S, self.nkv_l, self.hd).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is not None and isinstance(mask, CachePositions):  # each key at its position
-            k, v = mask.write(cache.k[layer], cache.v[layer], k, v, cache.length + S)
+            k, v = mask.write(cache.k[layer], cache.v[layer], k, v)
         elif cache is not None:
             start = cache.length
             cache.k[layer][:, :, start:start + S] = k

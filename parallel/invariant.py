@@ -23,6 +23,9 @@ logits and log-prob, bit for bit. What varies with the batch's shape, and how ea
 
 What is already invariant and left alone (same probe): RMSNorm's mean over the hidden size, the
 per-token reductions over the vocabulary, the vocab-parallel max and the rank-ordered sums.
+
+The invariance is the forward's; the attention's backward is standard attention's, recomputed with SDPA
+(parallel/invariant_grad.py), not autograd through the blocked computation.
 """
 
 from __future__ import annotations
@@ -34,6 +37,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from parallel.invariant_grad import exact_forward, reference_attention
 
 ROW_BLOCK = 8  # matmul rows are padded to a multiple of this (the BLAS's full-block kernel for every row)
 KEY_BLOCK = 64  # attention sums keys in blocks of this many positions, from position 0
@@ -94,53 +99,94 @@ def silu(x: torch.Tensor) -> torch.Tensor:
 # attention over a sequence's own keys, in position order
 
 
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype the invariant attention computes in: fp32, or float64 for float64 inputs."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+def _key_blocks(x: torch.Tensor, Lp: int, ct: torch.dtype) -> torch.Tensor:
+    """The first Lp positions of x [B, h, L, hd] (Lp a multiple of KEY_BLOCK), contiguous in dtype ct,
+    zeros past L: one copy (none when x is already that tensor)."""
+    B, h, L, hd = x.shape
+    if L == Lp and x.dtype == ct and x.is_contiguous():
+        return x
+    n = min(L, Lp)
+    out = x.new_empty((B, h, Lp, hd), dtype=ct)
+    out[:, :, :n].copy_(x[:, :, :n])
+    if n < Lp:
+        out[:, :, n:].zero_()
+    return out
+
+
 def inv_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor,
-                  k_pos: torch.Tensor, k_valid: torch.Tensor) -> torch.Tensor:
+                  k_pos: torch.Tensor, k_valid: torch.Tensor, length: int | None = None) -> torch.Tensor:
     """Causal attention whose result for a query depends only on it and its sequence's keys.
 
     q [B, h, S, hd]; k, v [B, h, L, hd] with key j of row b at position j (`k_pos` [B, L] must be
     arange(L) where `k_valid` [B, L]; the canonical layouts guarantee it); q_pos [B, S]. A query at
-    position p sees the valid keys at positions <= p. In fp32 whatever the inputs' dtype.
+    position p sees the valid keys at positions <= p. `length`: no query sees a key at or past it
+    (a KV cache's filled length; k, v may then be the whole cache). In fp32 whatever the inputs'
+    dtype (float64 inputs: float64).
 
     The queries are padded to whole tiles of ROW_BLOCK (the matmuls' row count), the keys to whole
     blocks of KEY_BLOCK positions. The softmax max is exact in any order; the sums over keys (the
     normaliser and the weighted values) are taken per block (a fixed-shape reduction and a
-    [rows, KEY_BLOCK] @ [KEY_BLOCK, hd] matmul) and the blocks added in order from position 0. A key
-    past the query contributes an exact 0 to both sums (exp(-inf) = 0; x + 0 = x), so neither the
-    total key length L (cache size, longest row) nor the number of queries S changes a bit of a
-    query's result: tests/test_batch_invariant.py checks it for several block sizes."""
+    [rows, KEY_BLOCK] @ [KEY_BLOCK, hd] matmul) and the blocks added in order from position 0, up to
+    the block holding position length - 1. A key past the query contributes an exact 0 to both sums
+    (exp(-inf) = 0; x + 0 = x), so neither the total key length L (cache size, longest row) nor the
+    number of queries S changes a bit of a query's result: tests/test_batch_invariant.py checks it for
+    several block sizes.
+
+    A KV cache at its capacity (contiguous, whole key blocks, in the compute dtype) is read in place:
+    the scores against its blocks up to `length` (a view) and the block sums over them; anything else
+    is copied once into whole blocks."""
     del k_pos  # the layout contract; kept in the signature so call sites state it
     B, h, S, hd = q.shape
     L = k.shape[2]
+    n = L if length is None else min(length, L)
+    nb = -(-n // KEY_BLOCK)  # the key blocks summed
+    ct = compute_dtype(q.dtype)
     out_dtype = q.dtype
-    qf, kf, vf = q.float() * (1.0 / math.sqrt(hd)), k.float(), v.float()
-    Sp = S + (-S % ROW_BLOCK)
-    Lp = L + (-L % KEY_BLOCK)
-    if Sp != S:
-        qf = torch.cat([qf, qf.new_zeros(B, h, Sp - S, hd)], 2)
-    if Lp != L:
-        kf = torch.cat([kf, kf.new_zeros(B, h, Lp - L, hd)], 2)
-        vf = torch.cat([vf, vf.new_zeros(B, h, Lp - L, hd)], 2)
-        k_valid = torch.cat([k_valid, k_valid.new_zeros(B, Lp - L)], 1)
-    qp = torch.cat([q_pos, q_pos.new_zeros(B, Sp - S)], 1) if Sp != S else q_pos
-    j = torch.arange(Lp, device=q.device)
-    see = (j[None, None, :] <= qp[:, :, None]) & k_valid.bool()[:, None, :]  # (B, Sp, Lp)
+    whole = L % KEY_BLOCK == 0 and all(t.dtype == ct and t.is_contiguous() for t in (k, v))
+    Lp = L if whole else nb * KEY_BLOCK
     # every matmul operand contiguous: ATen's batched matmul picks its path by the operands' strides too
     # (a KV cache's slice has the cache's stride), and the paths round differently (tp 4, fp32)
-    qf, kf, vf = qf.contiguous(), kf.contiguous(), vf.contiguous()
-    s = torch.matmul(qf, kf.transpose(-1, -2))  # (B, h, Sp, Lp): one dot product of hd per entry
+    kf, vf = _key_blocks(k, Lp, ct), _key_blocks(v, Lp, ct)
+    if whole and nb * KEY_BLOCK < L:  # a cache in place: the scores against its filled blocks only, a view
+        Lp = nb * KEY_BLOCK  # (a batch stride of the cache's: the same bits in tests/test_batch_invariant.py,
+        kf = kf[:, :, :Lp]  # tp 1/2/4, fp32 and bf16; the values' blocks are still copied)
+    if Lp != L:
+        k_valid = (k_valid[:, :Lp] if L > Lp else
+                   torch.cat([k_valid, k_valid.new_zeros(B, Lp - L)], 1))
+    qf = q.to(ct) * (1.0 / math.sqrt(hd))
+    Sp = S + (-S % ROW_BLOCK)
+    if Sp != S:
+        qf = torch.cat([qf, qf.new_zeros(B, h, Sp - S, hd)], 2)
+    j = torch.arange(Lp, device=q.device)
+    see = (j[None, None, :] <= q_pos[:, :, None]) & k_valid.bool()[:, None, :]  # (B, S, Lp)
+    # the matmuls take whole tiles of rows; a row's result does not depend on the others', so the
+    # pointwise steps run on the S real rows only and the padding rows of the value matmul are zeros
+    s = torch.matmul(qf.contiguous(), kf.transpose(-1, -2))[:, :, :S]  # (B, h, S, Lp): a dot product of hd each
     s = s.masked_fill(~see[:, None], float("-inf"))
     m = s.amax(-1, keepdim=True)  # a max is exact in any order
     m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))  # a query that sees nothing: all weights 0
-    e = torch.exp(s - m)  # (B, h, Sp, Lp), exactly 0 where not seen
-    den = qf.new_zeros(B, h, Sp, 1)
-    num = qf.new_zeros(B, h, Sp, hd)
-    for a in range(0, Lp, KEY_BLOCK):  # in position order: the same additions for every layout
-        eb = e[..., a:a + KEY_BLOCK]
-        den = den + eb.sum(-1, keepdim=True)
-        num = num + torch.matmul(eb.contiguous(), vf[:, :, a:a + KEY_BLOCK].contiguous())
+    e = torch.exp(s - m).reshape(B, h, S, Lp // KEY_BLOCK, KEY_BLOCK)[:, :, :, :nb]  # exactly 0 where not seen
+    dens = e.sum(-1, keepdim=True)  # (B, h, S, nb, 1): each block's normaliser, a fixed-size sum
+    eb = e.new_empty(B, h, nb, Sp, KEY_BLOCK)  # each block's weights as a whole tile of rows
+    eb[:, :, :, :S] = e.transpose(2, 3)
+    eb[:, :, :, S:] = 0.0
+    if vf.shape[2] == nb * KEY_BLOCK:  # every block's [Sp, KEY_BLOCK] @ [KEY_BLOCK, hd] in one batched matmul
+        nums = torch.matmul(eb, vf.view(B, h, nb, KEY_BLOCK, hd)).unbind(2)
+    else:  # a cache read in place: its first nb blocks only (slicing them out would copy them all)
+        nums = [torch.matmul(eb[:, :, i].contiguous(), vf[:, :, i * KEY_BLOCK:(i + 1) * KEY_BLOCK].contiguous())
+                for i in range(nb)]
+    den = qf.new_zeros(B, h, S, 1)
+    num = qf.new_zeros(B, h, S, hd)
+    for i in range(nb):  # in position order: the same additions for every layout (a sum over the block
+        den = den + dens[:, :, :, i]  # dimension would not fix their order)
+        num = num + nums[i][:, :, :S]
     y = num / torch.where(den > 0, den, torch.ones_like(den))
-    return y[:, :, :S].to(out_dtype)
+    return y.to(out_dtype)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -184,7 +230,18 @@ class CanonicalLayout:
         return out.view(B, S, h, hd).transpose(1, 2)
 
     def attend(self, q, k, v) -> torch.Tensor:
-        """Attention of physical q [B, nh, S, hd] over k, v [B, nkv, S, hd] through the canonical layout."""
+        """Attention of physical q [B, nh, S, hd] over k, v [B, nkv, S, hd] through the canonical layout
+        (backward: standard attention's gradient, parallel/invariant_grad.py)."""
+        return exact_forward(self._attend, self._reference, q, k, v)
+
+    def _reference(self, q, k, v) -> torch.Tensor:
+        """What `_attend` computes, by SDPA over the canonical layout (the backward's recomputation)."""
+        D, Lc = self.gather.shape
+        pos = torch.arange(Lc, device=q.device).expand(D, Lc)
+        y = reference_attention(self.to_canonical(q), self.to_canonical(k), self.to_canonical(v), pos, self.valid)
+        return self.from_canonical(y)
+
+    def _attend(self, q, k, v) -> torch.Tensor:
         qc, kc, vc = self.to_canonical(q), self.to_canonical(k), self.to_canonical(v)
         D, Lc = self.gather.shape
         pos = torch.arange(Lc, device=q.device).expand(D, Lc)
@@ -192,8 +249,7 @@ class CanonicalLayout:
         for a in range(0, Lc, QUERY_BLOCK):  # causal: a block of queries reads the keys up to its end only
             e = min(a + QUERY_BLOCK, Lc)
             qb = qc[:, :, a:e].contiguous()  # the operands laid out as a full forward's (no strided slices)
-            kb, vb = kc[:, :, :e].contiguous(), vc[:, :, :e].contiguous()
-            out.append(grouped_attention(qb, kb, vb, pos[:, a:e], self.valid[:, :e]))
+            out.append(grouped_attention(qb, kc[:, :, :e], vc[:, :, :e], pos[:, a:e], self.valid[:, :e]))
         return self.from_canonical(torch.cat(out, 2) if len(out) > 1 else out[0])
 
 
@@ -237,27 +293,28 @@ def canonical_layout(position_ids: torch.Tensor, valid: torch.Tensor, document_i
 
 @dataclass
 class CachePositions:
-    """With a KV cache: the new tokens' positions [B, S] and which are real [B, S]. Each real token's
-    keys are written at its position (not its column), so a row's keys stand at positions 0, 1, ...
-    whatever its left padding, as in the canonical layout."""
+    """With a KV cache: the new tokens' positions [B, S], which are real [B, S] and the cache's length
+    after them (`length`: no query sees a key at or past it). Each real token's keys are written at
+    its position (not its column), so a row's keys stand at positions 0, 1, ... whatever its left
+    padding, as in the canonical layout."""
 
     pos: torch.Tensor
     valid: torch.Tensor
+    length: int | None = None
 
     def __post_init__(self):
         # the real tokens' (row, column) and position, found once for all layers
         self.b, self.s = self.valid.nonzero(as_tuple=True)
         self.p = self.pos[self.b, self.s]
 
-    def write(self, ck: torch.Tensor, cv: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: int):
+    def write(self, ck: torch.Tensor, cv: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
         """Store k, v [B, nkv, S, hd] into the cache's layers ck, cv [B, nkv, max_len, hd] at the real
-        tokens' positions -> the cache's keys and values [B, nkv, L, hd], L = `length` rounded up to
-        KEY_BLOCK where the cache holds that many (the entries past `length` are never seen; a cache
-        sized by `key_capacity` spares inv_attention a padded copy of every layer's keys per step)."""
+        tokens' positions -> ck, cv themselves: inv_attention reads a cache sized by `key_capacity`
+        in place (no copy of every layer's keys and values per step) and sums its key blocks up to
+        `length` only."""
         ck[self.b, :, self.p] = k[self.b, :, self.s]
         cv[self.b, :, self.p] = v[self.b, :, self.s]
-        L = min(length + (-length % KEY_BLOCK), ck.shape[2])
-        return ck[:, :, :L], cv[:, :, :L]
+        return ck, cv
 
 
 def key_capacity(length: int) -> int:
@@ -274,7 +331,7 @@ def invariant_layout(input_ids, position_ids, attention_mask, past: int | None, 
     valid = (attention_mask[:, start:start + S].bool() if attention_mask is not None
              else torch.ones(B, S, dtype=torch.bool, device=input_ids.device))
     if past is not None:
-        return CachePositions(position_ids, valid)
+        return CachePositions(position_ids, valid, past + S)
     return canonical_layout(position_ids, valid, document_ids, prefix_ids)
 
 
@@ -284,10 +341,12 @@ def invariant_attend(layout, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) 
     if isinstance(layout, CanonicalLayout):
         return layout.attend(q, k, v)
     seen = torch.ones(k.shape[0], k.shape[2], dtype=torch.bool, device=k.device)  # j <= position: written
-    return grouped_attention(q, k, v, layout.pos, seen)
+    pos = layout.pos
+    return exact_forward(lambda q, k, v: grouped_attention(q, k, v, pos, seen, layout.length),
+                         lambda q, k, v: reference_attention(q, k, v, pos, seen), q, k, v)
 
 
-def grouped_attention(q, k, v, q_pos: torch.Tensor, k_valid: torch.Tensor) -> torch.Tensor:
+def grouped_attention(q, k, v, q_pos: torch.Tensor, k_valid: torch.Tensor, length: int | None = None) -> torch.Tensor:
     """inv_attention with the g = nh / nkv query heads that share a KV head stacked as rows of one
     matrix (their keys and values are read once, never repeated per head): q [B, nh, S, hd] -> rows
     [B, nkv, g * S, hd], row i * S + s the query at position q_pos[:, s] of head i of the group."""
@@ -295,5 +354,5 @@ def grouped_attention(q, k, v, q_pos: torch.Tensor, k_valid: torch.Tensor) -> to
     nkv = k.shape[1]
     g = nh // nkv
     rows = q.reshape(B, nkv, g * S, hd)
-    y = inv_attention(rows, k, v, q_pos.repeat(1, g) if g > 1 else q_pos, None, k_valid)
+    y = inv_attention(rows, k, v, q_pos.repeat(1, g) if g > 1 else q_pos, None, k_valid, length)
     return y.reshape(B, nh, S, hd)

@@ -1,0 +1,68 @@
+"""The batch-invariant attention's backward: standard attention's, recomputed with SDPA.
+
+The invariant forward (parallel/invariant.py's `inv_attention`: fixed key blocks, masked scores, a loop of
+block sums) is the same function as standard causal attention; only its rounding is pinned. Autograd
+through its every op (the masked fill, the exp, each block's matmul) costs far more than SDPA's fused
+backward, and the gradient's rounding needs no pinning (the invariance is about the forward's bits, which
+the rollout and the trainer compare). So `exact_forward` runs the invariant forward without a graph and,
+in backward, recomputes the attention with `F.scaled_dot_product_attention` under the equivalent boolean
+mask and returns its gradients: the forward's bits unchanged, the gradient standard attention's
+(tests/test_invariant_grad.py checks it against float64 math attention and the mode-off model's).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+
+def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor,
+                        k_valid: torch.Tensor) -> torch.Tensor:
+    """What `grouped_attention(q, k, v, q_pos, k_valid)` computes, by SDPA: q [B, nh, S, hd] at positions
+    q_pos [B, S] over k, v [B, nkv, L, hd] (key j at position j, `k_valid` [B, L]); a query at position p
+    sees the valid keys at positions <= p, a query that sees none gives 0. In fp32 (float64 for float64
+    inputs), the result in q's dtype. The g = nh / nkv query heads of a KV head are stacked as rows, as
+    the forward does (no repeated keys; SDPA's fused kernel takes the mask)."""
+    B, nh, S, hd = q.shape
+    nkv, L = k.shape[1], k.shape[2]
+    g = nh // nkv
+    ct = torch.promote_types(q.dtype, torch.float32)
+    rows = q.reshape(B, nkv, g * S, hd).to(ct)
+    qp = q_pos.repeat(1, g) if g > 1 else q_pos
+    j = torch.arange(L, device=q.device)
+    see = (j[None, None, :] <= qp[:, :, None]) & k_valid.bool()[:, None, :]  # (B, g * S, L)
+    empty = ~see.any(-1, keepdim=True)  # a query that sees nothing: any finite row, its output zeroed
+    y = F.scaled_dot_product_attention(rows, k.to(ct), v.to(ct), attn_mask=(see | empty)[:, None])
+    y = y.masked_fill(empty[:, None], 0.0)
+    return y.reshape(B, nh, S, hd).to(q.dtype)
+
+
+class _ExactForward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, forward_fn, reference_fn, q, k, v):  # autograd is off in here: no graph of the loop
+        ctx.reference_fn = reference_fn
+        ctx.save_for_backward(q, k, v)
+        return forward_fn(q, k, v)
+
+    @staticmethod
+    def backward(ctx, grad):
+        saved = ctx.saved_tensors
+        need = ctx.needs_input_grad[2:]
+        with torch.enable_grad():
+            ins = [t.detach().requires_grad_(n) for t, n in zip(saved, need)]
+            y = ctx.reference_fn(*ins)
+            wanted = [t for t in ins if t.requires_grad]
+            got = iter(torch.autograd.grad(y, wanted, grad))
+        return None, None, *(next(got) if n else None for n in need)
+
+
+def exact_forward(forward_fn: Callable, reference_fn: Callable, q: torch.Tensor, k: torch.Tensor,
+                  v: torch.Tensor) -> torch.Tensor:
+    """forward_fn(q, k, v) with reference_fn's gradient: forward_fn runs without autograd (its bits as
+    they are) and backward differentiates reference_fn(q, k, v), the same function in standard ops.
+    Without a gradient to take, forward_fn(q, k, v) itself."""
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+        return _ExactForward.apply(forward_fn, reference_fn, q, k, v)
+    return forward_fn(q, k, v)
