@@ -154,7 +154,7 @@ def inv_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torc
     kf, vf = _key_blocks(k, Lp, ct), _key_blocks(v, Lp, ct)
     if whole and nb * KEY_BLOCK < L:  # a cache in place: the scores against its filled blocks only, a view
         Lp = nb * KEY_BLOCK  # (a batch stride of the cache's: the same bits in tests/test_batch_invariant.py,
-        kf = kf[:, :, :Lp]  # tp 1/2/4, fp32 and bf16; the values' blocks are still copied)
+        kf = kf[:, :, :Lp]  # tp 1/2/4, fp32 and bf16)
     if Lp != L:
         k_valid = (k_valid[:, :Lp] if L > Lp else
                    torch.cat([k_valid, k_valid.new_zeros(B, Lp - L)], 1))
@@ -177,9 +177,9 @@ def inv_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torc
     eb[:, :, :, S:] = 0.0
     if vf.shape[2] == nb * KEY_BLOCK:  # every block's [Sp, KEY_BLOCK] @ [KEY_BLOCK, hd] in one batched matmul
         nums = torch.matmul(eb, vf.view(B, h, nb, KEY_BLOCK, hd)).unbind(2)
-    else:  # a cache read in place: its first nb blocks only (slicing them out would copy them all)
-        nums = [torch.matmul(eb[:, :, i].contiguous(), vf[:, :, i * KEY_BLOCK:(i + 1) * KEY_BLOCK].contiguous())
-                for i in range(nb)]
+    else:  # a cache read in place: its first nb blocks only, each a view with the cache's batch stride (a
+        # contiguous copy of each block had cost as much as the matmuls; the bits are the same)
+        nums = [torch.matmul(eb[:, :, i], vf[:, :, i * KEY_BLOCK:(i + 1) * KEY_BLOCK]) for i in range(nb)]
     den = qf.new_zeros(B, h, S, 1)
     num = qf.new_zeros(B, h, S, hd)
     for i in range(nb):  # in position order: the same additions for every layout (a sum over the block

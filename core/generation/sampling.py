@@ -220,7 +220,7 @@ def top_p_threshold(zs: torch.Tensor, top_p: float, tp_group=None) -> torch.Tens
     the masses of the keys still in the candidate bucket into 256 bins, sums the histograms over
     the shards, and picks the bin where the mass above crosses top_p. Masses summed in float64."""
     B, Vl = zs.shape
-    m = zs.max(dim=-1, keepdim=True).values
+    m = zs.amax(dim=-1, keepdim=True)
     all_reduce(m, "max", tp_group)  # global max per row, to normalise without overflow
     e = (zs - m).exp_()  # (B, Vl) unnormalised masses, float32 elementwise (layout-invariant)
     total = e.sum(-1, dtype=torch.float64)
@@ -273,7 +273,7 @@ def sharded_token_logprob(z: torch.Tensor, gid: torch.Tensor, temperature: float
     B, Vl = z.shape
     start = group_rank(tp_group) * Vl
     s = z / temperature if temperature != 1.0 else z.clone()
-    m = s.max(dim=-1).values
+    m = s.amax(dim=-1)
     all_reduce(m, "max", tp_group)  # the global max per row
     s.sub_(m[:, None])
     local = gid.to(z.device) - start
@@ -330,7 +330,7 @@ def sample_from_sharded_logits(logits_local: torch.Tensor, *, vocab_size: int, t
             zs = zs.masked_fill(z < thresholds[0][1], float("-inf"))
         thresholds.append(("tempered", top_p_threshold(zs, top_p, tp_group)))
     if not greedy and min_p > 0.0:
-        m = z.max(dim=-1, keepdim=True).values
+        m = z.amax(dim=-1, keepdim=True)
         all_reduce(m, "max", tp_group)  # p_v >= min_p p_max  <=>  (z_v - z_max) / T >= log(min_p)
         thresholds.append(("minp", m))
         log_min_p = math.log(min_p)
