@@ -78,6 +78,7 @@ class FusedHeadOutput(NamedTuple):
 
 
 _UPCAST_BLOCK = 4096  # vocabulary rows of a low-precision weight upcast at a time where mm has no out_dtype
+_FEW_ROWS, _FEW_ROWS_BLOCK = 64, 2048  # a CPU head matmul of at most this many rows: blocks of this many columns
 
 
 class HeadMatmul:
@@ -107,6 +108,15 @@ class HeadMatmul:
                 for a in range(0, self.w.shape[0], _UPCAST_BLOCK):
                     b = min(a + _UPCAST_BLOCK, self.w.shape[0])
                     torch.mm(h, self.w[a:b].to(self.sh.dtype).T, out=z[:, a:b])
+            elif n <= _FEW_ROWS and self.w.shape[0] > _FEW_ROWS_BLOCK and h.device.type == "cpu" \
+                    and not invariant.enabled():
+                # a decode step's few rows: blocked over the vocabulary (one [n, V] product leaves the CPU
+                # BLAS at a fraction of its rate: 512 x 32000 at 32 rows measured 15 -> 12 ms on 2 threads)
+                h = h.to(self.w.dtype)
+                z = h.new_empty((n, self.w.shape[0]))
+                for a in range(0, self.w.shape[0], _FEW_ROWS_BLOCK):
+                    b = min(a + _FEW_ROWS_BLOCK, self.w.shape[0])
+                    torch.mm(h, self.w[a:b].T, out=z[:, a:b])
             else:
                 z = h.to(self.w.dtype) @ self.w.T  # a fresh tensor: scaled in place
         z = z[:n]

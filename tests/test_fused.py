@@ -169,3 +169,19 @@ def test_fused_bad_input():
         fused_head(h, w, None, entropy=False)
     with pytest.raises(ValueError, match="target id 16"):
         fused_head(h, w, torch.tensor([0, 1, 2, 16]))
+
+
+@pytest.mark.parametrize("rows", [1, 5, 32, 64, 65])
+def test_head_matmul_few_rows_blocked_equals_float64(rows):
+    # a decode step's few rows take the vocabulary-blocked CPU path (parallel/fused.py `_FEW_ROWS`); every
+    # column block written, each logit the float64 product's to fp32 rounding, the temperature applied
+    from parallel.fused import _FEW_ROWS_BLOCK, HeadMatmul
+    from parallel.vocab_stats import vocab_shard
+
+    g = torch.Generator().manual_seed(rows)
+    V, H = 2 * _FEW_ROWS_BLOCK + 37, 48
+    w, h = torch.randn(V, H, generator=g), torch.randn(rows, H, generator=g)
+    z = HeadMatmul(w, vocab_shard(V, None, None, 0.7, w.dtype, fp32=True))(h)
+    want = (h.double() @ w.double().T) / 0.7
+    assert z.shape == (rows, V) and z.dtype == torch.float32
+    torch.testing.assert_close(z.double(), want, rtol=1e-5, atol=1e-4)
