@@ -13,6 +13,8 @@ instead of at the process-group timeout. A call that leaves a rank without its p
 of tests/conftest.py); at most one pool of more than 2 ranks is alive at a time.
 
 `run_torchrun(...)` launches a real `torchrun` command line in a subprocess with a timeout.
+
+`wait_for_line(proc, needle, limit)` reads a launch's merged output until a line holding `needle`.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import queue
 import socket
 import subprocess
 import sys
+import threading
 import time
 import traceback
 
@@ -187,3 +190,45 @@ def run_torchrun(module_and_args: list[str], nproc: int, timeout: float = 300.0,
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
            "-m", *module_and_args]
     return subprocess.run(cmd, env=env, cwd=cwd or REPO, capture_output=True, text=True, timeout=timeout)
+
+
+def wait_for_line(proc: subprocess.Popen, needle: str, limit: float) -> tuple[bool, callable]:
+    """Read `proc`'s text stdout in a thread; wait at most `limit` s for a line holding `needle` (or the
+    end of the output). Returns (seen, rest): `rest(timeout)` waits for the process and the end of its
+    output, then returns the whole text (subprocess.TimeoutExpired when it is not over by then)."""
+    lines, seen = [], threading.Event()
+
+    def read():
+        for line in proc.stdout:
+            lines.append(line)
+            if needle in line:
+                seen.set()
+        seen.set()  # the output ended
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    seen.wait(limit)
+    found = any(needle in ln for ln in lines)
+
+    def rest(timeout: float) -> str:
+        proc.wait(timeout=timeout)
+        reader.join(timeout=10)
+        return "".join(lines)
+
+    return found, rest
+
+
+def process_ended(pid: int, limit: float = 0.0) -> bool:
+    """True once `pid` has exited (gone, or a zombie its parent has not reaped yet), waiting at most `limit` s."""
+    deadline = time.monotonic() + limit
+    while True:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            return True
+        if state in ("Z", "X"):
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.1)
