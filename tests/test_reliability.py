@@ -288,6 +288,9 @@ class _Store:
         self.d[key] = value.encode()
 
     def get(self, key):
+        # the real store's get of a missing key waits for it, holding the client that the loop's own beats
+        # need: the watchdog must never ask for a key that is not there yet
+        assert key in self.d, f"store.get({key!r}) of a missing key would wait for it"
         return self.d[key]
 
     def check(self, keys):

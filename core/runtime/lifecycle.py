@@ -184,9 +184,11 @@ class Watchdog:
             self.store.set(f"kltron/phase/{self.rank}", json.dumps([phase, step, time.time()]))
 
     def _read(self, key: str):
+        """The key's value, or None when it is not in the store yet: `store.get` of a missing key waits for
+        it (up to the store's timeout, the thread stuck and the run with it), so `check` asks first."""
         try:
-            return json.loads(self.store.get(key))
-        except Exception:  # noqa: BLE001 - a rank that has not published yet
+            return json.loads(self.store.get(key)) if self.store.check([key]) else None
+        except Exception:  # noqa: BLE001 - the store unreachable: nothing to read
             return None
 
     @staticmethod
