@@ -282,15 +282,17 @@ class _Store:
     """The torchrun store's set / get / check, in a dict."""
 
     def __init__(self):
-        self.d = {}
+        self.d, self.waited = {}, []
 
     def set(self, key, value):
         self.d[key] = value.encode()
 
     def get(self, key):
-        # the real store's get of a missing key waits for it, holding the client that the loop's own beats
-        # need: the watchdog must never ask for a key that is not there yet
-        assert key in self.d, f"store.get({key!r}) of a missing key would wait for it"
+        # the real store's get of a missing key waits for it (up to the store's timeout), holding the client
+        # that the loop's own beats need: the watchdog must never ask for a key that is not there yet
+        if key not in self.d:
+            self.waited.append(key)
+            raise KeyError(key)
         return self.d[key]
 
     def check(self, keys):
@@ -334,6 +336,7 @@ def test_watchdog_ends_the_run_on_a_frozen_peer_and_never_on_a_slow_one():
                            "the watchdog ended the run: rank 1 (rollout rank 0) frozen"), line
     assert "rank 1 (rollout rank 0) has not advanced in 1" in line and "frozen (phase 'generate', step 4)" in line
     assert "rank 2" not in line
+    assert store.waited == []  # phases of ranks 0 and 2 never published: not waited for
 
 
 def test_watchdog_does_not_end_the_run_on_a_peer_that_beats_finishes_or_when_itself_starved():
@@ -372,6 +375,7 @@ def test_watchdog_does_not_end_the_run_on_a_peer_that_beats_finishes_or_when_its
     now[0] += dog.interval_s
     dog.tick()
     assert len(ended) == 1
+    assert store.waited == []
 
 
 def _compare(cfg_by_rank, fake_code):

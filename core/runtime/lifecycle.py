@@ -172,8 +172,12 @@ class Watchdog:
     def for_run(cls, stall_s: float, roles: dict | None = None, program: str = "kltron") -> Watchdog:
         if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
             return cls(0.0, 0, 1, program=program)
-        return cls(stall_s, dist.get_rank(), dist.get_world_size(), dist.distributed_c10d._get_default_store(),
-                   roles=roles, program=program)
+        store = dist.distributed_c10d._get_default_store()
+        try:  # a connection of its own: a store call of the main thread that waits (a key, a timeout) holds the
+            store = store.clone()  # shared client, and the heartbeats would stop behind it
+        except (AttributeError, RuntimeError):  # a torch without Store.clone: the shared client
+            pass
+        return cls(stall_s, dist.get_rank(), dist.get_world_size(), store, roles=roles, program=program)
 
     def name(self, rank: int) -> str:
         """'rank 2', or 'rank 2 (rollout rank 0)' in a launch split into roles."""
