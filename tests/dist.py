@@ -14,7 +14,7 @@ of tests/conftest.py); at most one pool of more than 2 ranks is alive at a time.
 
 `run_torchrun(...)` launches a real `torchrun` command line in a subprocess with a timeout.
 
-`wait_for_line(proc, needle, limit)` reads a launch's merged output until a line holding `needle`.
+`OutputReader(proc)` drains a launch's merged output from the start; `.wait_for(needle, limit)`.
 """
 
 from __future__ import annotations
@@ -192,30 +192,35 @@ def run_torchrun(module_and_args: list[str], nproc: int, timeout: float = 300.0,
     return subprocess.run(cmd, env=env, cwd=cwd or REPO, capture_output=True, text=True, timeout=timeout)
 
 
-def wait_for_line(proc: subprocess.Popen, needle: str, limit: float) -> tuple[bool, callable]:
-    """Read `proc`'s text stdout in a thread; wait at most `limit` s for a line holding `needle` (or the
-    end of the output). Returns (seen, rest): `rest(timeout)` waits for the process and the end of its
-    output, then returns the whole text (subprocess.TimeoutExpired when it is not over by then)."""
-    lines, seen = [], threading.Event()
+class OutputReader:
+    """Reads a launch's merged text stdout in a thread from the start, so that no rank ever blocks writing
+    to a full pipe; `wait_for(needle, limit)` waits for a line holding `needle` (or the end of the output),
+    `rest(timeout)` for the process and the end of its output, then returns the whole text."""
 
-    def read():
-        for line in proc.stdout:
-            lines.append(line)
-            if needle in line:
-                seen.set()
-        seen.set()  # the output ended
+    def __init__(self, proc: subprocess.Popen):
+        self.proc, self.lines, self._new = proc, [], threading.Condition()
+        self._done = False
+        self._thread = threading.Thread(target=self._read, daemon=True)
+        self._thread.start()
 
-    reader = threading.Thread(target=read, daemon=True)
-    reader.start()
-    seen.wait(limit)
-    found = any(needle in ln for ln in lines)
+    def _read(self):
+        for line in self.proc.stdout:
+            with self._new:
+                self.lines.append(line)
+                self._new.notify_all()
+        with self._new:
+            self._done = True
+            self._new.notify_all()
 
-    def rest(timeout: float) -> str:
-        proc.wait(timeout=timeout)
-        reader.join(timeout=10)
-        return "".join(lines)
+    def wait_for(self, needle: str, limit: float) -> bool:
+        with self._new:
+            self._new.wait_for(lambda: self._done or any(needle in ln for ln in self.lines), timeout=limit)
+            return any(needle in ln for ln in self.lines)
 
-    return found, rest
+    def rest(self, timeout: float) -> str:
+        self.proc.wait(timeout=timeout)
+        self._thread.join(timeout=10)
+        return "".join(self.lines)
 
 
 def process_ended(pid: int, limit: float = 0.0) -> bool:

@@ -22,7 +22,7 @@ import time
 import pytest
 import torch
 
-from tests.dist import REPO, process_ended, wait_for_line
+from tests.dist import REPO, OutputReader, process_ended
 
 CONFIG = os.path.join(REPO, "configs", "grpo_tiny_async.yaml")
 COLOCATED = os.path.join(REPO, "configs", "grpo_tiny.yaml")
@@ -348,13 +348,14 @@ def _lost_rank_case(sft, victim, how, attempt):
     base, sft = sft
     out, timeout_s = str(base / f"lost_{victim}_{how}_{attempt}"), 60
     proc = _launch(sft, out, f"parallel.timeout_s={timeout_s}", "parallel.watchdog_s=3")
+    reader = OutputReader(proc) if how == "freeze" else None  # drained throughout: no rank blocks on a full pipe
     _after_steps(proc, out, 2)
     pid, survivor_pid = _rank_pid(proc.pid, victim), _rank_pid(proc.pid, 1 - victim)
     os.kill(pid, signal.SIGSTOP if how == "freeze" else signal.SIGKILL)
     t0 = time.monotonic()
     try:
         if how == "freeze":
-            seen, rest = wait_for_line(proc, f"kltron.rl.train: error (rank {1 - victim})", timeout_s + 90)
+            seen, rest = reader.wait_for(f"kltron.rl.train: error (rank {1 - victim})", timeout_s + 90), reader.rest
             ended = seen and process_ended(survivor_pid, 30)
             took = time.monotonic() - t0
             os.kill(pid, signal.SIGKILL)

@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from tests.dist import REPO, process_ended, run_torchrun, wait_for_line
+from tests.dist import REPO, OutputReader, process_ended, run_torchrun
 
 pytestmark = pytest.mark.slow  # torchrun launches and RL runs on a warm-start checkpoint
 
@@ -137,12 +137,13 @@ def test_frozen_rank_ends_the_run_naming_it(sft):
     base, sft = sft
     out, timeout_s = str(base / "frozen"), 15
     proc = _launch(_args(sft, out, "train.steps=200", f"parallel.timeout_s={timeout_s}", "parallel.watchdog_s=4"))
+    reader = OutputReader(proc)  # drained throughout: no rank blocks on a full pipe
     _wait_for_steps(proc, out, 1)
     survivor, victim = _rank_pid(proc.pid, 0), _rank_pid(proc.pid, 1)
     os.kill(victim, signal.SIGSTOP)
     t0 = time.monotonic()
     try:
-        seen, rest = wait_for_line(proc, "kltron.rl.train: error (rank 0)", timeout_s + 90)
+        seen, rest = reader.wait_for("kltron.rl.train: error (rank 0)", timeout_s + 90), reader.rest
         ended = seen and process_ended(survivor, 30)
         took = time.monotonic() - t0
         os.kill(victim, signal.SIGKILL)
