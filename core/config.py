@@ -82,7 +82,9 @@ class ParallelConfig:
     activation_checkpointing: bool = False
     cpu_offload: bool = False
     timeout_s: float = 600.0  # collective timeout: a rank frozen this long ends the run with an error
-    watchdog_s: float = 0.0  # > 0: name the rank and phase that has not advanced in this many seconds
+    # > 0: name the rank and phase that has not advanced in this many seconds; end the run when a peer is frozen
+    # (its alive-beat unchanged for max(2 * watchdog_s, 10 s): core/runtime/lifecycle.py, docs/reliability.md)
+    watchdog_s: float = 0.0
     # every token's forward bits independent of the batch: the rollout's decode log-probs equal the
     # trainer's, bit for bit (parallel/invariant.py; cost: docs/design.md "Batch-invariant mode")
     batch_invariant: bool = False

@@ -324,7 +324,9 @@ def run(cfg: RLConfig, stop_request: StopRequest | None = None) -> list[dict]:
         raise
     writer = run.open_outputs(cfg)
     bar = ProgressBar(t.steps, enabled=run.state.is_main and t.progress, every=t.log_every)
-    dog = Watchdog.for_run(cfg.parallel.watchdog_s).start()
+    dog = Watchdog.for_run(cfg.parallel.watchdog_s, program="kltron.rl.train")
+    dog.on_frozen = lambda err: dog.explain(err, cfg.parallel.timeout_s)  # the comm failure's message, below
+    dog.start()
     guard = CollapseGuard(cfg.optim.lr, run.state.is_main)
     records, stop, preempted = [], None, False
     try:

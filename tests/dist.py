@@ -13,6 +13,8 @@ instead of at the process-group timeout. A call that leaves a rank without its p
 of tests/conftest.py); at most one pool of more than 2 ranks is alive at a time.
 
 `run_torchrun(...)` launches a real `torchrun` command line in a subprocess with a timeout.
+
+`OutputReader(proc)` drains a launch's merged output from the start; `.wait_for(needle, limit)`.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import queue
 import socket
 import subprocess
 import sys
+import threading
 import time
 import traceback
 
@@ -187,3 +190,50 @@ def run_torchrun(module_and_args: list[str], nproc: int, timeout: float = 300.0,
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
            "-m", *module_and_args]
     return subprocess.run(cmd, env=env, cwd=cwd or REPO, capture_output=True, text=True, timeout=timeout)
+
+
+class OutputReader:
+    """Reads a launch's merged text stdout in a thread from the start, so that no rank ever blocks writing
+    to a full pipe; `wait_for(needle, limit)` waits for a line holding `needle` (or the end of the output),
+    `rest(timeout)` for the process and the end of its output, then returns the whole text."""
+
+    def __init__(self, proc: subprocess.Popen):
+        self.proc, self.lines, self._new = proc, [], threading.Condition()
+        self._done = False
+        self._thread = threading.Thread(target=self._read, daemon=True)
+        self._thread.start()
+
+    def _read(self):
+        for line in self.proc.stdout:
+            with self._new:
+                self.lines.append(line)
+                self._new.notify_all()
+        with self._new:
+            self._done = True
+            self._new.notify_all()
+
+    def wait_for(self, needle: str, limit: float) -> bool:
+        with self._new:
+            self._new.wait_for(lambda: self._done or any(needle in ln for ln in self.lines), timeout=limit)
+            return any(needle in ln for ln in self.lines)
+
+    def rest(self, timeout: float) -> str:
+        self.proc.wait(timeout=timeout)
+        self._thread.join(timeout=10)
+        return "".join(self.lines)
+
+
+def process_ended(pid: int, limit: float = 0.0) -> bool:
+    """True once `pid` has exited (gone, or a zombie its parent has not reaped yet), waiting at most `limit` s."""
+    deadline = time.monotonic() + limit
+    while True:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            return True
+        if state in ("Z", "X"):
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.1)

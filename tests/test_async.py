@@ -22,7 +22,7 @@ import time
 import pytest
 import torch
 
-from tests.dist import REPO
+from tests.dist import REPO, OutputReader, process_ended
 
 CONFIG = os.path.join(REPO, "configs", "grpo_tiny_async.yaml")
 COLOCATED = os.path.join(REPO, "configs", "grpo_tiny.yaml")
@@ -331,9 +331,9 @@ def _after_steps(proc, out, n, limit=240.0):
 def test_a_lost_rank_is_named_with_its_role(sft, victim, how):
     # a real torchrun launch killed mid-run. On a loaded machine (two xdist workers on two cores) the first
     # rollout alone can outlast a short collective timeout, so the timeout is generous: a killed peer is seen at
-    # once (the socket closes), only the frozen case waits the timeout out. The fault can also land before the
-    # step's collectives are under way, and the survivors then report a timeout first: one relaunch, then the
-    # assertions hold or fail for real
+    # once (the socket closes), a frozen one by the survivor's watchdog or the timeout. The fault can also land
+    # before the step's collectives are under way, and the survivors then report a timeout first: one relaunch,
+    # then the assertions hold or fail for real
     try:
         _lost_rank_case(sft, victim, how, 0)
     except AssertionError:
@@ -341,14 +341,28 @@ def test_a_lost_rank_is_named_with_its_role(sft, victim, how):
 
 
 def _lost_rank_case(sft, victim, how, attempt):
+    # frozen: the survivor's watchdog ends the run once the victim's alive-beat has stayed unchanged for 10 s
+    # (abort_after(3)), or else the collective timeout does; torchrun then gives the SIGSTOPped victim its SIGTERM
+    # grace (30 s; its failure path takes no shorter one) before a SIGKILL: once the survivor has reported and
+    # exited on its own, the test sends that SIGKILL itself
     base, sft = sft
     out, timeout_s = str(base / f"lost_{victim}_{how}_{attempt}"), 60
     proc = _launch(sft, out, f"parallel.timeout_s={timeout_s}", "parallel.watchdog_s=3")
+    reader = OutputReader(proc) if how == "freeze" else None  # drained throughout: no rank blocks on a full pipe
     _after_steps(proc, out, 2)
-    pid = _rank_pid(proc.pid, victim)
+    pid, survivor_pid = _rank_pid(proc.pid, victim), _rank_pid(proc.pid, 1 - victim)
     os.kill(pid, signal.SIGSTOP if how == "freeze" else signal.SIGKILL)
+    t0 = time.monotonic()
     try:
-        text = proc.communicate(timeout=timeout_s + 90)[0]
+        if how == "freeze":
+            seen, rest = reader.wait_for(f"kltron.rl.train: error (rank {1 - victim})", timeout_s + 90), reader.rest
+            ended = seen and process_ended(survivor_pid, 30)
+            took = time.monotonic() - t0
+            os.kill(pid, signal.SIGKILL)
+            text = rest(60)
+            assert seen and ended, (took, text[-3000:])
+        else:
+            text = proc.communicate(timeout=timeout_s + 90)[0]
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         raise AssertionError(f"still running after the fault: {proc.communicate()[0][-3000:]}") from None

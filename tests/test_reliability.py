@@ -261,7 +261,7 @@ def _stall():
     dog.start()
     dist.barrier()  # both heartbeats are in the store
     if dist.get_rank() == 1:
-        dog.stop()  # rank 1 freezes: no thread of it runs any more
+        dog.stop(finished=False)  # rank 1 freezes: no thread of it runs any more (and it says nothing)
     time.sleep(2.5)
     dog.beat("rollout", 4)  # rank 0 advances (rank 1's phase write is as it would be before SIGSTOP)
     dist.barrier()  # both phase writes are in the store before rank 0 reads (rank 1 can lag on a loaded machine)
@@ -276,6 +276,106 @@ def test_watchdog_names_the_stalled_rank_and_phase(dist_pools):
     found = dist_pools.run(2, _stall, timeout=60)[0]
     assert len(found) == 1 and found[0].startswith("rank 1 has not advanced in"), found
     assert "frozen (phase 'rollout', step 4)" in found[0]
+
+
+class _Store:
+    """The torchrun store's set / get / check, in a dict."""
+
+    def __init__(self):
+        self.d, self.waited = {}, []
+
+    def set(self, key, value):
+        self.d[key] = value.encode()
+
+    def get(self, key):
+        # the real store's get of a missing key waits for it (up to the store's timeout), holding the client
+        # that the loop's own beats need: the watchdog must never ask for a key that is not there yet
+        if key not in self.d:
+            self.waited.append(key)
+            raise KeyError(key)
+        return self.d[key]
+
+    def check(self, keys):
+        return all(k in self.d for k in keys)
+
+
+def _dog(store, now, ended, world=3):
+    from core.runtime.lifecycle import Watchdog
+
+    dog = Watchdog(3.0, 0, world, store, log=lambda m: None, roles={1: "rollout rank 0"}, program="kltron.rl.train",
+                   clock=lambda: now[0], end=ended.append)
+    dog.on_frozen = lambda err: dog.explain(err, 600)
+    return dog
+
+
+def test_watchdog_ends_the_run_on_a_frozen_peer_and_never_on_a_slow_one():
+    # rank 1 frozen after its second beat (its alive-beat never changes again), rank 2 slow but running (beats
+    # every 8 s, less often than the watchdog looks): the end comes once rank 1's beat is older than abort_s on
+    # two checks in a row
+    store, now, ended = _Store(), [100.0], []
+    dog = _dog(store, now, ended)
+    assert dog.abort_s == 10.0  # max(2 * watchdog_s, ABORT_FLOOR_S)
+    for r in (1, 2):
+        store.set(f"kltron/alive/{r}", json.dumps(time.time()))
+    store.set("kltron/phase/1", json.dumps(["generate", 4, time.time()]))
+    dog.tick()
+    now[0] += dog.interval_s
+    store.set("kltron/alive/1", json.dumps(time.time() + 1))
+    dog.tick()
+    t0, fired = now[0], None  # rank 1's last beat was seen here
+    while now[0] < t0 + 60 and fired is None:
+        now[0] += dog.interval_s
+        if int(now[0] - t0) % 8 == 0:
+            store.set("kltron/alive/2", json.dumps(now[0]))
+        dog.tick()
+        fired = (now[0] - t0) if ended else None
+    assert fired is not None and dog.abort_s < fired <= dog.abort_s + 3 * dog.interval_s, fired
+    assert len(ended) == 1
+    line = ended[0]
+    assert line.startswith("kltron.rl.train: error (rank 0): a collective failed on rank 0 (parallel.timeout_s=600): "
+                           "the watchdog ended the run: rank 1 (rollout rank 0) frozen"), line
+    assert "rank 1 (rollout rank 0) has not advanced in 1" in line and "frozen (phase 'generate', step 4)" in line
+    assert "rank 2" not in line
+    assert store.waited == []  # phases of ranks 0 and 2 never published: not waited for
+
+
+def test_watchdog_does_not_end_the_run_on_a_peer_that_beats_finishes_or_when_itself_starved():
+    store, now, ended = _Store(), [0.0], []
+    dog = _dog(store, now, ended, world=2)
+    store.set("kltron/alive/1", json.dumps(1.0))  # left from an earlier use of the store, never seen to change
+    for _ in range(100):
+        now[0] += dog.interval_s
+        dog.tick()
+    assert ended == []
+    for i in range(200):  # 150 s: rank 1 beating every 9 s (slow, never 10 s unchanged)
+        now[0] += dog.interval_s
+        if i % 12 == 0:
+            store.set("kltron/alive/1", json.dumps(now[0]))
+        dog.tick()
+    store.set("kltron/alive/1", json.dumps(None))  # rank 1 finished its run (Watchdog.stop)
+    for _ in range(100):
+        now[0] += dog.interval_s
+        dog.tick()
+    assert ended == []
+    store.set("kltron/alive/1", json.dumps(2.0))  # rank 1 runs again: two beats seen, then its last one
+    dog.tick()
+    now[0] += dog.interval_s
+    store.set("kltron/alive/1", json.dumps(3.0))
+    dog.tick()
+    now[0] += 60  # this rank's own thread starved 60 s: no verdict on that late check
+    dog.tick()
+    assert ended == []
+    now[0] += dog.interval_s  # two checks in a row past abort_s after the late one: rank 1 really is frozen
+    dog.tick()
+    assert ended == []
+    now[0] += dog.interval_s
+    dog.tick()
+    assert len(ended) == 1 and "rank 1 (rollout rank 0) has not advanced in 6" in ended[0], ended
+    dog.on_frozen = None  # no loop to say what it was doing: the watchdog only names the frozen rank
+    now[0] += dog.interval_s
+    dog.tick()
+    assert len(ended) == 1
+    assert store.waited == []
 
 
 def _compare(cfg_by_rank, fake_code):

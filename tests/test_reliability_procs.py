@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from tests.dist import REPO, run_torchrun
+from tests.dist import REPO, OutputReader, process_ended, run_torchrun
 
 pytestmark = pytest.mark.slow  # torchrun launches and RL runs on a warm-start checkpoint
 
@@ -130,25 +130,38 @@ def _finish(proc, limit):
 
 
 def test_frozen_rank_ends_the_run_naming_it(sft):
+    # rank 0's watchdog ends the run once rank 1's alive-beat has stayed unchanged for 10 s (abort_after(4)), or
+    # else the collective timeout does (the same line, naming rank 1). torchrun then gives the SIGSTOPped rank its
+    # SIGTERM grace (30 s; its failure path takes no shorter one) before a SIGKILL: once rank 0 has reported and
+    # exited on its own, the test sends that SIGKILL itself
     base, sft = sft
     out, timeout_s = str(base / "frozen"), 15
     proc = _launch(_args(sft, out, "train.steps=200", f"parallel.timeout_s={timeout_s}", "parallel.watchdog_s=4"))
+    reader = OutputReader(proc)  # drained throughout: no rank blocks on a full pipe
     _wait_for_steps(proc, out, 1)
-    victim = _rank_pid(proc.pid, 1)
+    survivor, victim = _rank_pid(proc.pid, 0), _rank_pid(proc.pid, 1)
     os.kill(victim, signal.SIGSTOP)
     t0 = time.monotonic()
     try:
-        text = _finish(proc, timeout_s + 90)  # torchrun then waits its 30 s grace before SIGKILL-ing the frozen rank
+        seen, rest = reader.wait_for("kltron.rl.train: error (rank 0)", timeout_s + 90), reader.rest
+        ended = seen and process_ended(survivor, 30)
+        took = time.monotonic() - t0
+        os.kill(victim, signal.SIGKILL)
+        text = rest(60)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise AssertionError(f"still running after the fault: {proc.communicate()[0][-3000:]}") from None
     finally:
         try:
             os.kill(victim, signal.SIGKILL)
         except OSError:
             pass
+    assert seen and ended, (took, text[-3000:])
     assert proc.returncode != 0
     assert "kltron watchdog (rank 0): rank 1 has not advanced in" in text, text[-3000:]
     line = [ln for ln in text.splitlines() if "kltron.rl.train: error (rank 0): a collective failed" in ln]
     assert line and f"parallel.timeout_s={timeout_s}" in line[0] and "rank 1 has not advanced" in line[0], text[-3000:]
-    assert time.monotonic() - t0 < timeout_s + 90
+    assert took < timeout_s + 90, took
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,9 @@ start-up check that every rank runs the same config and code.
 - `StopRequest`: SIGTERM / SIGUSR1 set a flag; `agree(group)` all-reduces it at a step boundary so
   every rank stops after the same step (`PREEMPTED_EXIT` is 0: the checkpoint is written).
 - `Watchdog`: each rank publishes (phase, step, time) to the torchrun store; a thread on every rank
-  names the ranks and phases that have not advanced in `parallel.watchdog_s` seconds.
+  names the ranks and phases that have not advanced in `parallel.watchdog_s` seconds, and ends the
+  run at once (one error line, exit 1) when a peer stays frozen: its alive-beat unchanged for
+  `abort_after(watchdog_s)` seconds on two checks in a row.
 - `check_same_everywhere(cfg_dict)`: an all-gather of the hashes of the resolved config and of the
   library's source; on a mismatch the differing keys are named.
 """
@@ -25,6 +27,8 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
+from contextlib import contextmanager
 from datetime import timedelta
 
 import torch
@@ -32,6 +36,40 @@ import torch.distributed as dist
 
 PREEMPTED_EXIT = 0  # a preempted run saved its checkpoint: the scheduler may requeue it, nothing failed
 SHUTDOWN_BARRIER_S = 60.0
+ABORT_FLOOR_S = 10.0  # a peer's alive-beat must stay unchanged at least this long before the watchdog ends the run
+ABORT_WRITE_WAIT_S = 30.0  # how long the watchdog's abort waits for a write in progress to land whole
+
+_WRITES = threading.Lock()
+
+
+@contextmanager
+def whole_write():
+    """Around a write that must land whole (a metrics line): the watchdog's abort (`end_now`) waits
+    for it to finish before it ends the process."""
+    with _WRITES:
+        yield
+
+
+def end_now(line: str) -> None:
+    """End this process from any thread, at once: wait for a `whole_write` in progress (at most
+    ABORT_WRITE_WAIT_S), print `line` to stderr, flush stdio, `os._exit(1)`. For the watchdog, whose
+    main thread may be blocked in C++ inside a collective that can never complete. Checkpoints need no
+    wait: they are written to a temporary folder and renamed only when complete (a killed save's
+    folder is removed by the next save)."""
+    _WRITES.acquire(timeout=ABORT_WRITE_WAIT_S)  # never released: the process ends here
+    try:
+        print(line, file=sys.stderr, flush=True)
+        sys.stdout.flush()
+    finally:
+        os._exit(1)
+
+
+def abort_after(stall_s: float) -> float:
+    """Seconds a peer's alive-beat must stay unchanged (on two checks in a row) before the watchdog
+    ends the run: twice `parallel.watchdog_s`, at least ABORT_FLOOR_S. A rank that is slow but
+    running keeps beating from its watchdog thread every `stall_s / 4` (at most 10 s), so only a
+    process none of whose threads runs (SIGSTOP, a hung host) reaches it."""
+    return max(2.0 * stall_s, ABORT_FLOOR_S)
 
 
 class Preempted(Exception):
@@ -106,23 +144,40 @@ class Watchdog:
     `beat`, and a thread on every rank publishes that the process is alive every `interval_s` and
     checks the others. A rank whose alive-beat is older than `stall_s` is frozen (SIGSTOP, a hung
     host: no thread of it runs); a rank whose step is behind the others is named with its phase.
-    Thread off when stall_s <= 0; heartbeats off when not distributed."""
+    Thread off when stall_s <= 0; heartbeats off when not distributed.
 
-    def __init__(self, stall_s: float, rank: int, world: int, store=None, log=None, roles: dict | None = None):
+    With `on_frozen` set (a function of the watchdog's error returning the run's error message), a
+    peer whose alive-beat value, once seen changing, has not changed for `abort_s` seconds of this
+    rank's own monotonic clock, on two checks in a row, ends the run: `end(f"{program}: error (rank R): {message}")`
+    (default `end_now`: print, flush, exit 1), since this rank's collectives with it can never
+    complete. A check that comes late (this thread itself was starved or paused) trusts nothing."""
+
+    def __init__(self, stall_s: float, rank: int, world: int, store=None, log=None, roles: dict | None = None,
+                 program: str = "kltron", clock: Callable[[], float] = time.monotonic,
+                 end: Callable[[str], None] = end_now):
         self.stall_s, self.rank, self.world, self.store = stall_s, rank, world, store
         self.roles = roles or {}  # global rank -> its role in a split launch ("rollout rank 0"), named beside it
         self.interval_s = max(min(stall_s / 4, 10.0), 0.05)
+        self.abort_s = abort_after(stall_s)
         self.log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
+        self.program, self.clock, self.end = program, clock, end
+        self.on_frozen: Callable[[Exception], str] | None = None  # set by the loop that knows what it is doing
         self._stop = threading.Event()
         self._thread = None
         self._said: set = set()
+        self._seen: dict = {}  # peer rank -> its alive-beat as `frozen_peers` last saw it
+        self._last_tick: float | None = None
 
     @classmethod
-    def for_run(cls, stall_s: float, roles: dict | None = None) -> Watchdog:
+    def for_run(cls, stall_s: float, roles: dict | None = None, program: str = "kltron") -> Watchdog:
         if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-            return cls(0.0, 0, 1)
-        return cls(stall_s, dist.get_rank(), dist.get_world_size(), dist.distributed_c10d._get_default_store(),
-                   roles=roles)
+            return cls(0.0, 0, 1, program=program)
+        store = dist.distributed_c10d._get_default_store()
+        try:  # a connection of its own: a store call of the main thread that waits (a key, a timeout) holds the
+            store = store.clone()  # shared client, and the heartbeats would stop behind it
+        except (AttributeError, RuntimeError):  # a torch without Store.clone: the shared client
+            pass
+        return cls(stall_s, dist.get_rank(), dist.get_world_size(), store, roles=roles, program=program)
 
     def name(self, rank: int) -> str:
         """'rank 2', or 'rank 2 (rollout rank 0)' in a launch split into roles."""
@@ -133,10 +188,16 @@ class Watchdog:
             self.store.set(f"kltron/phase/{self.rank}", json.dumps([phase, step, time.time()]))
 
     def _read(self, key: str):
+        """The key's value, or None when it is not in the store yet: `store.get` of a missing key waits for
+        it (up to the store's timeout, the thread stuck and the run with it), so `check` asks first."""
         try:
-            return json.loads(self.store.get(key))
-        except Exception:  # noqa: BLE001 - a rank that has not published yet
+            return json.loads(self.store.get(key)) if self.store.check([key]) else None
+        except Exception:  # noqa: BLE001 - the store unreachable: nothing to read
             return None
+
+    @staticmethod
+    def _where(ph) -> str:
+        return f"phase {ph[0]!r}, step {ph[1]}" if ph else "before its first step"
 
     def check(self) -> list[str]:
         """One message per frozen rank (alive-beat older than stall_s) and per rank behind the most
@@ -146,11 +207,42 @@ class Watchdog:
         top = max((p[1] for p in phases.values() if p), default=None)
         for r in range(self.world):
             alive, ph = self._read(f"kltron/alive/{r}"), phases[r]
-            where = f"phase {ph[0]!r}, step {ph[1]}" if ph else "before its first step"
+            where = self._where(ph)
             if alive is not None and now - alive > self.stall_s:
                 out.append(f"{self.name(r)} has not advanced in {now - alive:.0f} s: frozen ({where})")
             elif ph and top is not None and ph[1] < top:
                 out.append(f"{self.name(r)} is behind: {where}, {now - ph[2]:.0f} s in it, others at step {top}")
+        return out
+
+    def frozen_peers(self) -> list[tuple[int, float]]:
+        """(rank, seconds) of each peer whose alive-beat value this rank has seen change (so it runs
+        in this launch: a value left in the store from before is no verdict) and then stay unchanged
+        for more than abort_s, on this check and the one before. Called once per interval by the thread."""
+        now = self.clock()
+        late = self._last_tick is not None and now - self._last_tick > 2 * self.interval_s + 1.0
+        self._last_tick = now
+        out = []
+        for r in range(self.world):
+            if r == self.rank:
+                continue
+            key = f"kltron/alive/{r}"
+            try:
+                value = self.store.get(key) if self.store.check([key]) else None
+            except Exception:  # noqa: BLE001 - the store is unreachable: no verdict
+                continue
+            if value is None or json.loads(value) is None:  # not started, or finished: not frozen
+                self._seen.pop(r, None)
+                continue
+            seen = self._seen.get(r)
+            if seen is None or seen[0] != value:  # [value, when it changed, checks past abort_s, seen beating]
+                self._seen[r] = [value, now, 0, seen is not None]
+                continue
+            if late or not seen[3]:  # this thread did not run for a while (the peer's may not have either)
+                seen[2] = 0
+                continue
+            seen[2] = seen[2] + 1 if now - seen[1] > self.abort_s else 0
+            if seen[2] >= 2:
+                out.append((r, now - seen[1]))
         return out
 
     def start(self) -> Watchdog:
@@ -161,30 +253,58 @@ class Watchdog:
         self._thread.start()
         return self
 
+    def tick(self) -> None:
+        """One round of the thread: publish this rank's alive-beat, name what `check` finds (each
+        (rank, kind, phase) once), and end the run on a frozen peer when `on_frozen` is set."""
+        self.store.set(f"kltron/alive/{self.rank}", json.dumps(time.time()))
+        for msg in self.check():
+            key = re.sub(r"\d+ s\b", "", msg)
+            if key not in self._said:  # each (rank, kind, phase) once
+                self._said.add(key)
+                self.log(f"kltron watchdog (rank {self.rank}): {msg}")
+        frozen = self.frozen_peers()
+        if frozen and self.on_frozen is not None:
+            names = ", ".join(self.name(r) for r, _ in frozen)
+            msgs = [f"{self.name(r)} has not advanced in {secs:.0f} s: frozen "
+                    f"({self._where(self._read(f'kltron/phase/{r}'))})" for r, secs in frozen]
+            err = RankStalled(f"the watchdog ended the run: {names} frozen, alive-beat unchanged for more than "
+                              f"{self.abort_s:g} s (parallel.watchdog_s={self.stall_s:g}); no collective with "
+                              f"it can complete")
+            err.frozen = msgs
+            self.end(f"{self.program}: error (rank {self.rank}): {self.on_frozen(err)}")
+
     def _loop(self) -> None:
         while not self._stop.wait(self.interval_s):
-            self.store.set(f"kltron/alive/{self.rank}", json.dumps(time.time()))
-            for msg in self.check():
-                key = re.sub(r"\d+ s\b", "", msg)
-                if key not in self._said:  # each (rank, kind, phase) once
+            try:
+                self.tick()
+            except Exception as e:  # noqa: BLE001 - a store hiccup must not end the heartbeat (peers would see a freeze)
+                key = f"error {type(e).__name__}"
+                if key not in self._said:
                     self._said.add(key)
-                    self.log(f"kltron watchdog (rank {self.rank}): {msg}")
+                    self.log(f"kltron watchdog (rank {self.rank}): {type(e).__name__}: {e}")
 
     def explain(self, err: Exception, timeout_s: float) -> str:
         """The message for a collective that failed (timed out, or a peer vanished), naming the
-        stalled ranks and phases the heartbeats show."""
-        msgs = self.check() if self.store is not None and self.stall_s > 0 else []
+        stalled ranks and phases the heartbeats show (for the watchdog's own error: the frozen peers)."""
+        msgs = getattr(err, "frozen", None) or (self.check() if self.store is not None and self.stall_s > 0 else [])
         who = "; ".join(msgs) if msgs else ("no stalled rank seen (set parallel.watchdog_s > 0 to name it)"
                                             if self.stall_s <= 0 else "every rank's heartbeat is recent")
         return (f"a collective failed on {self.name(self.rank)} (parallel.timeout_s={timeout_s:g}): "
                 f"{str(err).splitlines()[0][-200:]}; {who}")
 
-    def stop(self) -> None:
-        """Stop and join the thread (before shutdown: no thread of ours outlives the process group)."""
+    def stop(self, finished: bool = True) -> None:
+        """Stop and join the thread (before shutdown: no thread of ours outlives the process group).
+        `finished`: also publish that this rank is done (alive-beat null), so that a peer still at
+        work (writing the final model) neither names it frozen nor ends the run over it."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=5.0)
             self._thread = None
+            if finished:
+                try:
+                    self.store.set(f"kltron/alive/{self.rank}", json.dumps(None))
+                except Exception:  # noqa: BLE001 - the store is gone: the launch is ending anyway
+                    pass
 
 
 def is_comm_failure(e: BaseException) -> bool:

@@ -24,6 +24,8 @@ from contextlib import contextmanager
 
 import torch
 
+from core.runtime.lifecycle import whole_write
+
 
 def _jsonable(v):
     if isinstance(v, torch.Tensor):
@@ -52,8 +54,9 @@ class MetricsWriter:
         line = json.dumps({k: _jsonable(v) for k, v in record.items()}) + "\n"
         end = self._f.tell()
         try:
-            self._f.write(line)
-            self._f.flush()
+            with whole_write():  # the watchdog's abort does not end the process halfway through the line
+                self._f.write(line)
+                self._f.flush()
         except OSError as e:
             old, self._f = self._f, None
             try:

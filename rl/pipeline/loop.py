@@ -119,7 +119,7 @@ def run_split(cfg, stop_request, hooks: TrainHooks) -> list[dict]:
     check_same_everywhere(to_dict(cfg))
     model_cfg = from_dict(ModelConfig, ckpt.read_manifest(start)["model_config"])
     layout = split_roles(t_dims, r_dims, device, model_cfg.n_heads, model_cfg.n_kv_heads, cfg.parallel.timeout_s)
-    dog = Watchdog.for_run(cfg.parallel.watchdog_s, roles=layout.names()).start()
+    dog = Watchdog.for_run(cfg.parallel.watchdog_s, roles=layout.names(), program="kltron.rl.train").start()
     try:
         if not layout.is_trainer:
             RolloutWorker(cfg, layout, hooks, t_dims).run(dog)
@@ -155,6 +155,13 @@ def _train(cfg, stop_request, hooks: TrainHooks, layout, dog) -> list[dict]:
     trainer.rollout_source = queue.get
     records, stop, preempted, step = [], None, False, first - 1
     where = "sending the first weights"
+
+    def lost(err) -> str:  # `where` as it is when called: by the except below, or by the watchdog's thread
+        return (f"{layout.name(layout.global_rank)} lost its peers while {where}: a rollout rank (ranks "
+                f"{layout.n_trainer}-{layout.n_trainer + layout.n_rollout - 1}) or another trainer rank "
+                f"stopped or stalled; {dog.explain(err, cfg.parallel.timeout_s)}")
+
+    dog.on_frozen = lost
     try:
         sync = _sync(trainer, layout, first, first_gen)
         t_end = time.perf_counter()
@@ -196,9 +203,7 @@ def _train(cfg, stop_request, hooks: TrainHooks, layout, dog) -> list[dict]:
     except RuntimeError as e:
         if isinstance(e, RankStalled) or not is_comm_failure(e):
             raise
-        raise RankStalled(f"{layout.name(layout.global_rank)} lost its peers while {where}: a rollout rank (ranks "
-                          f"{layout.n_trainer}-{layout.n_trainer + layout.n_rollout - 1}) or another trainer rank "
-                          f"stopped or stalled; {dog.explain(e, cfg.parallel.timeout_s)}") from e
+        raise RankStalled(lost(e)) from e
     finally:
         run.close()
         getattr(trainer.reward_fn, "close", lambda: None)()

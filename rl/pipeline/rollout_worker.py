@@ -79,6 +79,13 @@ class RolloutWorker:
         lay, st, k = self.layout, self.st, self.cfg.algo.max_staleness
         pending: list = []
         where = "waiting for the first weights"
+
+        def lost(err) -> str:  # `where` as it is when called: by the except below, or by the watchdog's thread
+            return (f"{lay.name(lay.global_rank)} lost its peers while {where}: the trainer ranks "
+                    f"(ranks 0-{lay.n_trainer - 1}) or another rollout rank stopped or stalled; "
+                    f"{dog.explain(err, self.cfg.parallel.timeout_s)}")
+
+        dog.on_frozen = lost
         try:
             head = recv_header(lay.sync_group, st.device)
             if head["kind"] == STOP:
@@ -105,9 +112,7 @@ class RolloutWorker:
         except RuntimeError as e:
             if isinstance(e, RankStalled) or not is_comm_failure(e):
                 raise
-            raise RankStalled(f"{lay.name(lay.global_rank)} lost its peers while {where}: the trainer ranks "
-                              f"(ranks 0-{lay.n_trainer - 1}) or another rollout rank stopped or stalled; "
-                              f"{dog.explain(e, self.cfg.parallel.timeout_s)}") from e
+            raise RankStalled(lost(e)) from e
 
     def _send(self, sr: channel.StepRollout) -> list:
         """DP ranks' rows to the leader; the leader's concatenation, in DP shares, to every trainer rank."""
