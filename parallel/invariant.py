@@ -283,7 +283,28 @@ def canonical_layout(position_ids: torch.Tensor, valid: torch.Tensor, document_i
         borrow = (seq_pre[:, None] == key[tok][None, :]) & (seq_pre[:, None] != seq_keys[:, None])  # (D, n)
         d, u = borrow.nonzero(as_tuple=True)
         gather[d, pos[u]] = tok[u]
+        gather, seq_of = _drop_lent(gather, seq_of, d, seq_of[u])
     return CanonicalLayout(gather, tok, seq_of, pos, (B, S))
+
+
+def _drop_lent(gather: torch.Tensor, seq_of: torch.Tensor, borrower: torch.Tensor, lender: torch.Tensor):
+    """Without the sequences whose every token stands in another sequence at the same position (a shared
+    prompt, lent whole to its responses, `borrower[i]` holding a token of `lender[i]`): such a token takes
+    its output from a borrower's row, where its query meets the same keys (the prompt's, positions 0..p)
+    and so gives the same bits; its own row would cost a whole [Lc] row of attention for a prompt's few
+    tokens (one row per prompt besides its responses: 2x the attention at one response per row)."""
+    D = gather.shape[0]
+    host = torch.full((D,), -1, dtype=torch.long, device=gather.device)
+    host.scatter_reduce_(0, lender, borrower, "amax")  # a borrower of each lent sequence
+    borrows = torch.zeros(D, dtype=torch.bool, device=gather.device)
+    borrows[borrower] = True
+    drop = (host >= 0) & ~borrows  # a borrower's own row stays (it holds its own tokens)
+    if not bool(drop.any()):
+        return gather, seq_of
+    keep = ~drop
+    new_id = torch.cumsum(keep, 0) - 1
+    seq_of = new_id[torch.where(drop[seq_of], host[seq_of], seq_of)]
+    return gather[keep], seq_of
 
 
 

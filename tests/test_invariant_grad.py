@@ -92,6 +92,23 @@ def test_canonical_layout_gradients_match_math_attention(dtype, rtol, heads, S):
             assert float((a - b).abs().max()) <= rtol * scale, f"{name} d{what}"
 
 
+def test_shared_prompt_rows_attend_once():
+    """The update's layout: each row a prompt (document 0) and one response (document 1) that also sees the
+    prompt. The prompt's tokens need no canonical row of their own (their keys are the response's first):
+    B rows of attention, not 2B, and every token's output has the bits of the unshared rows' layout."""
+    B, S, P, nh, hd = 3, 40, 9, 4, 16
+    q, k, v, _ = _inputs(torch.float32, B, nh, nh, S, hd, seed=3)
+    doc = (torch.arange(S) >= P).long().expand(B, S)
+    pos = torch.arange(S).expand(B, S)
+    ones = torch.ones(B, S, dtype=torch.bool)
+    shared = canonical_layout(pos, ones, doc, torch.zeros_like(doc))
+    assert shared.gather.shape[0] == B
+    with batch_invariant(True):
+        got = invariant_attend(shared, q, k, v)
+        want = invariant_attend(canonical_layout(pos, ones), q, k, v)
+    assert torch.equal(got, want)
+
+
 @pytest.mark.parametrize("dtype,rtol", [(torch.float64, 1e-10), (torch.float32, 2e-5)], ids=["f64", "f32"])
 def test_cache_positions_gradients_match_math_attention(dtype, rtol):
     """Queries against a KV cache larger than its filled length (the decode layout)."""
