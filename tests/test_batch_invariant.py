@@ -19,7 +19,7 @@ import torch
 from core.config import ModelConfig
 from core.generation import generate as gen_mod
 from core.model import build_model
-from parallel import invariant
+from parallel import fused, invariant
 from parallel.fused import HeadMatmul, fused_head
 from parallel.invariant import batch_invariant
 from parallel.vocab_stats import vocab_shard
@@ -164,6 +164,9 @@ def test_decode_equals_trainer(monkeypatch, precision, gen_kw):
     if gen_kw.pop("blocks", False):  # several key and query blocks per sequence (the defaults exceed these lengths)
         monkeypatch.setattr(invariant, "KEY_BLOCK", 8)
         monkeypatch.setattr(invariant, "QUERY_BLOCK", 16)
+        # and the head's vocabulary blocks (fp32: 4 x 32 + a tail of 3 columns; bf16: its upcast blocks)
+        monkeypatch.setattr(fused, "_FEW_ROWS_BLOCK", 32)
+        monkeypatch.setattr(fused, "_UPCAST_BLOCK", 32)
     ro = _decode_equals_trainer(monkeypatch, _model(precision), **gen_kw)
     lens = ro.response_mask.sum(1).tolist()
     assert len(set(lens)) > 2 and min(lens) < 10, lens  # skewed lengths: rows finish early, the batch compacts
