@@ -14,8 +14,10 @@ logits and log-prob, bit for bit. What varies with the batch's shape, and how ea
     packing offsets move a key's place in a vector lane. `inv_attention` sums over the keys of a
     query's own sequence in their position order, in blocks of KEY_BLOCK positions from position 0,
     the blocks added one after another; keys past the query weigh exactly 0, so the total length
-    and the number of queries do not matter; `canonical_layout` lays any batch (padded, packed,
-    shared prompts) out so that a token's keys stand at their positions;
+    and the number of queries do not matter; its batched products take the queries in tiles padded to a
+    multiple of ATTN_ROW_BLOCK = 4 rows (the probe: 1-3 rows differ, 4 or more share the bits; the
+    decode's one query per head pays 4x, not the linear layers' 8x); `canonical_layout` lays any batch
+    (padded, packed, shared prompts) out so that a token's keys stand at their positions;
   - fp32 silu: ATen's vectorized and scalar-tail formulas round differently, and which rows fall in the
     tail depends on the tensor's size; `silu` pads the flat tensor to whole vectors;
   - the TP all-reduce of the row-parallel layers (ring order depends on the tensor's size):
@@ -41,6 +43,7 @@ import torch.nn.functional as F
 from parallel.invariant_grad import exact_forward, reference_attention
 
 ROW_BLOCK = 8  # matmul rows are padded to a multiple of this (the BLAS's full-block kernel for every row)
+ATTN_ROW_BLOCK = 4  # the attention's query tiles: [4+, 64] @ [64, n] rows share the kernel's bits (the probe)
 KEY_BLOCK = 64  # attention sums keys in blocks of this many positions, from position 0
 POINTWISE_BLOCK = 64  # elements: two AVX-512 vectors of bf16, four of fp32 (no scalar tail)
 QUERY_BLOCK = 128  # a full forward's queries in blocks of this many positions (skips the keys after them)
@@ -128,7 +131,7 @@ def inv_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torc
     (a KV cache's filled length; k, v may then be the whole cache). In fp32 whatever the inputs'
     dtype (float64 inputs: float64).
 
-    The queries are padded to whole tiles of ROW_BLOCK (the matmuls' row count), the keys to whole
+    The queries are padded to whole tiles of ATTN_ROW_BLOCK (the matmuls' row count), the keys to whole
     blocks of KEY_BLOCK positions. The softmax max is exact in any order; the sums over keys (the
     normaliser and the weighted values) are taken per block (a fixed-shape reduction and a
     [rows, KEY_BLOCK] @ [KEY_BLOCK, hd] matmul) and the blocks added in order from position 0, up to
@@ -159,7 +162,7 @@ def inv_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torc
         k_valid = (k_valid[:, :Lp] if L > Lp else
                    torch.cat([k_valid, k_valid.new_zeros(B, Lp - L)], 1))
     qf = q.to(ct) * (1.0 / math.sqrt(hd))
-    Sp = S + (-S % ROW_BLOCK)
+    Sp = S + (-S % ATTN_ROW_BLOCK)
     if Sp != S:
         qf = torch.cat([qf, qf.new_zeros(B, h, Sp - S, hd)], 2)
     j = torch.arange(Lp, device=q.device)

@@ -97,6 +97,21 @@ def probe_sum(dtype, ms=(1, 2, 4, 64, 1000), n=50257):
     report(f"logsumexp over a vocab row {str(dtype)[6:]}: M in {ms}", outs)
 
 
+def probe_attention_rows(hd=64, n=256, batch=64, ms=(1, 2, 3, 4, 5, 7, 8)):
+    """The attention's batched [M, hd] @ [hd, n] score and value products (fp32, the compute dtype): a query
+    row computed in a tile of M rows against the same row inside a 128-row tile (a full forward's). Per M,
+    whether any row differs: ATTN_ROW_BLOCK is the smallest M from which none does."""
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(batch, 128, hd, generator=g)
+    for k_cols in (n, 64):  # the scores against n keys; a key block's values (KEY_BLOCK x hd)
+        k = torch.randn(batch, hd, k_cols, generator=g)
+        full = torch.matmul(q, k)
+        same = [all(torch.equal(torch.matmul(q[:, s:s + m].contiguous(), k), full[:, s:s + m]) for s in (0, 8, 64, 120))
+                for m in ms]
+        print(f"{f'attention bmm [M,{hd}]x[{hd},{k_cols}] fp32: M in {ms}':58s} "
+              f"bits differ at M = {[m for m, ok in zip(ms, same) if not ok]}")
+
+
 def probe_silu(dtype, width=16, rows=(2, 3, 4, 5), trials=50):
     """A pointwise op on [M, width] rows: the last row of M = 3 or 5 falls in ATen's scalar tail."""
     g = torch.Generator().manual_seed(4)
@@ -119,3 +134,4 @@ if __name__ == "__main__":
         probe_attention(dt)
         probe_sum(dt)
         probe_silu(dt)
+    probe_attention_rows()
