@@ -126,12 +126,11 @@ def _blocked_mm(h: torch.Tensor, w: torch.Tensor, nv: int, block: int, dtype: to
     z = h.new_empty((h.shape[0], nv))
     for a in range(0, nv, block):
         b = min(a + block, w.shape[0])
-        wb = w[a:b].to(dtype).T
         if b <= nv:
-            torch.mm(h, wb, out=z[:, a:b])
+            torch.mm(h, w[a:b].to(dtype).T, out=z[:, a:b])
         else:
-            z[:, a:] = torch.mm(h, wb)[:, : nv - a]
-    return z
+            z[:, a:] = torch.mm(h, w[a:b].to(dtype).T)[:, : nv - a]
+    return z  # (no name holds a cast block into the next one's cast: one transient block at a time)
 
 
 def head_logits(hidden: torch.Tensor, weight_local: torch.Tensor, group=None) -> torch.Tensor:
