@@ -40,7 +40,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from parallel.invariant_grad import exact_forward, reference_attention
+from parallel.invariant_grad import attention_backward, exact_forward, reference_attention
 
 ROW_BLOCK = 8  # matmul rows are padded to a multiple of this (the BLAS's full-block kernel for every row)
 ATTN_ROW_BLOCK = 4  # the attention's query tiles: [4+, 64] @ [64, n] rows share the kernel's bits (the probe)
@@ -122,7 +122,7 @@ def _key_blocks(x: torch.Tensor, Lp: int, ct: torch.dtype) -> torch.Tensor:
 
 
 def inv_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor,
-                  k_pos: torch.Tensor, k_valid: torch.Tensor, length: int | None = None) -> torch.Tensor:
+                  k_pos: torch.Tensor, k_valid: torch.Tensor, length: int | None = None, lse: bool = False):
     """Causal attention whose result for a query depends only on it and its sequence's keys.
 
     q [B, h, S, hd]; k, v [B, h, L, hd] with key j of row b at position j (`k_pos` [B, L] must be
@@ -142,7 +142,10 @@ def inv_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torc
 
     A KV cache at its capacity (contiguous, whole key blocks, in the compute dtype) is read in place:
     the scores against its blocks up to `length` (a view) and the block sums over them; anything else
-    is copied once into whole blocks."""
+    is copied once into whole blocks.
+
+    With `lse`: (y in the compute dtype, the log-sum-exp of each query's scaled scores [B, h, S], +inf
+    for a query that sees nothing), what the attention's backward needs (parallel/invariant_grad.py)."""
     del k_pos  # the layout contract; kept in the signature so call sites state it
     B, h, S, hd = q.shape
     L = k.shape[2]
@@ -170,10 +173,10 @@ def inv_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torc
     # the matmuls take whole tiles of rows; a row's result does not depend on the others', so the
     # pointwise steps run on the S real rows only and the padding rows of the value matmul are zeros
     s = torch.matmul(qf.contiguous(), kf.transpose(-1, -2))[:, :, :S]  # (B, h, S, Lp): a dot product of hd each
-    s = s.masked_fill(~see[:, None], float("-inf"))
+    s.masked_fill_(~see[:, None], float("-inf"))  # in place: the pointwise steps' bits are the same
     m = s.amax(-1, keepdim=True)  # a max is exact in any order
     m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))  # a query that sees nothing: all weights 0
-    e = torch.exp(s - m).reshape(B, h, S, Lp // KEY_BLOCK, KEY_BLOCK)[:, :, :, :nb]  # exactly 0 where not seen
+    e = s.sub_(m).exp_().reshape(B, h, S, Lp // KEY_BLOCK, KEY_BLOCK)[:, :, :, :nb]  # exactly 0 where not seen
     dens = e.sum(-1, keepdim=True)  # (B, h, S, nb, 1): each block's normaliser, a fixed-size sum
     eb = e.new_empty(B, h, nb, Sp, KEY_BLOCK)  # each block's weights as a whole tile of rows
     eb[:, :, :, :S] = e.transpose(2, 3)
@@ -188,7 +191,10 @@ def inv_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torc
     for i in range(nb):  # in position order: the same additions for every layout (a sum over the block
         den = den + dens[:, :, :, i]  # dimension would not fix their order)
         num = num + nums[i][:, :, :S]
-    y = num / torch.where(den > 0, den, torch.ones_like(den))
+    seen = den > 0
+    y = num / torch.where(seen, den, torch.ones_like(den))
+    if lse:
+        return y, torch.where(seen, m + torch.log(den), torch.full_like(den, float("inf"))).squeeze(-1)
     return y.to(out_dtype)
 
 
@@ -233,27 +239,81 @@ class CanonicalLayout:
         return out.view(B, S, h, hd).transpose(1, 2)
 
     def attend(self, q, k, v) -> torch.Tensor:
-        """Attention of physical q [B, nh, S, hd] over k, v [B, nkv, S, hd] through the canonical layout
-        (backward: standard attention's gradient, parallel/invariant_grad.py)."""
-        return exact_forward(self._attend, self._reference, q, k, v)
+        """Attention of physical q [B, nh, S, hd] over k, v [B, nkv, S, hd] through the canonical layout.
+        Its backward is standard attention's, from the forward's own output and log-sum-exp
+        (parallel/invariant_grad.py's `attention_backward`)."""
+        if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+            return _CanonicalAttention.apply(self, q, k, v)
+        y, _ = self.attend_canonical(*(self.to_canonical(t) for t in (q, k, v)))
+        return self.from_canonical(y.to(q.dtype))
 
-    def _reference(self, q, k, v) -> torch.Tensor:
-        """What `_attend` computes, by SDPA over the canonical layout (the backward's recomputation)."""
+    def positions(self, device) -> torch.Tensor:
+        """[D, Lc]: a canonical sequence's column is its position."""
         D, Lc = self.gather.shape
-        pos = torch.arange(Lc, device=q.device).expand(D, Lc)
-        y = reference_attention(self.to_canonical(q), self.to_canonical(k), self.to_canonical(v), pos, self.valid)
-        return self.from_canonical(y)
+        return torch.arange(Lc, device=device).expand(D, Lc)
 
-    def _attend(self, q, k, v) -> torch.Tensor:
-        qc, kc, vc = self.to_canonical(q), self.to_canonical(k), self.to_canonical(v)
+    def attend_canonical(self, qc, kc, vc):
+        """The invariant attention over canonical qc [D, nh, Lc, hd], kc, vc [D, nkv, Lc, hd] -> (y in the
+        compute dtype, lse [D, nh, Lc]). The keys and values are copied once into whole key blocks; each
+        block of QUERY_BLOCK queries reads them up to its end only (a view, as a decode step reads its
+        cache: the same bits)."""
         D, Lc = self.gather.shape
-        pos = torch.arange(Lc, device=q.device).expand(D, Lc)
-        out = []
+        ct = compute_dtype(qc.dtype)
+        Lp = key_capacity(Lc)
+        kf, vf = _key_blocks(kc, Lp, ct), _key_blocks(vc, Lp, ct)
+        valid = self.valid if Lp == Lc else torch.cat([self.valid, self.valid.new_zeros(D, Lp - Lc)], 1)
+        pos = self.positions(qc.device)
+        ys, ls = [], []
         for a in range(0, Lc, QUERY_BLOCK):  # causal: a block of queries reads the keys up to its end only
             e = min(a + QUERY_BLOCK, Lc)
             qb = qc[:, :, a:e].contiguous()  # the operands laid out as a full forward's (no strided slices)
-            out.append(grouped_attention(qb, kc[:, :, :e], vc[:, :, :e], pos[:, a:e], self.valid[:, :e]))
-        return self.from_canonical(torch.cat(out, 2) if len(out) > 1 else out[0])
+            y, lse = grouped_attention(qb, kf, vf, pos[:, a:e], valid, e, lse=True)
+            ys.append(y)
+            ls.append(lse)
+        return (torch.cat(ys, 2), torch.cat(ls, 2)) if len(ys) > 1 else (ys[0], ls[0])
+
+    def canonical_grad(self, grad: torch.Tensor) -> torch.Tensor:
+        """The adjoint of `from_canonical`: grad [B, h, S, hd] -> [D, h, Lc, hd], each real token's
+        gradient at the canonical place its output came from, 0 elsewhere."""
+        B, h, S, hd = grad.shape
+        D, Lc = self.gather.shape
+        flat = grad.transpose(1, 2).reshape(B * S, h, hd)
+        out = grad.new_zeros(D, Lc, h, hd).index_put_((self.own_seq, self.own_col), flat[self.own_tok], accumulate=True)
+        return out.transpose(1, 2)
+
+    def physical_grad(self, grad_c: torch.Tensor) -> torch.Tensor:
+        """The adjoint of `to_canonical`: grad_c [D, h, Lc, hd] -> [B, h, S, hd], a token's gradient the sum
+        over every canonical place it stands (a shared prompt's keys stand in each of its responses')."""
+        B, S = self.shape
+        h, hd = grad_c.shape[1], grad_c.shape[3]
+        valid = self.valid
+        out = grad_c.new_zeros(B * S, h, hd).index_add_(0, self.gather[valid], grad_c.transpose(1, 2)[valid])
+        return out.view(B, S, h, hd).transpose(1, 2)
+
+
+class _CanonicalAttention(torch.autograd.Function):
+    """The canonical layout's invariant attention; backward: standard attention's gradient from the saved
+    output and log-sum-exp (no recomputation of the forward), mapped back through the layout."""
+
+    @staticmethod
+    def forward(ctx, layout, q, k, v):
+        qc, kc, vc = (layout.to_canonical(t) for t in (q, k, v))
+        y, lse = layout.attend_canonical(qc, kc, vc)
+        ctx.layout = layout
+        ctx.dtypes = (q.dtype, k.dtype, v.dtype)
+        ctx.save_for_backward(qc, kc, vc, y, lse)
+        return layout.from_canonical(y.to(q.dtype))
+
+    @staticmethod
+    def backward(ctx, grad):
+        layout = ctx.layout
+        qc, kc, vc, y, lse = ctx.saved_tensors
+        ct = y.dtype
+        gy = layout.canonical_grad(grad.to(ct))
+        grads = attention_backward(gy, qc.to(ct), kc.to(ct), vc.to(ct), y, lse, layout.positions(y.device),
+                                   layout.valid)
+        need = ctx.needs_input_grad[1:]
+        return None, *(layout.physical_grad(g).to(dt) if n else None for g, dt, n in zip(grads, ctx.dtypes, need))
 
 
 def canonical_layout(position_ids: torch.Tensor, valid: torch.Tensor, document_ids: torch.Tensor | None = None,
@@ -370,13 +430,17 @@ def invariant_attend(layout, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) 
                          lambda q, k, v: reference_attention(q, k, v, pos, seen), q, k, v)
 
 
-def grouped_attention(q, k, v, q_pos: torch.Tensor, k_valid: torch.Tensor, length: int | None = None) -> torch.Tensor:
+def grouped_attention(q, k, v, q_pos: torch.Tensor, k_valid: torch.Tensor, length: int | None = None,
+                      lse: bool = False):
     """inv_attention with the g = nh / nkv query heads that share a KV head stacked as rows of one
     matrix (their keys and values are read once, never repeated per head): q [B, nh, S, hd] -> rows
-    [B, nkv, g * S, hd], row i * S + s the query at position q_pos[:, s] of head i of the group."""
+    [B, nkv, g * S, hd], row i * S + s the query at position q_pos[:, s] of head i of the group.
+    With `lse`: (y [B, nh, S, hd] in the compute dtype, lse [B, nh, S]), as inv_attention's."""
     B, nh, S, hd = q.shape
     nkv = k.shape[1]
     g = nh // nkv
     rows = q.reshape(B, nkv, g * S, hd)
-    y = inv_attention(rows, k, v, q_pos.repeat(1, g) if g > 1 else q_pos, None, k_valid, length)
+    y = inv_attention(rows, k, v, q_pos.repeat(1, g) if g > 1 else q_pos, None, k_valid, length, lse)
+    if lse:
+        return y[0].reshape(B, nh, S, hd), y[1].reshape(B, nh, S)
     return y.reshape(B, nh, S, hd)

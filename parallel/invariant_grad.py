@@ -12,6 +12,7 @@ mask and returns its gradients: the forward's bits unchanged, the gradient stand
 
 from __future__ import annotations
 
+import math
 from typing import Callable
 
 import torch
@@ -37,6 +38,35 @@ def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos
     y = F.scaled_dot_product_attention(rows, k.to(ct), v.to(ct), attn_mask=(see | empty)[:, None])
     y = y.masked_fill(empty[:, None], 0.0)
     return y.reshape(B, nh, S, hd).to(q.dtype)
+
+
+def attention_backward(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, y: torch.Tensor,
+                       lse: torch.Tensor, q_pos: torch.Tensor, k_valid: torch.Tensor):
+    """Standard attention's gradient (dq, dk, dv) at the forward's own output y [B, nh, S, hd] and
+    log-sum-exp lse [B, nh, S] (+inf for a query that sees nothing), for the attention
+    `reference_attention` describes; grad, q, y [B, nh, S, hd], k, v [B, nkv, L, hd], all in one compute
+    dtype. On CPU, ATen's flash-attention backward takes y and lse as saved (no recomputation of the
+    forward); on another device the attention is recomputed by SDPA and differentiated. A query that sees
+    nothing has output 0 and gives no gradient: its row sees every key in the mask (no NaN) and its lse is
+    +inf (its weights exp(s - lse) are 0)."""
+    if q.device.type != "cpu":
+        with torch.enable_grad():
+            ins = [t.detach().requires_grad_() for t in (q, k, v)]
+            out = reference_attention(*ins, q_pos, k_valid)
+            return torch.autograd.grad(out, ins, grad)
+    B, nh, S, hd = q.shape
+    nkv, L = k.shape[1], k.shape[2]
+    g = nh // nkv
+    qp = q_pos.repeat(1, g) if g > 1 else q_pos
+    j = torch.arange(L, device=q.device)
+    see = (j[None, None, :] <= qp[:, :, None]) & k_valid.bool()[:, None, :]  # (B, g * S, L)
+    see |= ~see.any(-1, keepdim=True)
+    mask = torch.zeros(B, 1, g * S, L, dtype=q.dtype, device=q.device).masked_fill_(~see[:, None], float("-inf"))
+    rows = [t.reshape(B, nkv, g * S, hd).contiguous() for t in (grad, q, y)]
+    dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        rows[0], rows[1], k.contiguous(), v.contiguous(), rows[2], lse.reshape(B, nkv, g * S).contiguous(),
+        0.0, False, attn_mask=mask, scale=1.0 / math.sqrt(hd))
+    return dq.reshape(B, nh, S, hd), dk, dv
 
 
 class _ExactForward(torch.autograd.Function):
