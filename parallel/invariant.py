@@ -26,8 +26,8 @@ logits and log-prob, bit for bit. What varies with the batch's shape, and how ea
 What is already invariant and left alone (same probe): RMSNorm's mean over the hidden size, the
 per-token reductions over the vocabulary, the vocab-parallel max and the rank-ordered sums.
 
-The invariance is the forward's; the attention's backward is standard attention's, recomputed with SDPA
-(parallel/invariant_grad.py), not autograd through the blocked computation.
+The invariance is the forward's; the attention's backward is standard attention's, taken from the
+forward's own output and log-sum-exp (parallel/invariant_grad.py), not autograd through the blocks.
 """
 
 from __future__ import annotations

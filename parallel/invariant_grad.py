@@ -1,13 +1,20 @@
-"""The batch-invariant attention's backward: standard attention's, recomputed with SDPA.
+"""The batch-invariant attention's backward: standard attention's gradient, not autograd through the blocks.
 
 The invariant forward (parallel/invariant.py's `inv_attention`: fixed key blocks, masked scores, a loop of
 block sums) is the same function as standard causal attention; only its rounding is pinned. Autograd
-through its every op (the masked fill, the exp, each block's matmul) costs far more than SDPA's fused
-backward, and the gradient's rounding needs no pinning (the invariance is about the forward's bits, which
-the rollout and the trainer compare). So `exact_forward` runs the invariant forward without a graph and,
-in backward, recomputes the attention with `F.scaled_dot_product_attention` under the equivalent boolean
-mask and returns its gradients: the forward's bits unchanged, the gradient standard attention's
-(tests/test_invariant_grad.py checks it against float64 math attention and the mode-off model's).
+through its every op (the masked scores, the exp, each block's matmul) costs far more than a fused
+attention backward, and the gradient's rounding needs no pinning (the invariance is about the forward's
+bits, which the rollout and the trainer compare). So the forward runs without a graph and the backward is
+standard attention's:
+
+  - the canonical layouts (the trainer's forward): `attention_backward` from the forward's own output and
+    log-sum-exp, on CPU by ATen's flash-attention backward, which takes them as saved: the forward is not
+    recomputed. On another device (no such entry point for a masked attention) it recomputes the attention
+    with SDPA and differentiates that;
+  - `exact_forward` (a KV cache's queries, which only the tests differentiate): recomputed with SDPA under
+    the equivalent boolean mask.
+
+tests/test_invariant_grad.py checks both against float64 math attention and the mode-off model's gradients.
 """
 
 from __future__ import annotations
@@ -41,15 +48,16 @@ def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos
 
 
 def attention_backward(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, y: torch.Tensor,
-                       lse: torch.Tensor, q_pos: torch.Tensor, k_valid: torch.Tensor):
+                       lse: torch.Tensor, q_pos: torch.Tensor, k_valid: torch.Tensor, recompute: bool | None = None):
     """Standard attention's gradient (dq, dk, dv) at the forward's own output y [B, nh, S, hd] and
     log-sum-exp lse [B, nh, S] (+inf for a query that sees nothing), for the attention
     `reference_attention` describes; grad, q, y [B, nh, S, hd], k, v [B, nkv, L, hd], all in one compute
     dtype. On CPU, ATen's flash-attention backward takes y and lse as saved (no recomputation of the
     forward); on another device the attention is recomputed by SDPA and differentiated. A query that sees
     nothing has output 0 and gives no gradient: its row sees every key in the mask (no NaN) and its lse is
-    +inf (its weights exp(s - lse) are 0)."""
-    if q.device.type != "cpu":
+    +inf (its weights exp(s - lse) are 0). `recompute`: force (True) or forbid (False) the recomputing
+    path; by default it is taken off CPU."""
+    if recompute if recompute is not None else q.device.type != "cpu":
         with torch.enable_grad():
             ins = [t.detach().requires_grad_() for t in (q, k, v)]
             out = reference_attention(*ins, q_pos, k_valid)

@@ -15,7 +15,8 @@ import torch
 
 from core.config import ModelConfig
 from core.model import build_model
-from parallel.invariant import CachePositions, batch_invariant, canonical_layout, invariant_attend
+from parallel.invariant import CachePositions, batch_invariant, canonical_layout, grouped_attention, invariant_attend
+from parallel.invariant_grad import attention_backward
 
 
 def _math_attention(q, k, v, see):
@@ -179,3 +180,27 @@ def test_model_gradients_in_the_mode_match_mode_off_float64(packed):
     for n, a in grads[True].items():
         b = grads[False][n]
         assert float((a - b).abs().max()) <= 1e-10 * float(b.abs().max()), n
+
+
+@pytest.mark.parametrize("recompute", [False, True], ids=["saved_lse", "recomputed"])
+def test_attention_backward_from_saved_output_matches_math_attention(recompute):
+    """Both paths of `attention_backward` (CPU: ATen's flash backward from the forward's own output and
+    log-sum-exp; elsewhere: SDPA recomputed and differentiated), float64, grouped heads, a gap in the keys
+    and a query that sees nothing (zero gradient, no NaN)."""
+    B, nh, nkv, S, hd = 2, 4, 2, 23, 8
+    q, k, v, gy = _inputs(torch.float64, B, nh, nkv, S, hd, seed=5)
+    pos = torch.arange(S).expand(B, S).clone()
+    valid = torch.ones(B, S, dtype=torch.bool)
+    valid[1, :3] = False  # row 1's queries at positions 0..2 see nothing
+    valid[0, 7:9] = False  # a gap in row 0's keys
+    see = ((torch.arange(S)[None, None, :] <= pos[:, :, None]) & valid[:, None, :])[:, None].expand(B, nh, S, S)
+    y, dq, dk, dv = _grads(lambda q, k, v: _math_attention(q, k, v, see), q, k, v, gy)
+    y = y.detach()
+    with torch.no_grad():
+        got_y, lse = grouped_attention(q.contiguous(), k.contiguous(), v.contiguous(), pos, valid, lse=True)
+    assert float((got_y - y).abs().max()) <= 1e-12 and bool(torch.isinf(lse[1, :, :3]).all())
+    got = attention_backward(gy, q, k, v, got_y, lse, pos, valid, recompute=recompute)
+    for what, a, b in zip("qkv", got, (dq, dk, dv)):
+        assert bool(a.isfinite().all()), what
+        assert float((a - b).abs().max()) <= 1e-10 * float(b.abs().max()), f"d{what}"
+    assert float(got[0][1, :, :3].abs().max()) == 0.0  # the queries that see nothing: no gradient
