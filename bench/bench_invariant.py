@@ -1,6 +1,6 @@
 """The batch-invariant mode's cost: one GRPO step phase by phase with parallel.batch_invariant off and on.
 
-    PYTHONPATH=. OMP_NUM_THREADS=1 python -m bench.bench_invariant [--configs 60m,mid,tiny] [--steps 2]
+    PYTHONPATH=. OMP_NUM_THREADS=1 python -m bench.bench_invariant [--configs 60m,60m_gqa4,mid,tiny] [--steps 2]
         [--response-len N] [--set key=value ...]
 
 `--response-len N`: every response runs to N tokens (room for them in the model's positions);
@@ -22,9 +22,12 @@ import torch
 from bench.bench_rl_step import CONFIGS, PHASES, BenchConfig, build_trainer
 from bench.bench_rl_vs_trl import SIZES
 
-# the 58.5M model of docs/benchmarks.md (bench_rl_vs_trl's "60m": 8 KV heads) on bench_rl_step's mid job
-# (8 rows, prompts of ~31 tokens + 64 new ones)
-CONFIGS = dict(CONFIGS, **{"60m": BenchConfig(replace(SIZES["60m"], max_seq_len=128), CONFIGS["mid"].overrides)})
+# the 58.5M model of docs/benchmarks.md (bench_rl_vs_trl's "60m": 8 heads, 8 KV heads) on bench_rl_step's mid
+# job (8 rows, prompts of ~31 tokens + 64 new ones); "60m_gqa4": the same with 2 KV heads, i.e. 4 query heads
+# per KV head as Llama-3 and Mistral (Qwen2.5: 7), whose decode fills the invariant attention's 4-row tiles
+_60M = replace(SIZES["60m"], max_seq_len=128)
+CONFIGS = dict(CONFIGS, **{"60m": BenchConfig(_60M, CONFIGS["mid"].overrides),
+                           "60m_gqa4": BenchConfig(replace(_60M, n_kv_heads=2), CONFIGS["mid"].overrides)})
 
 
 def main(argv=None) -> dict:
