@@ -2,8 +2,9 @@
 
     python -m bench.bench_sampler [--threads 1] [--repeats 5] [--old-ref main] [--skip-gen] [--json OUT]
     python -m bench.bench_sampler --device cuda --skip-gen    # the sampler part on a GPU (synchronised timing)
+    python -m bench.bench_sampler --skip-gen --rows 64 --vocab 4096    # a smaller logits shape (a quick check)
 
-1. Sampler at [256, 32000] fp32 logits: kltron's sampler (eager, and torch.compile'd with its
+1. Sampler at [256, 32000] fp32 logits (`--rows`, `--vocab`): kltron's sampler (eager, and torch.compile'd with its
    one-time compile cost), top-p / min-p variants, and `--old-ref`'s core/generation/sampling.py (eager and
    compiled), each beside `torch.multinomial(torch.softmax(logits, -1), 1)` in the same
    run; ratio = sampler / multinomial (lower is faster). Repeats interleave the two; medians.
@@ -87,8 +88,9 @@ def side_by_side(fn, ref, repeats: int, device: str = "cpu") -> tuple[float, flo
     return statistics.median(a), statistics.median(b)
 
 
-def bench_sampler(repeats: int, old_ref: str, out: dict, device: str = "cpu") -> None:
-    B, V = 256, 32000
+def bench_sampler(repeats: int, old_ref: str, out: dict, device: str = "cpu", rows: int = 256,
+                  vocab: int = 32000) -> None:
+    B, V = rows, vocab
     torch.manual_seed(0)
     logits = (torch.randn(B, V) * 2).to(device)
     rows = torch.arange(B, device=device)
@@ -121,7 +123,7 @@ def bench_sampler(repeats: int, old_ref: str, out: dict, device: str = "cpu") ->
     print(f"\n== sampler at [{B}, {V}] fp32 on {device}, threads={torch.get_num_threads()}; compile (one-time) "
           f"{compile_s:.1f} s")
     print(f"{'case':22s} {'sampler ms':>11s} {'multinomial ms':>15s} {'ratio':>7s}")
-    out["sampler"] = {"compile_s": compile_s, "device": device}
+    out["sampler"] = {"compile_s": compile_s, "device": device, "shape": [B, V]}
     for name, fn in cases.items():
         s, m = side_by_side(fn, multinomial, repeats, device)
         out["sampler"][name] = dict(sampler_ms=s * 1e3, multinomial_ms=m * 1e3, ratio=s / m)
@@ -186,6 +188,8 @@ def main(argv=None) -> None:
                     help="git ref whose core/generation/generate.py is the 'before' ('none': skip)")
     ap.add_argument("--skip-gen", action="store_true")
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where the sampler part runs")
+    ap.add_argument("--rows", type=int, default=256, help="rows of the sampler's logits")
+    ap.add_argument("--vocab", type=int, default=32000, help="vocabulary of the sampler's logits")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -193,7 +197,7 @@ def main(argv=None) -> None:
     out = {"threads": args.threads, "torch": torch.__version__}
     if args.device == "cuda" and not torch.cuda.is_available():
         ap.error("--device cuda: no CUDA device is visible")
-    bench_sampler(args.repeats, args.old_ref, out, args.device)
+    bench_sampler(args.repeats, args.old_ref, out, args.device, args.rows, args.vocab)
     if not args.skip_gen:
         bench_generation(args.gen_repeats, old, out)
     if args.json:

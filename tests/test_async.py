@@ -342,9 +342,10 @@ def test_a_lost_rank_is_named_with_its_role(sft, victim, how):
 
 def _lost_rank_case(sft, victim, how, attempt):
     # frozen: the survivor's watchdog ends the run once the victim's alive-beat has stayed unchanged for 10 s
-    # (abort_after(3)), or else the collective timeout does; torchrun then gives the SIGSTOPped victim its SIGTERM
-    # grace (30 s; its failure path takes no shorter one) before a SIGKILL: once the survivor has reported and
-    # exited on its own, the test sends that SIGKILL itself
+    # (abort_after(3)), well before the collective timeout would (the freeze comes two steps in: the victim's
+    # beat may never have been seen to change); torchrun then gives the SIGSTOPped victim its SIGTERM grace
+    # (30 s; its failure path takes no shorter one) before a SIGKILL: once the survivor has reported and exited
+    # on its own, the test sends that SIGKILL itself
     base, sft = sft
     out, timeout_s = str(base / f"lost_{victim}_{how}_{attempt}"), 60
     proc = _launch(sft, out, f"parallel.timeout_s={timeout_s}", "parallel.watchdog_s=3")
@@ -378,5 +379,6 @@ def _lost_rank_case(sft, victim, how, attempt):
     assert line and f"rank {survivor} ({role[survivor]}) lost its peers" in line[0], text[-3000:]
     if how == "freeze":
         assert f"rank {victim} ({role[victim]}) has not advanced" in line[0], text[-3000:]
+        assert "the watchdog ended the run" in line[0] and took < timeout_s - 15, (took, line[0])
     rows = _rows(out)  # every line whole, steps in order
     assert [r["step"] for r in rows] == list(range(len(rows)))

@@ -279,7 +279,7 @@ def test_watchdog_names_the_stalled_rank_and_phase(dist_pools):
 
 
 class _Store:
-    """The torchrun store's set / get / check, in a dict."""
+    """The torchrun store's set / get / check / add, in a dict."""
 
     def __init__(self):
         self.d, self.waited = {}, []
@@ -298,6 +298,10 @@ class _Store:
     def check(self, keys):
         return all(k in self.d for k in keys)
 
+    def add(self, key, n):
+        self.d[key] = str(int(self.d.get(key, b"0")) + n).encode()
+        return int(self.d[key])
+
 
 def _dog(store, now, ended, world=3):
     from core.runtime.lifecycle import Watchdog
@@ -308,25 +312,37 @@ def _dog(store, now, ended, world=3):
     return dog
 
 
+def _peers(store, world=3):
+    """The other ranks' watchdogs on the same store (their keys; their threads are played by the test)."""
+    from core.runtime.lifecycle import Watchdog
+
+    return {r: Watchdog(3.0, r, world, store, log=lambda m: None) for r in range(1, world)}
+
+
+def _beat(peer, value):
+    peer.store.set(peer.key("alive", peer.rank), json.dumps(value))
+
+
 def test_watchdog_ends_the_run_on_a_frozen_peer_and_never_on_a_slow_one():
     # rank 1 frozen after its second beat (its alive-beat never changes again), rank 2 slow but running (beats
     # every 8 s, less often than the watchdog looks): the end comes once rank 1's beat is older than abort_s on
     # two checks in a row
     store, now, ended = _Store(), [100.0], []
     dog = _dog(store, now, ended)
+    peer = _peers(store)
     assert dog.abort_s == 10.0  # max(2 * watchdog_s, ABORT_FLOOR_S)
     for r in (1, 2):
-        store.set(f"kltron/alive/{r}", json.dumps(time.time()))
-    store.set("kltron/phase/1", json.dumps(["generate", 4, time.time()]))
+        _beat(peer[r], time.time())
+    peer[1].beat("generate", 4)
     dog.tick()
     now[0] += dog.interval_s
-    store.set("kltron/alive/1", json.dumps(time.time() + 1))
+    _beat(peer[1], time.time() + 1)
     dog.tick()
     t0, fired = now[0], None  # rank 1's last beat was seen here
     while now[0] < t0 + 60 and fired is None:
         now[0] += dog.interval_s
         if int(now[0] - t0) % 8 == 0:
-            store.set("kltron/alive/2", json.dumps(now[0]))
+            _beat(peer[2], now[0])
         dog.tick()
         fired = (now[0] - t0) if ended else None
     assert fired is not None and dog.abort_s < fired <= dog.abort_s + 3 * dog.interval_s, fired
@@ -339,10 +355,55 @@ def test_watchdog_ends_the_run_on_a_frozen_peer_and_never_on_a_slow_one():
     assert store.waited == []  # phases of ranks 0 and 2 never published: not waited for
 
 
-def test_watchdog_does_not_end_the_run_on_a_peer_that_beats_finishes_or_when_itself_starved():
+def test_watchdog_ends_the_run_on_a_peer_frozen_before_its_beat_changed():
+    # a fast run: the peer froze right after its watchdog's first alive-beat, before this rank's thread ever saw
+    # the value change; the value is this launch's (the keys are this watchdog's), so it is a verdict all the same
     store, now, ended = _Store(), [0.0], []
     dog = _dog(store, now, ended, world=2)
-    store.set("kltron/alive/1", json.dumps(1.0))  # left from an earlier use of the store, never seen to change
+    peer = _peers(store, world=2)[1]
+    _beat(peer, 5.0)
+    while now[0] < 60 and not ended:
+        dog.tick()
+        now[0] += dog.interval_s
+    assert len(ended) == 1 and now[0] <= dog.abort_s + 3 * dog.interval_s, now[0]
+    assert "rank 1 (rollout rank 0) frozen" in ended[0] and "has not advanced in 1" in ended[0], ended
+
+
+def test_watchdog_ends_the_run_when_every_check_comes_late_and_never_on_a_peer_as_slow_as_itself():
+    # a loaded machine: this rank's thread checks every 3 s instead of every 0.75 s (every check late); rank 2's
+    # thread is as starved (it beats every 3 s) and then twice as starved (every 6 s): never frozen. Rank 1
+    # freezes: each late gap counts as at most max_gap_s, so the end comes after abort_s / max_gap_s checks
+    store, now, ended = _Store(), [0.0], []
+    dog = _dog(store, now, ended)
+    peer = _peers(store)
+    every = 3.0
+    assert every > dog.max_gap_s
+    for i in range(100):
+        for r, period in ((1, 3), (2, 3 if i < 50 else 6)):
+            if int(now[0]) % period == 0:
+                _beat(peer[r], now[0])
+        dog.tick()
+        now[0] += every
+    assert ended == []
+    t0 = now[0]  # rank 1 freezes here (its last beat was at the check before)
+    while now[0] < t0 + 60 and not ended:
+        if int(now[0]) % 6 == 0:
+            _beat(peer[2], now[0])
+        dog.tick()
+        now[0] += every
+    took = now[0] - t0
+    assert len(ended) == 1 and took <= (dog.abort_s // dog.max_gap_s + 3) * every, took
+    assert "rank 1 (rollout rank 0) frozen" in ended[0] and "rank 2" not in ended[0], ended
+
+
+def test_watchdog_does_not_end_the_run_on_a_peer_that_beats_finishes_or_when_itself_starved():
+    store, now, ended = _Store(), [0.0], []
+    _dog(store, now, [], world=2)  # both ranks' watchdogs of an earlier use of the store (a reused group): rank 1's
+    earlier = _peers(store, world=2)[1]
+    _beat(earlier, 1.0)  # left its alive-beat there, never to change
+    dog = _dog(store, now, ended, world=2)
+    peer = _peers(store, world=2)[1]  # rank 1's watchdog of this run
+    assert peer.key("alive", 1) != earlier.key("alive", 1) and peer.key("alive", 1) == dog.key("alive", 1)
     for _ in range(100):
         now[0] += dog.interval_s
         dog.tick()
@@ -350,27 +411,28 @@ def test_watchdog_does_not_end_the_run_on_a_peer_that_beats_finishes_or_when_its
     for i in range(200):  # 150 s: rank 1 beating every 9 s (slow, never 10 s unchanged)
         now[0] += dog.interval_s
         if i % 12 == 0:
-            store.set("kltron/alive/1", json.dumps(now[0]))
+            _beat(peer, now[0])
         dog.tick()
-    store.set("kltron/alive/1", json.dumps(None))  # rank 1 finished its run (Watchdog.stop)
+    _beat(peer, None)  # rank 1 finished its run (Watchdog.stop)
     for _ in range(100):
         now[0] += dog.interval_s
         dog.tick()
     assert ended == []
-    store.set("kltron/alive/1", json.dumps(2.0))  # rank 1 runs again: two beats seen, then its last one
+    _beat(peer, 2.0)  # rank 1 runs again, beats, and freezes
     dog.tick()
     now[0] += dog.interval_s
-    store.set("kltron/alive/1", json.dumps(3.0))
+    _beat(peer, 3.0)
     dog.tick()
-    now[0] += 60  # this rank's own thread starved 60 s: no verdict on that late check
+    now[0] += 60  # this rank's own thread starved 60 s: that gap counts as max_gap_s only
     dog.tick()
-    assert ended == []
-    now[0] += dog.interval_s  # two checks in a row past abort_s after the late one: rank 1 really is frozen
-    dog.tick()
-    assert ended == []
-    now[0] += dog.interval_s
-    dog.tick()
+    checks = 0
+    while not ended and checks < 100:
+        now[0] += dog.interval_s
+        dog.tick()
+        checks += 1
+    # on time again: abort_s counted (the late gap as max_gap_s), then the second check past it
     assert len(ended) == 1 and "rank 1 (rollout rank 0) has not advanced in 6" in ended[0], ended
+    assert checks == int((dog.abort_s - dog.max_gap_s) // dog.interval_s) + 2, checks
     dog.on_frozen = None  # no loop to say what it was doing: the watchdog only names the frozen rank
     now[0] += dog.interval_s
     dog.tick()

@@ -1,5 +1,5 @@
 """Reliability with real processes and real signals (torchrun, gloo, 2 ranks; a timeout fails a hang):
-good runs exit 0 every time, a frozen rank ends the run within parallel.timeout_s naming it,
+good runs exit 0 every time, a frozen rank ends the run (its watchdog, before parallel.timeout_s) naming it,
 SIGTERM / SIGUSR1 save at an agreed step and the resume is bit for bit, a finished run's folder is
 left alone, metrics are not logged twice after a resume, and a collapse names the learning rate."""
 
@@ -57,11 +57,15 @@ def _assert_clean(res, what):
         assert bad not in res.stderr, f"{what}: {bad!r}\n{res.stderr[-3000:]}"
 
 
-def test_good_runs_exit_zero_every_time(sft):
-    """A good dp=2 or tp=2 run never ends with a rank aborting at shutdown."""
+def test_good_runs_exit_zero_every_time(sft, straight):
+    """A good dp=2 or tp=2 run never ends with a rank aborting at shutdown. The first dp=2 run is `straight`'s
+    (a good dp=2 run of 5 steps, its exit checked the same way)."""
     base, sft = sft
+    assert [r["step"] for r in straight] == [0, 1, 2, 3, 4]
     for i in range(REPEAT):
         for layout in ("parallel.tp=1", "parallel.tp=2"):
+            if i == 0 and layout == "parallel.tp=1":
+                continue  # the straight run
             out = base / f"good_{i}_{layout[-1]}"
             res = run_torchrun(_args(sft, out, layout, "train.steps=2"), nproc=2, timeout=300)
             _assert_clean(res, f"run {i} {layout}")
@@ -130,12 +134,13 @@ def _finish(proc, limit):
 
 
 def test_frozen_rank_ends_the_run_naming_it(sft):
-    # rank 0's watchdog ends the run once rank 1's alive-beat has stayed unchanged for 10 s (abort_after(4)), or
-    # else the collective timeout does (the same line, naming rank 1). torchrun then gives the SIGSTOPped rank its
-    # SIGTERM grace (30 s; its failure path takes no shorter one) before a SIGKILL: once rank 0 has reported and
-    # exited on its own, the test sends that SIGKILL itself
+    # rank 0's watchdog ends the run once rank 1's alive-beat has stayed unchanged for 10 s (abort_after(4)), well
+    # before the collective timeout would (the same line, naming rank 1; the freeze comes one step in: rank 1's beat
+    # may never have been seen to change). torchrun then gives the SIGSTOPped rank its SIGTERM grace (30 s; its
+    # failure path takes no shorter one) before a SIGKILL: once rank 0 has reported and exited on its own, the test
+    # sends that SIGKILL itself
     base, sft = sft
-    out, timeout_s = str(base / "frozen"), 15
+    out, timeout_s = str(base / "frozen"), 60
     proc = _launch(_args(sft, out, "train.steps=200", f"parallel.timeout_s={timeout_s}", "parallel.watchdog_s=4"))
     reader = OutputReader(proc)  # drained throughout: no rank blocks on a full pipe
     _wait_for_steps(proc, out, 1)
@@ -161,7 +166,7 @@ def test_frozen_rank_ends_the_run_naming_it(sft):
     assert "kltron watchdog (rank 0): rank 1 has not advanced in" in text, text[-3000:]
     line = [ln for ln in text.splitlines() if "kltron.rl.train: error (rank 0): a collective failed" in ln]
     assert line and f"parallel.timeout_s={timeout_s}" in line[0] and "rank 1 has not advanced" in line[0], text[-3000:]
-    assert took < timeout_s + 90, took
+    assert "the watchdog ended the run" in line[0] and took < timeout_s - 15, (took, line[0])
 
 
 @pytest.fixture(scope="module")

@@ -147,10 +147,17 @@ class Watchdog:
     Thread off when stall_s <= 0; heartbeats off when not distributed.
 
     With `on_frozen` set (a function of the watchdog's error returning the run's error message), a
-    peer whose alive-beat value, once seen changing, has not changed for `abort_s` seconds of this
-    rank's own monotonic clock, on two checks in a row, ends the run: `end(f"{program}: error (rank R): {message}")`
+    peer whose alive-beat value has not changed for more than `abort_s` seconds of this rank's own
+    monotonic clock, on two checks in a row, ends the run: `end(f"{program}: error (rank R): {message}")`
     (default `end_now`: print, flush, exit 1), since this rank's collectives with it can never
-    complete. A check that comes late (this thread itself was starved or paused) trusts nothing."""
+    complete. A check that comes late (this thread itself was starved or paused, and the peer's may
+    have been too) counts its gap as at most `max_gap_s`: a loaded machine slows the verdict on a
+    frozen peer but neither prevents it nor turns a slow peer into a frozen one.
+
+    The keys are those of this rank's n-th watchdog on the store, read from every rank's n-th (the
+    ranks of a launch make theirs at the same points): a value an earlier watchdog left in the store
+    (a reused process group) is never read, so a peer's first alive-beat is already a verdict's start
+    and a peer that freezes before its beat was ever seen to change is named too."""
 
     def __init__(self, stall_s: float, rank: int, world: int, store=None, log=None, roles: dict | None = None,
                  program: str = "kltron", clock: Callable[[], float] = time.monotonic,
@@ -159,6 +166,7 @@ class Watchdog:
         self.roles = roles or {}  # global rank -> its role in a split launch ("rollout rank 0"), named beside it
         self.interval_s = max(min(stall_s / 4, 10.0), 0.05)
         self.abort_s = abort_after(stall_s)
+        self.max_gap_s = 2 * self.interval_s + 1.0  # the most one gap between checks counts toward a verdict
         self.log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
         self.program, self.clock, self.end = program, clock, end
         self.on_frozen: Callable[[Exception], str] | None = None  # set by the loop that knows what it is doing
@@ -167,6 +175,8 @@ class Watchdog:
         self._said: set = set()
         self._seen: dict = {}  # peer rank -> its alive-beat as `frozen_peers` last saw it
         self._last_tick: float | None = None
+        # which of this rank's watchdogs on the store this is: its keys are under that number
+        self._nth = int(store.add(f"kltron/watchdogs/{rank}", 1)) if store is not None and stall_s > 0 else 0
 
     @classmethod
     def for_run(cls, stall_s: float, roles: dict | None = None, program: str = "kltron") -> Watchdog:
@@ -183,9 +193,17 @@ class Watchdog:
         """'rank 2', or 'rank 2 (rollout rank 0)' in a launch split into roles."""
         return f"rank {rank}" + (f" ({self.roles[rank]})" if rank in self.roles else "")
 
+    def key(self, kind: str, rank: int) -> str:
+        """The store key of `rank`'s `kind` ("alive", "phase") for this watchdog's number."""
+        return f"kltron/{self._nth}/{kind}/{rank}"
+
     def beat(self, phase: str, step: int) -> None:
         if self.store is not None:
-            self.store.set(f"kltron/phase/{self.rank}", json.dumps([phase, step, time.time()]))
+            self.store.set(self.key("phase", self.rank), json.dumps([phase, step, time.time()]))
+
+    def alive(self) -> None:
+        """Publish this rank's alive-beat (its wall time)."""
+        self.store.set(self.key("alive", self.rank), json.dumps(time.time()))
 
     def _read(self, key: str):
         """The key's value, or None when it is not in the store yet: `store.get` of a missing key waits for
@@ -203,10 +221,10 @@ class Watchdog:
         """One message per frozen rank (alive-beat older than stall_s) and per rank behind the most
         advanced step, each with its phase and step."""
         now, out = time.time(), []
-        phases = {r: self._read(f"kltron/phase/{r}") for r in range(self.world)}
+        phases = {r: self._read(self.key("phase", r)) for r in range(self.world)}
         top = max((p[1] for p in phases.values() if p), default=None)
         for r in range(self.world):
-            alive, ph = self._read(f"kltron/alive/{r}"), phases[r]
+            alive, ph = self._read(self.key("alive", r)), phases[r]
             where = self._where(ph)
             if alive is not None and now - alive > self.stall_s:
                 out.append(f"{self.name(r)} has not advanced in {now - alive:.0f} s: frozen ({where})")
@@ -215,17 +233,18 @@ class Watchdog:
         return out
 
     def frozen_peers(self) -> list[tuple[int, float]]:
-        """(rank, seconds) of each peer whose alive-beat value this rank has seen change (so it runs
-        in this launch: a value left in the store from before is no verdict) and then stay unchanged
-        for more than abort_s, on this check and the one before. Called once per interval by the thread."""
+        """(rank, seconds) of each peer whose alive-beat value has stayed unchanged for more than abort_s,
+        on this check and the one before; the seconds counted are the gaps between this rank's checks,
+        each at most max_gap_s (a late check: this thread did not run for a while, the peer's may not
+        have either). Called once per interval by the thread."""
         now = self.clock()
-        late = self._last_tick is not None and now - self._last_tick > 2 * self.interval_s + 1.0
+        gap = 0.0 if self._last_tick is None else min(now - self._last_tick, self.max_gap_s)
         self._last_tick = now
         out = []
         for r in range(self.world):
             if r == self.rank:
                 continue
-            key = f"kltron/alive/{r}"
+            key = self.key("alive", r)
             try:
                 value = self.store.get(key) if self.store.check([key]) else None
             except Exception:  # noqa: BLE001 - the store is unreachable: no verdict
@@ -234,21 +253,19 @@ class Watchdog:
                 self._seen.pop(r, None)
                 continue
             seen = self._seen.get(r)
-            if seen is None or seen[0] != value:  # [value, when it changed, checks past abort_s, seen beating]
-                self._seen[r] = [value, now, 0, seen is not None]
+            if seen is None or seen[0] != value:  # [value, when it changed, seconds counted, checks past abort_s]
+                self._seen[r] = [value, now, 0.0, 0]
                 continue
-            if late or not seen[3]:  # this thread did not run for a while (the peer's may not have either)
-                seen[2] = 0
-                continue
-            seen[2] = seen[2] + 1 if now - seen[1] > self.abort_s else 0
-            if seen[2] >= 2:
+            seen[2] += gap
+            seen[3] = seen[3] + 1 if seen[2] > self.abort_s else 0
+            if seen[3] >= 2:
                 out.append((r, now - seen[1]))
         return out
 
     def start(self) -> Watchdog:
         if self.store is None or self.stall_s <= 0:
             return self
-        self.store.set(f"kltron/alive/{self.rank}", json.dumps(time.time()))
+        self.alive()
         self._thread = threading.Thread(target=self._loop, name="kltron-watchdog", daemon=True)
         self._thread.start()
         return self
@@ -256,7 +273,7 @@ class Watchdog:
     def tick(self) -> None:
         """One round of the thread: publish this rank's alive-beat, name what `check` finds (each
         (rank, kind, phase) once), and end the run on a frozen peer when `on_frozen` is set."""
-        self.store.set(f"kltron/alive/{self.rank}", json.dumps(time.time()))
+        self.alive()
         for msg in self.check():
             key = re.sub(r"\d+ s\b", "", msg)
             if key not in self._said:  # each (rank, kind, phase) once
@@ -266,7 +283,7 @@ class Watchdog:
         if frozen and self.on_frozen is not None:
             names = ", ".join(self.name(r) for r, _ in frozen)
             msgs = [f"{self.name(r)} has not advanced in {secs:.0f} s: frozen "
-                    f"({self._where(self._read(f'kltron/phase/{r}'))})" for r, secs in frozen]
+                    f"({self._where(self._read(self.key('phase', r)))})" for r, secs in frozen]
             err = RankStalled(f"the watchdog ended the run: {names} frozen, alive-beat unchanged for more than "
                               f"{self.abort_s:g} s (parallel.watchdog_s={self.stall_s:g}); no collective with "
                               f"it can complete")
@@ -302,7 +319,7 @@ class Watchdog:
             self._thread = None
             if finished:
                 try:
-                    self.store.set(f"kltron/alive/{self.rank}", json.dumps(None))
+                    self.store.set(self.key("alive", self.rank), json.dumps(None))
                 except Exception:  # noqa: BLE001 - the store is gone: the launch is ending anyway
                     pass
 

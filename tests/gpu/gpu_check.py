@@ -111,7 +111,7 @@ def sections(out: str, cpu: bool, ngpu: int) -> list[dict]:
     s.append(dict(name="bf16_kl", cmds=[bk], json=j("bf16_kl"), timeout=60))
     s.append(kl_memory_section(py, j, cpu))
     sm = [py, "-m", "bench.bench_sampler", "--skip-gen", "--old-ref", "none", "--json", j("sampler")]
-    sm += ["--repeats", "1"] if cpu else ["--device", "cuda", "--repeats", "10"]
+    sm += ["--repeats", "1", "--rows", "64", "--vocab", "4096"] if cpu else ["--device", "cuda", "--repeats", "10"]
     s.append(dict(name="sampler", cmds=[sm], json=j("sampler"), timeout=90))
     lc = [py, "-m", "bench.bench_layout_cost", "--device", dev, "--json", j("layout_cost")]
     lc += (["--hidden", "64", "--shapes", "16x6,32x64", "--groups", "2", "--group-size", "4", "--repeats", "1"] if cpu
@@ -242,7 +242,8 @@ def headline(name: str, r: dict) -> str:
                 f"{r['exact_over_k3_time']:.2f}x, exact time/floor {floor:.2f}x, max projection error {100 * err:.1f}%")
     if name == "sampler":
         sm = r["sampler"]
-        return (f"[256, 32000] on {sm.get('device', 'cpu')}: eager {sm['eager']['ratio']:.2f}x, compiled "
+        shape = ", ".join(str(n) for n in sm.get("shape", (256, 32000)))
+        return (f"[{shape}] on {sm.get('device', 'cpu')}: eager {sm['eager']['ratio']:.2f}x, compiled "
                 f"{sm['compiled']['ratio']:.2f}x multinomial (compile {sm['compile_s']:.1f} s), top_p "
                 f"{sm['eager top_p=0.9']['ratio']:.2f}x")
     if name == "layout_cost":  # the shared layout's default plan and the cost model's, each against padding
