@@ -40,7 +40,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from parallel.invariant_grad import attention_backward, exact_forward, reference_attention
+from parallel.invariant_grad import attention_backward, exact_forward, keys_seen, reference_attention
 
 ROW_BLOCK = 8  # matmul rows are padded to a multiple of this (the BLAS's full-block kernel for every row)
 ATTN_ROW_BLOCK = 4  # the attention's query tiles: [4+, 64] @ [64, n] rows share the kernel's bits (the probe)
@@ -183,9 +183,7 @@ def inv_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torc
         if Lp != L:
             k_valid = (k_valid[:, :Lp] if L > Lp else
                        torch.cat([k_valid, k_valid.new_zeros(B, Lp - L)], 1))
-        j = torch.arange(Lp, device=q.device)
-        hidden = ((j[None, None, :] > q_pos[:, :, None]) | ~k_valid.bool()[:, None, :])[:, None]  # (B, 1, S, Lp)
-        bias = _mask_bias(hidden, ct)
+        bias = _mask_bias(~keys_seen(q_pos, k_valid, Lp)[:, None], ct)  # (B, 1, S, Lp)
     # the matmuls take whole tiles of rows; a row's result does not depend on the others', so the
     # pointwise steps run on the S real rows only and the padding rows of the value matmul are zeros
     s = torch.matmul(qf.contiguous(), kf.transpose(-1, -2))[:, :, :S]  # (B, h, S, Lp): a dot product of hd each
@@ -432,8 +430,7 @@ class CachePositions:
         not see the key (its position is past the query's), else 0; built once per step for all layers."""
         bias = self._masks.get((g, Lp, dtype))
         if bias is None:
-            qp = self.pos.repeat(1, g) if g > 1 else self.pos
-            bias = _mask_bias((torch.arange(Lp, device=qp.device)[None, None, :] > qp[:, :, None])[:, None], dtype)
+            bias = _mask_bias(~keys_seen(self.pos, None, Lp, g)[:, None], dtype)
             self._masks[(g, Lp, dtype)] = bias
         return bias
 

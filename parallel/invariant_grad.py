@@ -26,6 +26,15 @@ import torch
 import torch.nn.functional as F
 
 
+def keys_seen(q_pos: torch.Tensor, k_valid: torch.Tensor | None, L: int, g: int = 1) -> torch.Tensor:
+    """[B, g * S, L]: whether query row r sees key j (key j at position j): j <= the row's position and
+    k_valid[:, j] (None: every key valid). q_pos [B, S]; the g query heads of a KV head are stacked as rows
+    head-major (row i * S + s: head i, position q_pos[:, s])."""
+    qp = q_pos.repeat(1, g) if g > 1 else q_pos
+    see = torch.arange(L, device=q_pos.device)[None, None, :] <= qp[:, :, None]
+    return see if k_valid is None else see & k_valid.bool()[:, None, :]
+
+
 def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor,
                         k_valid: torch.Tensor) -> torch.Tensor:
     """What `grouped_attention(q, k, v, q_pos, k_valid)` computes, by SDPA: q [B, nh, S, hd] at positions
@@ -38,9 +47,7 @@ def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos
     g = nh // nkv
     ct = torch.promote_types(q.dtype, torch.float32)
     rows = q.reshape(B, nkv, g * S, hd).to(ct)
-    qp = q_pos.repeat(1, g) if g > 1 else q_pos
-    j = torch.arange(L, device=q.device)
-    see = (j[None, None, :] <= qp[:, :, None]) & k_valid.bool()[:, None, :]  # (B, g * S, L)
+    see = keys_seen(q_pos, k_valid, L, g)  # (B, g * S, L)
     empty = ~see.any(-1, keepdim=True)  # a query that sees nothing: any finite row, its output zeroed
     y = F.scaled_dot_product_attention(rows, k.to(ct), v.to(ct), attn_mask=(see | empty)[:, None])
     y = y.masked_fill(empty[:, None], 0.0)
@@ -65,9 +72,7 @@ def attention_backward(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
     B, nh, S, hd = q.shape
     nkv, L = k.shape[1], k.shape[2]
     g = nh // nkv
-    qp = q_pos.repeat(1, g) if g > 1 else q_pos
-    j = torch.arange(L, device=q.device)
-    see = (j[None, None, :] <= qp[:, :, None]) & k_valid.bool()[:, None, :]  # (B, g * S, L)
+    see = keys_seen(q_pos, k_valid, L, g)  # (B, g * S, L)
     see |= ~see.any(-1, keepdim=True)
     mask = torch.zeros(B, 1, g * S, L, dtype=q.dtype, device=q.device).masked_fill_(~see[:, None], float("-inf"))
     rows = [t.reshape(B, nkv, g * S, hd).contiguous() for t in (grad, q, y)]
