@@ -6,7 +6,8 @@ setup(
     description="Megatron-style RL fine-tuning trainer with a correct, cheap KL penalty",
     packages=find_packages(include=["core", "core.*", "parallel", "parallel.*", "rl", "rl.*",
                                 "tools", "tools.*"]),
-    package_data={"core": ["data/*.txt", "data/*.model", "data/*.jsonl"]},
+    package_data={"core": ["data/*.txt", "data/*.model", "data/*.jsonl"],
+                  "parallel": ["csrc/*.cpp"]},  # the batch-invariant attention kernel, built on first use
     include_package_data=True,
     license="Apache-2.0",
     python_requires=">=3.10",
@@ -20,7 +21,10 @@ setup(
         "jinja2>=3.1.6",  # chat templates
     ],
     extras_require={
-        "dev": ["pytest>=8", "pytest-xdist>=3.6", "ruff>=0.6", "transformers>=4.45", "matplotlib", "hypothesis"],
+        "dev": ["pytest>=8", "pytest-xdist>=3.6", "ruff>=0.6", "transformers>=4.45", "matplotlib", "hypothesis",
+                "ninja"],
+        # the batch-invariant mode's CPU attention kernel is compiled on first use (with a system C++ compiler)
+        "kernel": ["ninja"],
         "plot": ["matplotlib"],
         "data": ["pyarrow"],  # Parquet prompt sets
         "peft": ["peft", "transformers>=4.45"],  # tools.convert_hf export --peft, checked by tests with peft

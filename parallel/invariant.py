@@ -40,6 +40,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from parallel import invariant_kernel
 from parallel.invariant_grad import attention_backward, exact_forward, keys_seen, reference_attention
 
 ROW_BLOCK = 8  # matmul rows are padded to a multiple of this (the BLAS's full-block kernel for every row)
@@ -160,6 +161,11 @@ def inv_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torc
     B, h, S, hd = q.shape
     L = k.shape[2]
     n = L if length is None else min(length, L)
+    if invariant_kernel.applies(q):  # fp32 on CPU: the fused kernel (parallel/csrc/invariant_attention.cpp)
+        f32 = [t.float() for t in (q, k, v)]
+        f32 = [t if t.stride(-1) == 1 else t.contiguous() for t in f32]
+        y, lse_ = invariant_kernel.kernel()(*f32, q_pos, k_valid, n, 1.0 / math.sqrt(hd))
+        return (y, lse_) if lse else y.to(q.dtype)
     nb = -(-n // KEY_BLOCK)  # the key blocks summed
     ct = compute_dtype(q.dtype)
     out_dtype = q.dtype
@@ -273,11 +279,13 @@ class CanonicalLayout:
         block of QUERY_BLOCK queries reads them up to its end only (a view, as a decode step reads its
         cache: the same bits)."""
         D, Lc = self.gather.shape
+        pos = self.positions(qc.device)
+        if invariant_kernel.applies(qc):  # the kernel: every query in one call, each reading its keys only
+            return grouped_attention(qc, kc, vc, pos, self.valid, Lc, lse=True)
         ct = compute_dtype(qc.dtype)
         Lp = key_capacity(Lc)
         kf, vf = _key_blocks(kc, Lp, ct), _key_blocks(vc, Lp, ct)
         valid = self.valid if Lp == Lc else torch.cat([self.valid, self.valid.new_zeros(D, Lp - Lc)], 1)
-        pos = self.positions(qc.device)
         ys, ls = [], []
         for a in range(0, Lc, QUERY_BLOCK):  # causal: a block of queries reads the keys up to its end only
             e = min(a + QUERY_BLOCK, Lc)

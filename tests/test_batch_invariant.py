@@ -19,7 +19,7 @@ import torch
 from core.config import ModelConfig
 from core.generation import generate as gen_mod
 from core.model import build_model
-from parallel import fused, invariant
+from parallel import fused, invariant, invariant_kernel
 from parallel.fused import HeadMatmul, fused_head
 from parallel.invariant import batch_invariant
 from parallel.vocab_stats import vocab_shard
@@ -156,11 +156,16 @@ def _assert_equal_where(a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor, wh
     assert torch.equal(a, b), f"{what}: max |diff| {float((a - b).abs().max())}"
 
 
+@pytest.mark.parametrize("attention", ["kernel", "torch"])
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 @pytest.mark.parametrize("gen_kw", [{}, dict(share_prefill=True), dict(prefill_tokens=10), dict(blocks=True)],
                          ids=["plain", "shared_prefill", "blocked_prefill", "small_blocks"])
-def test_decode_equals_trainer(monkeypatch, precision, gen_kw):
+def test_decode_equals_trainer(monkeypatch, precision, gen_kw, attention):
+    """`attention`: the fused CPU kernel (where it builds) or the plain-PyTorch blocks other devices run."""
     torch.set_num_threads(1)
+    if attention == "kernel" and invariant_kernel.kernel() is None:
+        pytest.skip("the invariant attention kernel could not be built here")
+    monkeypatch.setattr(invariant_kernel, "kernel", invariant_kernel.kernel if attention == "kernel" else lambda: None)
     if gen_kw.pop("blocks", False):  # several key and query blocks per sequence (the defaults exceed these lengths)
         monkeypatch.setattr(invariant, "KEY_BLOCK", 8)
         monkeypatch.setattr(invariant, "QUERY_BLOCK", 16)
