@@ -42,6 +42,7 @@ struct V16 {
   void store(float* p) const { _mm512_storeu_ps(p, a); }
   static V16 fma(V16 x, V16 y, V16 z) { return {_mm512_fmadd_ps(x.a, y.a, z.a)}; }
   static V16 add(V16 x, V16 y) { return {_mm512_add_ps(x.a, y.a)}; }
+  static V16 max(V16 x, V16 y) { return {_mm512_max_ps(x.a, y.a)}; }
 #elif defined(__AVX2__) && defined(__FMA__)
   __m256 a, b;
   static V16 zero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
@@ -50,6 +51,7 @@ struct V16 {
   void store(float* p) const { _mm256_storeu_ps(p, a); _mm256_storeu_ps(p + 8, b); }
   static V16 fma(V16 x, V16 y, V16 z) { return {_mm256_fmadd_ps(x.a, y.a, z.a), _mm256_fmadd_ps(x.b, y.b, z.b)}; }
   static V16 add(V16 x, V16 y) { return {_mm256_add_ps(x.a, y.a), _mm256_add_ps(x.b, y.b)}; }
+  static V16 max(V16 x, V16 y) { return {_mm256_max_ps(x.a, y.a), _mm256_max_ps(x.b, y.b)}; }
 #else
   float a[16];
   static V16 zero() { V16 r; for (int i = 0; i < 16; ++i) r.a[i] = 0.0f; return r; }
@@ -58,6 +60,7 @@ struct V16 {
   void store(float* p) const { std::memcpy(p, a, sizeof(a)); }
   static V16 fma(V16 x, V16 y, V16 z) { V16 r; for (int i = 0; i < 16; ++i) r.a[i] = fmaf(x.a[i], y.a[i], z.a[i]); return r; }
   static V16 add(V16 x, V16 y) { V16 r; for (int i = 0; i < 16; ++i) r.a[i] = x.a[i] + y.a[i]; return r; }
+  static V16 max(V16 x, V16 y) { V16 r; for (int i = 0; i < 16; ++i) r.a[i] = x.a[i] > y.a[i] ? x.a[i] : y.a[i]; return r; }
 #endif
 };
 
@@ -239,34 +242,23 @@ void attend_head(const Args& a, int64_t b, int64_t h, Scratch& w) {
     // per query: the max, the weights (whole lane blocks, 0 where not seen), the normaliser
     float den[QT], m[QT];
     for (int64_t t = 0; t < T; ++t) {
-      const float* st = sc + t * sld;
       const int64_t e = end[t];
-      float mx[KL];
-      for (int64_t l = 0; l < KL; ++l) mx[l] = -inf;
-      for (int64_t j0 = 0; j0 < e; j0 += KL)  // a max is exact in any order: lane maxima, then theirs
-        for (int64_t l = 0; l < KL; ++l) {
-          const int64_t j = j0 + l;
-          const float x = j < e && (valid == nullptr || valid[j]) ? st[j] : -inf;
-          mx[l] = x > mx[l] ? x : mx[l];
-        }
+      float* sm = w.sc.data() + t * sld;  // the scores, -inf where not seen (whole lane blocks)
+      const int64_t epad = (e + KL - 1) / KL * KL;
+      for (int64_t j = 0; j < epad; ++j) sm[j] = j < e && (valid == nullptr || valid[j]) ? sm[j] : -inf;
+      V16 mx = V16::set1(-inf);
+      for (int64_t j0 = 0; j0 < epad; j0 += KL) mx = V16::max(mx, V16::load(sm + j0));  // exact in any order
+      float mlane[KL];
+      mx.store(mlane);
       float mt = -inf;
-      for (int64_t l = 0; l < KL; ++l) mt = mx[l] > mt ? mx[l] : mt;
+      for (int64_t l = 0; l < KL; ++l) mt = mlane[l] > mt ? mlane[l] : mt;
       m[t] = mt;
       float* p = w.p.data() + t * sld;
-      const int64_t epad = (e + KL - 1) / KL * KL;
       if (mt == -inf) {
         den[t] = 0.0f;
         continue;
       }
-      for (int64_t j0 = 0; j0 < epad; j0 += KL) {
-        float x[KL];
-        for (int64_t l = 0; l < KL; ++l) {
-          const int64_t j = j0 + l;
-          const bool seen = j < e && (valid == nullptr || valid[j]);
-          x[l] = seen ? st[j] - mt : -inf;
-        }
-        for (int64_t l = 0; l < KL; ++l) p[j0 + l] = exp_nonpos(x[l]);
-      }
+      for (int64_t j = 0; j < epad; ++j) p[j] = exp_nonpos(sm[j] - mt);  // -inf where not seen: 0
       float lanes[KL];
       for (int64_t l = 0; l < KL; ++l) lanes[l] = 0.0f;
       for (int64_t j0 = 0; j0 < epad; j0 += KL)
