@@ -120,7 +120,8 @@ inline void transpose_keys(const float* kr, int64_t ks, int64_t kn, int64_t D, f
   for (; d0 + 16 <= D; d0 += 16) {
     __m512 r[16], t[16], u[16];
     for (int l = 0; l < 16; ++l) r[l] = l < kn ? _mm512_loadu_ps(kr + l * ks + d0) : _mm512_setzero_ps();
-    if (kn == 16) prefetch(kr + 16 * ks + d0, 16);
+    if (kn == 16)  // the next block's rows, this chunk of columns
+      for (int l = 0; l < 16; ++l) __builtin_prefetch(kr + (16 + l) * ks + d0);
     for (int i = 0; i < 8; ++i) {  // within 128-bit lanes: pairs of rows interleaved
       t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
       t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
@@ -211,7 +212,9 @@ void attend_head(const Args& a, int64_t b, int64_t h, Scratch& w) {
   const float* kb = a.k + b * a.ks[0] + h * a.ks[1];
   const float* vb = a.v + b * a.vs[0] + h * a.vs[1];
   float* kt = w.kt.data();
-  for (int64_t j0 = 0; j0 < ld; j0 += KL) {
+  // one tile (a decode step): each key block transposed just before its scores, still in L1
+  const bool one_tile = R <= QT;
+  for (int64_t j0 = 0; j0 < ld && !one_tile; j0 += KL) {
     const int64_t kn = jall - j0 < KL ? jall - j0 : KL;
     transpose_keys(kb + j0 * a.ks[2], a.ks[2], kn, D, kt + j0 * D);
   }
@@ -234,10 +237,15 @@ void attend_head(const Args& a, int64_t b, int64_t h, Scratch& w) {
     }
     float* sc = w.sc.data();
     for (int64_t j0 = 0; j0 < jend; j0 += KL) {
-      if (T == 1) score_block<1>(w.q.data(), D, kt + j0 * D, j0, sc, sld);
-      else if (T <= 2) score_block<2>(w.q.data(), D, kt + j0 * D, j0, sc, sld);
-      else if (T <= 4) score_block<4>(w.q.data(), D, kt + j0 * D, j0, sc, sld);
-      else score_block<8>(w.q.data(), D, kt + j0 * D, j0, sc, sld);
+      const float* kj = kt + j0 * D;
+      if (one_tile) {
+        transpose_keys(kb + j0 * a.ks[2], a.ks[2], jall - j0 < KL ? jall - j0 : KL, D, kt);
+        kj = kt;
+      }
+      if (T == 1) score_block<1>(w.q.data(), D, kj, j0, sc, sld);
+      else if (T <= 2) score_block<2>(w.q.data(), D, kj, j0, sc, sld);
+      else if (T <= 4) score_block<4>(w.q.data(), D, kj, j0, sc, sld);
+      else score_block<8>(w.q.data(), D, kj, j0, sc, sld);
     }
     // per query: the max, the weights (whole lane blocks, 0 where not seen), the normaliser
     float den[QT], m[QT];
