@@ -11,7 +11,9 @@ logits and log-prob, bit for bit. What varies with the batch's shape, and how ea
     kernel at M = 2..3, and the rows of a tail that a thread's share leaves differ again). `inv_linear`
     pads the rows to a multiple of ROW_BLOCK, so every row goes through the full-block kernel;
   - attention: SDPA splits the keys by the query and key lengths and the kernel, and the padding and
-    packing offsets move a key's place in a vector lane. `inv_attention` sums over the keys of a
+    packing offsets move a key's place in a vector lane. On CPU `inv_attention` runs a fused C++ kernel
+    whose code fixes each query's order (parallel/invariant_kernel.py, parallel/csrc/); elsewhere, and
+    where it cannot be built, plain PyTorch: `inv_attention` sums over the keys of a
     query's own sequence in their position order, in blocks of KEY_BLOCK positions from position 0,
     the blocks added one after another; keys past the query weigh exactly 0, so the total length
     and the number of queries do not matter; its batched products take the queries in tiles padded to a
