@@ -1,13 +1,16 @@
-"""The batch-invariant mode's cost in isolation: one attention layer, and a short `generate`, mode off vs on.
+"""The batch-invariant mode's cost in isolation: one attention layer, a short `generate`, and the attention
+op alone (SDPA, the mode's CPU kernel, its plain-PyTorch path), mode off vs on.
 
-    PYTHONPATH=. OMP_NUM_THREADS=1 python -m bench.bench_invariant_ops [--what layer,generate] [--reps 3]
-        [--rows 8] [--seq 576] [--new-tokens 128] [--precision fp32]
+    PYTHONPATH=. OMP_NUM_THREADS=1 python -m bench.bench_invariant_ops [--what layer,generate,attention]
+        [--reps 3] [--rows 8] [--seq 576] [--new-tokens 128] [--precision fp32] [--lengths 256,1024]
 
 layer: one `Attention` of the 58.5M model (hidden 512, 8 heads of 64) forward + backward on [rows, seq]
 tokens (the mode on: the canonical layout of the full rows); generate: that model (bench_rl_vs_trl's "60m",
 max_seq_len 64 + 256) sampling `--new-tokens` after 8 prompts of 24..64 tokens, `model.batch_invariant`
-off and on alternately. Median wall and process CPU seconds over `--reps` rounds after one warm-up each;
-one torch thread.
+off and on alternately; attention: [rows, 8 heads, ., 64] fp32, a decode step (one query per head against a
+KV cache of capacity length + 64, filled to `length`) and a causal full forward of `length` tokens, for each
+of `--lengths`: SDPA, `inv_attention` with the kernel and with the plain-PyTorch blocks (milliseconds).
+Median wall and process CPU seconds over `--reps` rounds after one warm-up each; one torch thread.
 """
 
 from __future__ import annotations
@@ -23,7 +26,8 @@ from bench.bench_rl_vs_trl import SIZES
 from core.generation.generate import generate
 from core.model import Attention, build_model
 from core.rope import rope_cos_sin, rope_inv_freq
-from parallel.invariant import batch_invariant, canonical_layout
+from parallel import invariant_kernel
+from parallel.invariant import batch_invariant, canonical_layout, inv_attention
 
 CFG = replace(SIZES["60m"], max_seq_len=64 + 256)
 
@@ -78,6 +82,36 @@ def bench_generate(new_tokens: int, reps: int, precision: str) -> dict:
     return _alternate({"off": lambda: run(False), "on": lambda: run(True)}, reps)
 
 
+def _inv(on: bool, *args) -> None:
+    with invariant_kernel.use_kernel(on):
+        inv_attention(*args)
+
+
+def _attention_fns(rows: int, n: int, g: torch.Generator) -> dict:
+    """The six attention calls at length n: a decode step's and a causal full forward's, three ways each."""
+    h, hd = 8, 64
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    ck, cv = (torch.randn(rows, h, n + 64, hd, generator=g) for _ in range(2))
+    q1 = torch.randn(rows, h, 1, hd, generator=g)
+    pos1, seen = torch.full((rows, 1), n - 1), torch.ones(rows, n + 64, dtype=torch.bool)
+    q, k, v = (torch.randn(rows, h, n, hd, generator=g) for _ in range(3))
+    pos, valid = torch.arange(n).expand(rows, n), torch.ones(rows, n, dtype=torch.bool)
+    return {
+        "decode sdpa": lambda: sdpa(q1, ck[:, :, :n], cv[:, :, :n]),
+        "decode kernel": lambda: _inv(True, q1, ck, cv, pos1, None, seen, n),
+        "decode plain": lambda: _inv(False, q1, ck, cv, pos1, None, seen, n),
+        "forward sdpa": lambda: sdpa(q, k, v, is_causal=True),
+        "forward kernel": lambda: _inv(True, q, k, v, pos, None, valid),
+        "forward plain": lambda: _inv(False, q, k, v, pos, None, valid),
+    }
+
+
+def bench_attention(rows: int, lengths: list[int], reps: int) -> dict:
+    """SDPA against the invariant attention (kernel, plain PyTorch), a decode step and a full forward."""
+    g = torch.Generator().manual_seed(0)
+    return {n: _alternate(_attention_fns(rows, n, g), reps) for n in lengths}
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--what", default="layer,generate")
@@ -86,10 +120,17 @@ def main(argv=None) -> dict:
     ap.add_argument("--seq", type=int, default=576)
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--precision", default="fp32")
+    ap.add_argument("--lengths", default="256,1024")
     a = ap.parse_args(argv)
     torch.set_num_threads(1)
     res = {}
     for what in a.what.split(","):
+        if what == "attention":
+            res[what] = r = bench_attention(a.rows, [int(x) for x in a.lengths.split(",")], a.reps)
+            for n, fns in r.items():
+                print(f"attention length {n}: " + ", ".join(
+                    f"{k} {w * 1e3:.2f} ms (CPU {c * 1e3:.2f})" for k, (w, c) in fns.items()), flush=True)
+            continue
         r = (bench_layer(a.rows, a.seq, a.reps, a.precision) if what == "layer"
              else bench_generate(a.new_tokens, a.reps, a.precision))
         res[what] = r
