@@ -15,6 +15,16 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     torch.set_num_threads(1)
 
 
+def pytest_configure(config):
+    """Build the batch-invariant mode's CPU attention kernel once, before any worker or rank starts (in the
+    xdist controller, or the single process): a first build takes ~15 s idle, and ranks that each met a
+    cold build inside a timed collective would wait on one another's compiler."""
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        from parallel import invariant_kernel
+
+        invariant_kernel.kernel()
+
+
 @pytest.fixture(scope="session")
 def dist_pools():
     """Gloo process groups started once per test session (under xdist: once per worker):
