@@ -28,12 +28,13 @@ def dist_pools():
 # Seconds of test time per module (set-up included) in a two-worker run on a loaded 2-core machine (`--durations=0`,
 # summed by module): the longest modules, rounded. Re-measure when a module's time changes much.
 LONG_MODULES = {
-    "tests/test_reliability_procs.py": 260, "tests/test_kl_memory.py": 80, "tests/test_async.py": 75,
-    "tests/test_bench_rl_vs_trl.py": 73, "tests/test_layout.py": 58, "tests/test_docs_commands.py": 58,
-    "tests/test_context_parallel.py": 55, "tests/test_budget_distill.py": 50, "tests/test_budget.py": 49,
-    "tests/test_reliability_reward.py": 44, "tests/test_e2e_real_checkpoint.py": 44, "tests/test_gpu_check_cpu.py": 40,
-    "tests/test_rl_train_cli.py": 39, "tests/test_generate_cli.py": 39, "tests/test_kl_cpu_peak.py": 38,
-    "tests/test_symptoms.py": 37, "tests/test_rl_trainer.py": 36,
+    "tests/test_reliability_procs.py": 190, "tests/test_kl_memory.py": 130, "tests/test_docs_commands.py": 110,
+    "tests/test_gpu_check_cpu.py": 105, "tests/test_sft.py": 95, "tests/test_async.py": 90,
+    "tests/test_bench_rl_vs_trl.py": 60, "tests/test_generate_cli.py": 60, "tests/test_budget.py": 55,
+    "tests/test_context_parallel.py": 50, "tests/test_kl_eval.py": 45, "tests/test_layout.py": 45,
+    "tests/test_recipe_layouts.py": 45, "tests/test_batch_invariant.py": 40, "tests/test_reliability_reward.py": 40,
+    "tests/test_reliability_outputs.py": 35, "tests/test_e2e_real_checkpoint.py": 30, "tests/test_bad_launch.py": 30,
+    "tests/test_kl_cpu_peak.py": 30, "tests/test_budget_distill.py": 25,
 }
 
 
