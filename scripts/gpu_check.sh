@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # kltron GPU check, under 8 minutes on one H200 (more GPUs: more layouts):
 #   bash scripts/gpu_check.sh            # on a GPU machine (falls back to --cpu without one)
-#   bash scripts/gpu_check.sh --cpu      # a tiny version of every section on the CPU (~2 minutes)
+#   bash scripts/gpu_check.sh --cpu      # a tiny version of every section on the CPU (~30 s)
 # Installs nothing: it needs the README's set-up only (torch, the repo's requirements).
 # Sections (tests/gpu/gpu_check.py): layout equivalence and HF parity under NCCL; tokens/s and MFU of a
 # ~1B Llama in bf16 with and without torch.compile; the default GRPO job and a ~0.5B GRPO config with

@@ -35,14 +35,28 @@ def dist_pools():
     pools.close()
 
 
+# Seconds of test time per module (set-up included) in a two-worker run on a loaded 2-core machine (`--durations=0`,
+# summed by module): the longest modules, rounded. Re-measure when a module's time changes much.
+LONG_MODULES = {
+    "tests/test_reliability_procs.py": 190, "tests/test_kl_memory.py": 130, "tests/test_docs_commands.py": 110,
+    "tests/test_gpu_check_cpu.py": 105, "tests/test_sft.py": 95, "tests/test_async.py": 90,
+    "tests/test_bench_rl_vs_trl.py": 60, "tests/test_generate_cli.py": 60, "tests/test_budget.py": 55,
+    "tests/test_context_parallel.py": 50, "tests/test_kl_eval.py": 45, "tests/test_layout.py": 45,
+    "tests/test_recipe_layouts.py": 45, "tests/test_batch_invariant.py": 40, "tests/test_reliability_reward.py": 40,
+    "tests/test_reliability_outputs.py": 35, "tests/test_e2e_real_checkpoint.py": 30, "tests/test_bad_launch.py": 30,
+    "tests/test_kl_cpu_peak.py": 30, "tests/test_budget_distill.py": 25,
+}
+
+
 def pytest_collection_modifyitems(config, items):
     """Under xdist (`--dist loadscope`: a module's tests, and so its module-scoped fixtures, stay on one
-    worker) the modules with the most slow tests go first, so that a long module does not start last
-    and leave the other worker idle at the end. Within a module the order is unchanged."""
+    worker) the longest modules go first (LONG_MODULES, then the others by their number of slow tests), so that
+    a long module does not start last and leave the other worker idle at the end. Within a module the order is
+    unchanged."""
     if not os.environ.get("PYTEST_XDIST_WORKER"):
         return
     slow: dict[str, int] = {}
     for it in items:
         module = it.nodeid.split("::")[0]
         slow[module] = slow.get(module, 0) + (it.get_closest_marker("slow") is not None)
-    items.sort(key=lambda it: -slow[it.nodeid.split("::")[0]])
+    items.sort(key=lambda it: (-LONG_MODULES.get(it.nodeid.split("::")[0], 0), -slow[it.nodeid.split("::")[0]]))

@@ -72,6 +72,19 @@ def _worker(rank: int, world_size: int, port: int, tasks, results, pg_timeout_s:
         dist.destroy_process_group()
 
 
+# what each rank needs imported before its first call; imported once, in the fork server
+PRELOAD = ["torch", "torch.distributed", "tests.dist", "rl.train"]
+
+
+def _context():
+    """Ranks are forked from one server process per test process that imported PRELOAD once (multiprocessing's
+    forkserver), not spawned: a spawned rank paid a Python start-up and the torch and library imports (~3 s of
+    CPU) at every pool start. The server is started clean (not forked from the test process and its threads)."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)
+    return ctx
+
+
 class DistError(AssertionError):
     pass
 
@@ -85,7 +98,7 @@ class DistPool:
         self.procs: list = []
 
     def _start(self) -> None:
-        ctx = mp.get_context("spawn")
+        ctx = _context()
         port = free_port()
         self.tasks = [ctx.Queue() for _ in range(self.world_size)]
         self.results = ctx.Queue()

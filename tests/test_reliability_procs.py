@@ -57,19 +57,31 @@ def _assert_clean(res, what):
         assert bad not in res.stderr, f"{what}: {bad!r}\n{res.stderr[-3000:]}"
 
 
-def test_good_runs_exit_zero_every_time(sft, straight):
-    """A good dp=2 or tp=2 run never ends with a rank aborting at shutdown. The first dp=2 run is `straight`'s
-    (a good dp=2 run of 5 steps, its exit checked the same way)."""
+def test_good_runs_exit_zero_every_time(sft, straight, preempted):
+    """A good dp=2 or tp=2 run never ends with a rank aborting at shutdown, REPEAT times per layout. The dp=2
+    runs are `straight`'s (5 steps) and the preemption tests' two resumes (each runs to step 4 from its
+    checkpoint), their exits checked the same way; the tp=2 runs are launched here."""
     base, sft = sft
     assert [r["step"] for r in straight] == [0, 1, 2, 3, 4]
+    resumes = []
+    for how in HOWS:
+        if "error" in preempted[how]:
+            raise preempted[how]["error"]
+        resumes.append(preempted[how]["resume"])
+    for res, resumed in resumes:
+        _assert_clean(res, "resume")
+        assert [r["step"] for r in resumed] == [0, 1, 2, 3, 4]
+    dp2 = 1 + len(resumes)
+    for i in range(max(REPEAT - dp2, 0)):
+        out = base / f"good_{i}_1"
+        res = run_torchrun(_args(sft, out, "parallel.tp=1", "train.steps=2"), nproc=2, timeout=300)
+        _assert_clean(res, f"run {i} parallel.tp=1")
+        assert [r["step"] for r in _rows(out)] == [0, 1]
     for i in range(REPEAT):
-        for layout in ("parallel.tp=1", "parallel.tp=2"):
-            if i == 0 and layout == "parallel.tp=1":
-                continue  # the straight run
-            out = base / f"good_{i}_{layout[-1]}"
-            res = run_torchrun(_args(sft, out, layout, "train.steps=2"), nproc=2, timeout=300)
-            _assert_clean(res, f"run {i} {layout}")
-            assert [r["step"] for r in _rows(out)] == [0, 1]
+        out = base / f"good_{i}_2"
+        res = run_torchrun(_args(sft, out, "parallel.tp=2", "train.steps=2"), nproc=2, timeout=300)
+        _assert_clean(res, f"run {i} parallel.tp=2")
+        assert [r["step"] for r in _rows(out)] == [0, 1]
 
 
 def test_kl_eval_error_path_exits_cleanly(sft, tmp_path):
@@ -177,24 +189,47 @@ def straight(sft):
     return _rows(out)
 
 
-@pytest.mark.parametrize("how", ["sigterm_to_torchrun", "sigusr1_to_rank_1"])
-def test_preemption_saves_at_an_agreed_step_and_resumes_bit_for_bit(sft, straight, how):
+HOWS = ("sigterm_to_torchrun", "sigusr1_to_rank_1")
+
+
+@pytest.fixture(scope="module")
+def preempted(sft):
+    """Per way of stopping: a dp=2 run of 5 steps stopped one step in, then its resume with the same command.
+    {how: {"error": the launch's failure, or "text", "returncode", "stopped", "saved", "out", "resume": (the
+    resume's result, its rows)}}; read by the preemption tests and, for the resumes, by the good-runs test."""
     base, sft = sft
-    out = str(base / f"pre_{how}")
-    proc = _launch(_args(sft, out, "train.steps=5"))
-    _wait_for_steps(proc, out, 1)
-    os.kill(proc.pid if how == "sigterm_to_torchrun" else _rank_pid(proc.pid, 1),
-            signal.SIGTERM if how == "sigterm_to_torchrun" else signal.SIGUSR1)
-    text = _finish(proc, 120)
+    got = {}
+    for how in HOWS:
+        out = str(base / f"pre_{how}")
+        rec = got[how] = {"out": out}
+        try:
+            proc = _launch(_args(sft, out, "train.steps=5"))
+            _wait_for_steps(proc, out, 1)
+            os.kill(proc.pid if how == "sigterm_to_torchrun" else _rank_pid(proc.pid, 1),
+                    signal.SIGTERM if how == "sigterm_to_torchrun" else signal.SIGUSR1)
+            rec["text"], rec["returncode"] = _finish(proc, 120), proc.returncode
+            rec["stopped"] = _rows(out)
+            rec["saved"] = sorted(os.listdir(os.path.join(out, "checkpoints")))
+            res = run_torchrun(_args(sft, out, "train.steps=5"), nproc=2, timeout=300)
+            rec["resume"] = (res, _rows(out) if res.returncode == 0 else None)
+        except (AssertionError, OSError, subprocess.SubprocessError) as e:
+            rec["error"] = e
+    return got
+
+
+@pytest.mark.parametrize("how", HOWS)
+def test_preemption_saves_at_an_agreed_step_and_resumes_bit_for_bit(preempted, straight, how):
+    rec = preempted[how]
+    if "error" in rec:
+        raise rec["error"]
+    text, stopped, saved = rec["text"], rec["stopped"], rec["saved"]
     assert "stop requested by signal" in text and "run the same command to resume" in text, text[-3000:]
     if how == "sigusr1_to_rank_1":
-        assert proc.returncode == 0, text[-3000:]  # every rank exits PREEMPTED_EXIT = 0
-    stopped = _rows(out)
-    saved = sorted(os.listdir(os.path.join(out, "checkpoints")))
+        assert rec["returncode"] == 0, text[-3000:]  # every rank exits PREEMPTED_EXIT = 0
     assert saved and saved[-1] == f"step-{stopped[-1]['step']:08d}", (saved, stopped[-1]["step"])
     assert stopped[-1]["step"] < 4  # stopped before the end
-    _assert_clean(run_torchrun(_args(sft, out, "train.steps=5"), nproc=2, timeout=300), "resume")
-    resumed = _rows(out)
+    res, resumed = rec["resume"]
+    _assert_clean(res, "resume")
     assert [r["step"] for r in resumed] == [0, 1, 2, 3, 4]
     assert [_no_timing(r) for r in resumed] == [_no_timing(r) for r in straight]
 

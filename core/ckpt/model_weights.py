@@ -29,7 +29,6 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.tensor import DTensor, distribute_tensor
 
 from core.ckpt.atomic import CheckpointError, raise_on_all_ranks
 from core.ckpt.checks import check_config, check_tokenizer
@@ -41,7 +40,7 @@ from core.config import ModelConfig, to_dict
 from core.model import Transformer, rope_inv_freq
 from core.shards import LORA_TAG, TPSlice, full_param_shapes, lora_full_shape, tp_slice
 from parallel.comm import all_gather_along, group_rank, group_size
-from parallel.fsdp import full_tensor
+from parallel.fsdp import full_tensor, is_dtensor
 
 # fields that change neither the function nor the stored tensors
 LAYOUT_ONLY_FIELDS = ("init_std", "vocab_pad_multiple")
@@ -128,7 +127,9 @@ def _dp_rank(state) -> int:
 def copy_into(dst: torch.Tensor, tp_local: torch.Tensor) -> None:
     """Copy the TP-local tensor `tp_local` into `dst`: a plain tensor of the same shape, or an
     FSDP DTensor whose local piece is this rank's chunk of it (no communication)."""
-    if isinstance(dst, DTensor):
+    if is_dtensor(dst):
+        from torch.distributed.tensor import distribute_tensor
+
         src = tp_local.to(device=dst.device, dtype=dst.dtype)
         # src_data_rank=None: every rank already has the whole TP-local tensor; keep my chunk, no scatter
         piece = distribute_tensor(src, dst.device_mesh, dst.placements, src_data_rank=None).to_local()

@@ -13,17 +13,17 @@ import struct
 from collections.abc import Mapping
 
 import torch
-from torch.distributed.tensor import DTensor
 
 from core.ckpt.atomic import fsync_dir, write_bytes_atomic, write_file_atomic
 from core.ckpt.safetensors_read import DTYPE_NAMES
+from parallel.fsdp import is_dtensor
 
 
 def _check_tensors(tensors: Mapping[str, torch.Tensor]) -> None:
     for name, t in tensors.items():
         if not isinstance(name, str) or not name or name == "__metadata__":
             raise ValueError(f"invalid tensor name {name!r}")
-        if isinstance(t, DTensor):
+        if is_dtensor(t):
             raise TypeError(f"'{name}' is a DTensor: pass the full tensor (DTensor.full_tensor()) instead")
         if not isinstance(t, torch.Tensor) or t.layout != torch.strided:
             raise TypeError(f"'{name}' must be a dense torch.Tensor, got {type(t).__name__}")

@@ -10,7 +10,8 @@ Two ranks are started here: NCCL with one GPU each when there are two GPUs or mo
   2. the GRPO update's forward + backward over one sequence of `--tokens` tokens (bench/bench_cp.py's
      `update_peak`, a model of `--hidden`): cp = 2 ring and Ulysses per rank against cp = 1, peak memory and
      time. With one GPU only cp = 1 runs there (cp = 2 is reported as skipped).
-`--cpu`: everything on the CPU with gloo, at `--tokens 1024` and a hidden size of 64 (seconds).
+`--cpu`: everything on the CPU with gloo, at `--tokens 1024` and a hidden size of 64 (seconds); the two ranks are
+forked, not spawned.
 Writes {backend, device, checks: [{name, ok, detail}], steps: [...]} to --json; exit status 1 if a check failed.
 """
 
@@ -90,7 +91,7 @@ def main(argv=None) -> int:
     if args.cpu:
         args.tokens, args.hidden, args.layers, args.vocab = args.tokens or 1024, args.hidden or 64, 2, 256
     args.tokens, args.hidden = args.tokens or 32768, args.hidden or 1024
-    ctx = mp.get_context("spawn")
+    ctx = mp.get_context("fork" if args.cpu else "spawn")  # --cpu: the ranks start without re-importing torch
     q = ctx.Queue()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

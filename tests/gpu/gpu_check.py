@@ -20,18 +20,24 @@ Sections (GPU / --cpu tiny version):
                states and log-probs equal the trainer's (padded and shared layouts) bit for bit, KL(rollout ||
                train) exactly 0; the mismatch with the mode off in bf16; generation + forward time on / off
   mfu_compile  mfu_eager with torch.compile'd blocks (compile time = the warm-up steps); run last
-Each section: status ok | failed | timeout | skipped, seconds, result (its JSON), log file.
+Each section: status ok | failed | timeout | skipped, seconds, result (its JSON), log file. On the GPU each command
+is its own process; with --cpu each is a fork of this process, which has imported every section's module once
+(the commands' own start-up and imports were most of the CPU version's time).
 Exit status: the number of sections not ok (skipped ones excepted).
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
+import runpy
+import signal
 import subprocess
 import sys
 import time
+import traceback
 
 import torch
 
@@ -161,7 +167,66 @@ def kl_memory_summary(measured: str, projected: str) -> dict:
                 exact_over_k3_time=ex["time_s"] / k3["time_s"])
 
 
-def run_section(sec: dict, out: str, remaining: float, env: dict) -> dict:
+def preload(secs: list[dict]) -> None:
+    """--cpu: import every section's module (and the compiler the compiled sections use) once in this process,
+    so that each command forked from it (`run_forked`) starts without an interpreter start-up and the imports."""
+    for sec in secs:
+        for cmd in sec["cmds"]:
+            importlib.import_module(cmd[2])
+    import torch._inductor.compile_fx  # noqa: F401 - torch.compile's first call imports it otherwise
+
+
+def run_forked(cmd: list[str], lf, env: dict, timeout: float) -> int:
+    """Run `python -m MODULE ARGS...` (--cpu) in a fork of this process, as `-m` would (the module as
+    __main__, the same argv, the section's environment and log); its process group is killed at `timeout`
+    (raises subprocess.TimeoutExpired). Returns the exit status."""
+    assert cmd[0] == sys.executable and cmd[1] == "-m", cmd
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid == 0:  # the child: never returns
+        code = 1
+        try:
+            os.setsid()
+            os.dup2(lf.fileno(), 1)
+            os.dup2(lf.fileno(), 2)
+            os.chdir(REPO)
+            os.environ.clear()
+            os.environ.update(env)
+            if env.get("OMP_NUM_THREADS"):
+                torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
+            sys.argv = [cmd[2], *cmd[3:]]
+            sys.modules.pop(cmd[2], None)  # preloaded: run afresh as __main__, as `-m` does
+            try:
+                runpy.run_module(cmd[2], run_name="__main__", alter_sys=True)
+                code = 0
+            except SystemExit as e:
+                if e.code is None or isinstance(e.code, int):
+                    code = e.code or 0
+                else:
+                    print(e.code, file=sys.stderr)
+        except BaseException:  # noqa: BLE001 - reported in the log, exit status 1
+            traceback.print_exc()
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+    deadline = time.monotonic() + timeout
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return os.waitstatus_to_exitcode(status)
+        if time.monotonic() >= deadline:
+            try:
+                os.killpg(pid, signal.SIGKILL)
+            except OSError:
+                pass
+            os.waitpid(pid, 0)
+            raise subprocess.TimeoutExpired(cmd, timeout)
+        time.sleep(0.05)
+
+
+def run_section(sec: dict, out: str, remaining: float, env: dict, fork: bool = False) -> dict:
     t0 = time.perf_counter()
     log = os.path.join(out, "logs", f"{sec['name']}.log")
     rec = {"status": "ok", "log": log, "commands": [" ".join(c) for c in sec["cmds"]]}
@@ -174,8 +239,8 @@ def run_section(sec: dict, out: str, remaining: float, env: dict) -> dict:
             lf.write(f"+ {' '.join(cmd)}\n")
             lf.flush()
             try:
-                rc = subprocess.run(cmd, cwd=REPO, env=env, stdout=lf, stderr=subprocess.STDOUT,
-                                    timeout=left).returncode
+                rc = run_forked(cmd, lf, env, left) if fork else \
+                    subprocess.run(cmd, cwd=REPO, env=env, stdout=lf, stderr=subprocess.STDOUT, timeout=left).returncode
             except subprocess.TimeoutExpired:
                 rec["status"] = "timeout"
                 break
@@ -294,12 +359,13 @@ def main(argv=None) -> int:
               "gpus": ngpu, "torch": torch.__version__, "sections": {}}
     t0 = time.perf_counter()
     only = set(args.only.split(",")) if args.only else None
-    for sec in sections(args.out, cpu, ngpu):
-        if only and sec["name"] not in only:
-            continue
+    secs = [sec for sec in sections(args.out, cpu, ngpu) if not only or sec["name"] in only]
+    if cpu:
+        preload(secs)
+    for sec in secs:
         remaining = args.budget - (time.perf_counter() - t0)
-        rec = run_section(sec, args.out, remaining, env) if remaining > 5 else {"status": "timeout", "seconds": 0,
-                                                                                "error": "no time left in --budget"}
+        rec = run_section(sec, args.out, remaining, env, fork=cpu) if remaining > 5 else \
+            {"status": "timeout", "seconds": 0, "error": "no time left in --budget"}
         report["sections"][sec["name"]] = rec
         print(f"[{rec['status']}] {sec['name']} ({rec.get('seconds', 0):.0f} s)", flush=True)
     report["total_s"] = time.perf_counter() - t0
