@@ -39,16 +39,14 @@ def _cpu_id() -> str:
 
 
 def _build():
-    from torch.utils.cpp_extension import _get_build_directory, load
+    from torch.utils.cpp_extension import load
 
     with open(_SRC, "rb") as f:
         src = f.read()
     what = repr((_FLAGS, platform.machine(), _cpu_id(), torch.__version__)).encode()
     tag = hashlib.sha256(src + what).hexdigest()[:16]
-    name = f"kltron_invariant_{tag}"
-    build_dir = _get_build_directory(name, verbose=False)
-    load(name=name, sources=[_SRC], extra_cflags=_FLAGS, is_python_module=False, build_directory=build_dir,
-         verbose=False)
+    load(name=f"kltron_invariant_{tag}", sources=[_SRC], extra_cflags=_FLAGS, is_python_module=False,
+         verbose=False)  # built in TORCH_EXTENSIONS_DIR/<name>
     return torch.ops.kltron_invariant.attention
 
 
