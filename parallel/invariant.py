@@ -155,7 +155,9 @@ def inv_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torc
     is copied once into whole blocks.
 
     `mask_bias`: (Lp, dtype) -> [B, 1, S, Lp], 0 where a query sees the key and -inf where not, in place
-    of q_pos and k_valid (a decode step builds it once for all layers).
+    of q_pos and k_valid (a decode step builds it once for all layers). On CPU, where the fused kernel
+    runs (parallel/invariant_kernel.py), everything above after the contract is the kernel's: it reads
+    q_pos, k_valid and length itself and `mask_bias` is not used.
 
     With `lse`: (y in the compute dtype, the log-sum-exp of each query's scaled scores [B, h, S], +inf
     for a query that sees nothing), what the attention's backward needs (parallel/invariant_grad.py)."""
@@ -277,7 +279,8 @@ class CanonicalLayout:
 
     def attend_canonical(self, qc, kc, vc):
         """The invariant attention over canonical qc [D, nh, Lc, hd], kc, vc [D, nkv, Lc, hd] -> (y in the
-        compute dtype, lse [D, nh, Lc]). The keys and values are copied once into whole key blocks; each
+        compute dtype, lse [D, nh, Lc]). With the CPU kernel: one call over every query. Otherwise the keys
+        and values are copied once into whole key blocks; each
         block of QUERY_BLOCK queries reads them up to its end only (a view, as a decode step reads its
         cache: the same bits)."""
         D, Lc = self.gather.shape

@@ -23,6 +23,7 @@
 #include <immintrin.h>
 #endif
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -41,7 +42,6 @@ struct V16 {
   static V16 load(const float* p) { return {_mm512_loadu_ps(p)}; }
   void store(float* p) const { _mm512_storeu_ps(p, a); }
   static V16 fma(V16 x, V16 y, V16 z) { return {_mm512_fmadd_ps(x.a, y.a, z.a)}; }
-  static V16 add(V16 x, V16 y) { return {_mm512_add_ps(x.a, y.a)}; }
   static V16 max(V16 x, V16 y) { return {_mm512_max_ps(x.a, y.a)}; }
 #elif defined(__AVX2__) && defined(__FMA__)
   __m256 a, b;
@@ -50,7 +50,6 @@ struct V16 {
   static V16 load(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
   void store(float* p) const { _mm256_storeu_ps(p, a); _mm256_storeu_ps(p + 8, b); }
   static V16 fma(V16 x, V16 y, V16 z) { return {_mm256_fmadd_ps(x.a, y.a, z.a), _mm256_fmadd_ps(x.b, y.b, z.b)}; }
-  static V16 add(V16 x, V16 y) { return {_mm256_add_ps(x.a, y.a), _mm256_add_ps(x.b, y.b)}; }
   static V16 max(V16 x, V16 y) { return {_mm256_max_ps(x.a, y.a), _mm256_max_ps(x.b, y.b)}; }
 #else
   float a[16];
@@ -59,7 +58,6 @@ struct V16 {
   static V16 load(const float* p) { V16 r; std::memcpy(r.a, p, sizeof(r.a)); return r; }
   void store(float* p) const { std::memcpy(p, a, sizeof(a)); }
   static V16 fma(V16 x, V16 y, V16 z) { V16 r; for (int i = 0; i < 16; ++i) r.a[i] = fmaf(x.a[i], y.a[i], z.a[i]); return r; }
-  static V16 add(V16 x, V16 y) { V16 r; for (int i = 0; i < 16; ++i) r.a[i] = x.a[i] + y.a[i]; return r; }
   static V16 max(V16 x, V16 y) { V16 r; for (int i = 0; i < 16; ++i) r.a[i] = x.a[i] > y.a[i] ? x.a[i] : y.a[i]; return r; }
 #endif
 };
@@ -202,7 +200,7 @@ void attend_head(const Args& a, int64_t b, int64_t h, Scratch& w) {
     return p < 0 ? int64_t(0) : (p + 1 < a.n ? p + 1 : a.n);
   };
   int64_t jall = 0;  // keys any query of the head reads
-  for (int64_t r = 0; r < R; ++r) jall = end_of(r) > jall ? end_of(r) : jall;
+  for (int64_t r = 0; r < R; ++r) jall = std::max(jall, end_of(r));
   const int64_t ld = (jall + KL - 1) / KL * KL;
   w.kt.resize(D * (ld > 0 ? ld : KL));
   w.q.resize(QT * D);
