@@ -48,7 +48,7 @@ from parallel.invariant_grad import attention_backward, exact_forward, keys_seen
 ROW_BLOCK = 8  # matmul rows are padded to a multiple of this (the BLAS's full-block kernel for every row)
 ATTN_ROW_BLOCK = 4  # the attention's query tiles: [4+, 64] @ [64, n] rows share the kernel's bits (the probe)
 KEY_BLOCK = 64  # attention sums keys in blocks of this many positions, from position 0
-POINTWISE_BLOCK = 64  # elements: two AVX-512 vectors of bf16, four of fp32 (no scalar tail)
+POINTWISE_BLOCK = 64  # elements: whole pairs of AVX-512 or AVX2 vectors, of bf16 or fp32 (no scalar tail)
 QUERY_BLOCK = 128  # a full forward's queries in blocks of this many positions (skips the keys after them)
 
 _state = threading.local()

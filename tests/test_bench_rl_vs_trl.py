@@ -15,13 +15,19 @@ pytestmark = pytest.mark.slow  # the fixture runs the benchmark: three subproces
 pytest.importorskip("transformers")
 
 
+PROMPTS, GROUP, NEW = 2, 2, 70  # 70 new tokens: past the tiny size's own 64 positions
+
+
 @pytest.fixture(scope="module")
 def result(tmp_path_factory):
+    """One run of the benchmark for every test here (the run is most of the module's time): long responses
+    (--response-len), few rows, one layer."""
     out = tmp_path_factory.mktemp("bench") / "rl_vs_trl.json"
     threads = torch.get_num_threads()
     try:
         bench.main(["--sizes", "tiny", "--steps", "1", "--warmup", "0", "--gen-reps", "1", "--threads", "1",
-                    "--json", str(out)])
+                    "--response-len", str(NEW), "--prompts", str(PROMPTS), "--group", str(GROUP), "--layers", "1",
+                    "--phases", "--json", str(out)])
     finally:
         torch.set_num_threads(threads)
     with open(out) as f:
@@ -32,7 +38,7 @@ def test_json_has_both_sides(result):
     (res,) = result["results"]
     assert res["size"] == "tiny" and result["steps"] == 1
     assert result["trl"] == bench.trl_available()
-    assert res["prompts_checked"] == bench.PROMPTS  # one step's prompts, each checked against sentencepiece
+    assert res["prompts_checked"] == PROMPTS  # one step's prompts, each checked against sentencepiece
     sides = ["kltron", "trl"] if result["trl"] else ["kltron"]
     for side in sides:
         s = res[side]
@@ -46,7 +52,7 @@ def test_json_has_both_sides(result):
 
 def test_generation_on_identical_weights(result):
     g = result["results"][0]["generate"]
-    assert g["rows"] == bench.PROMPTS * bench.GROUP
+    assert g["rows"] == PROMPTS * GROUP
     assert g["max_logit_diff"] < 1e-4  # transformers' forward of the exported model vs kltron's
     assert g["kltron_tokens_per_s"] > 0 and g["hf_tokens_per_s"] > 0
 
@@ -76,20 +82,10 @@ def test_rounds_pool_every_step():
     assert bench.pool_rounds([run([1.0], 5)])["round_steps_s"] == [1.0]
 
 
-def test_long_responses_run_to_the_limit_on_both_sides(tmp_path):
+def test_long_responses_run_to_the_limit_on_both_sides(result):
     """--response-len: kltron's rollout and transformers' generate (TRL's generation, same kwargs) both
     produce N tokens in every row (EOS is never drawn before N), on a model with 64 + N positions."""
-    out = tmp_path / "long.json"
-    threads = torch.get_num_threads()
-    try:
-        bench.main(["--sizes", "tiny", "--steps", "1", "--warmup", "0", "--gen-reps", "1", "--threads", "1",
-                    "--response-len", "70", "--prompts", "2", "--group", "2", "--layers", "1", "--phases",
-                    "--json", str(out)])
-    finally:
-        torch.set_num_threads(threads)
-    with open(out) as f:
-        result = json.load(f)
     (res,) = result["results"]
-    assert result["work"] == {"prompts": 2, "group": 2, "new_tokens": 70, "min_new_tokens": 70}
-    assert res["kltron"]["response_len_mean"] == 70  # past the tiny size's own 64 positions
-    assert res["generate"]["kltron_tokens"] == res["generate"]["hf_tokens"] == 2 * 2 * 70
+    assert result["work"] == {"prompts": PROMPTS, "group": GROUP, "new_tokens": NEW, "min_new_tokens": NEW}
+    assert res["kltron"]["response_len_mean"] == NEW
+    assert res["generate"]["kltron_tokens"] == res["generate"]["hf_tokens"] == PROMPTS * GROUP * NEW
