@@ -63,6 +63,32 @@ def test_plugin_output_on_stdout_does_not_break_the_worker():
 
 
 @pytest.mark.slow  # starts a reward worker: a fresh Python process
+def test_the_worker_answers_a_rank_holding_over_1024_descriptors():
+    """A rank that already holds more than 1024 file descriptors (a long run's sockets and files) gets its
+    worker's pipes numbered past FD_SETSIZE: the call still waits on them (select() raised ValueError)."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = 1100 + 64
+    if soft < want:
+        if hard != resource.RLIM_INFINITY and hard < want:
+            pytest.skip(f"the descriptor limit ({hard}) is below {want}")
+        resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+    held = []
+    _, fn, _ = build_reward(RewardConfig(task=None, fns=["tests.reward_plugins:digits_over_5"]))
+    try:
+        while not held or held[-1] < 1100:  # every descriptor below 1100 taken: the pipes come after
+            held.append(os.open(os.devnull, os.O_RDONLY))
+        assert score_responses(fn, [{}], ["12345", "1234567890"], 2).tolist() == [1.0, 2.0]
+        assert min(fn.fn.worker.proc.stdout.fileno(), fn.fn.worker.proc.stdin.fileno()) > 1024
+    finally:
+        fn.close()
+        for fd in held:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+@pytest.mark.slow  # starts a reward worker: a fresh Python process
 def test_task_reward_runs_in_the_rank_and_plugins_in_the_worker():
     _, task_only, _ = build_reward(RewardConfig(task="arithmetic"))
     assert not hasattr(task_only.fn, "worker")  # the exact-match task reward pays no round trip

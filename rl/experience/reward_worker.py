@@ -11,7 +11,7 @@ caller (`rl.experience.rewards.checked_reward`) adds the prompt and the sample.
 | step | parent (the rank) | child |
 |---|---|---|
 | start | spawn, send (sys.path, specs) | import the plug-ins, answer "ready" |
-| call | send (k, meta, response); select() in slices | run plug-in k; send ("ok", value) or ("err", type, text) |
+| call | send (k, meta, response); poll() in slices | run plug-in k; send ("ok", value) or ("err", type, text) |
 | timeout | SIGKILL, reap, forget the child; raise RewardTimeout | - |
 | end | close stdin (the child exits on EOF); kill if still there | - |
 
@@ -57,6 +57,15 @@ def _write(fd: int, obj) -> None:
         buf = buf[os.write(fd, buf):]
 
 
+def _readable(fd: int, timeout_s: float) -> bool:
+    """Whether fd has data (or EOF) within timeout_s. poll(), not select(): select() takes no descriptor
+    numbered 1024 or more (FD_SETSIZE), and a rank can hold that many (process groups' sockets, data
+    loaders, open checkpoints) before its first plug-in call."""
+    poller = select.poll()
+    poller.register(fd, select.POLLIN)
+    return bool(poller.poll(max(0, int(timeout_s * 1000))))
+
+
 def _read_exact(fd: int, n: int, deadline: float | None) -> bytes:
     out = bytearray()
     while len(out) < n:
@@ -64,8 +73,7 @@ def _read_exact(fd: int, n: int, deadline: float | None) -> bytes:
             left = deadline - time.monotonic()
             if left <= 0:
                 raise RewardTimeout("deadline passed")
-            ready, _, _ = select.select([fd], [], [], min(left, 0.2))  # short slices: signal handlers run
-            if not ready:
+            if not _readable(fd, min(left, 0.2)):  # short slices: signal handlers run
                 continue
         chunk = os.read(fd, n - len(out))
         if not chunk:
