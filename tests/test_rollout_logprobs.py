@@ -158,28 +158,36 @@ def test_records_do_not_depend_on_tp_or_dp(dist_pools):
 
 def test_bf16_rollout_head_samples_the_trainers_distribution(monkeypatch):
     """Under mixed_precision=bf16 the logits the sampler draws from are the trainer's: float32 results
-    of the bf16 hidden states and head weight, not bf16-rounded. Reference: float64 logits of the
-    trainer forward's own hidden states and head weight; KL(sampler || trainer) per token."""
+    of the bf16 hidden states and head weight, not bf16-rounded. Reference: float64 logits of the hidden
+    states and head weight the rollout's head was given (the decode's own: a full forward's bf16 hidden
+    states differ from a decode's by the matmuls' shapes); KL(sampler || float64) per token, against
+    ~1e-4 for bf16-rounded logits."""
     cfg = ModelConfig(**{**CFG, "vocab_size": 256, "hidden_size": 64})
     model = build_model(cfg, seed=3).set_mixed_precision("bf16")
     with torch.no_grad():
         model.head_weight.mul_(40)  # logits of ~10: bf16 rounding of them is ~0.03
-    seen = []
-    sampler = gen_mod.sample_from_sharded_logits
+    seen, given = [], []
+    sampler, head = gen_mod.sample_from_sharded_logits, gen_mod.head_logits
 
     def spy(logits, **kw):
         seen.append(logits.float().clone())
         return sampler(logits, **kw)
+
+    def head_spy(hidden, weight, *args, **kw):
+        given.append((hidden.detach().double(), weight.detach().double(), hidden.dtype))
+        return head(hidden, weight, *args, **kw)
     monkeypatch.setattr(gen_mod, "sample_from_sharded_logits", spy)
+    monkeypatch.setattr(gen_mod, "head_logits", head_spy)
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(3, 256, (8, 6), generator=g)
-    out = generate(model, ids, torch.ones_like(ids), max_new_tokens=8, eos_id=None, pad_id=0, temperature=1.0, seed=1,
-                   compact=False)
-    P = out.prompt_len
-    with torch.no_grad():
-        h, w = model(out.sequences, attention_mask=out.attention_mask, head=lambda h, w: (h, w))
-    train = torch.log_softmax((h[:, P - 1:-1].double() @ w.double().T)[..., :256], -1)
+    generate(model, ids, torch.ones_like(ids), max_new_tokens=8, eos_id=None, pad_id=0, temperature=1.0, seed=1,
+             compact=False)
+    assert len(seen) == len(given) == 8 and all(dt == torch.bfloat16 for _, _, dt in given)
     kl = torch.stack([(torch.softmax(z[:, :256].double(), -1) * (torch.log_softmax(z[:, :256].double(), -1)
-                                                                  - train[:, t])).sum(-1)
-                      for t, z in enumerate(seen)], 1)
+                                                                  - torch.log_softmax((h @ w.T)[:, :256], -1))).sum(-1)
+                      for z, (h, w, _) in zip(seen, given)], 1)
+    rounded = torch.stack([(torch.softmax((h @ w.T)[:, :256], -1) * (torch.log_softmax((h @ w.T)[:, :256], -1)
+                           - torch.log_softmax((h @ w.T).bfloat16().double()[:, :256], -1))).sum(-1)
+                           for h, w, _ in given], 1)
+    assert rounded.max() > 1e-6  # the failure this guards against is visible at this scale
     assert kl.max() < 1e-8, f"KL(sampler || trainer) up to {kl.max():.3g} per token"
