@@ -51,7 +51,7 @@ def _worker(rank: int, world_size: int, port: int, tasks, results, pg_timeout_s:
         dist.init_process_group("gloo", rank=rank, world_size=world_size,
                                 timeout=datetime.timedelta(seconds=pg_timeout_s))
     except Exception:  # noqa: BLE001 - reported to the parent
-        results.put((rank, False, traceback.format_exc()))
+        results.put((rank, False, traceback.format_exc(), False, 0))
         return
     while True:
         task = tasks.get()
@@ -60,9 +60,9 @@ def _worker(rank: int, world_size: int, port: int, tasks, results, pg_timeout_s:
         fn, args, kwargs = task
         try:
             out = fn(*args, **kwargs)
-            results.put((rank, True, out, dist.is_initialized()))
+            results.put((rank, True, out, dist.is_initialized(), _open_descriptors()))
         except BaseException:  # noqa: BLE001 - reported to the parent
-            results.put((rank, False, traceback.format_exc(), False))
+            results.put((rank, False, traceback.format_exc(), False, 0))
             # the pool is torn down after any failure: leave now, so that a peer blocked in a
             # collective with this rank sees the connection close instead of waiting for the timeout
             results.close()
@@ -71,6 +71,18 @@ def _worker(rank: int, world_size: int, port: int, tasks, results, pg_timeout_s:
     if dist.is_initialized():
         dist.destroy_process_group()
 
+
+def _open_descriptors() -> int:
+    try:
+        return len(os.listdir("/proc/self/fd"))
+    except OSError:  # no procfs
+        return 0
+
+
+# Every call's process groups stay registered (torch's device meshes look groups up by name, so they cannot be
+# destroyed under it): each new gloo group holds sockets to its peers. A pool whose ranks hold more descriptors
+# than this restarts on its next call, before a long session of calls reaches select()'s 1024.
+RESTART_AT_DESCRIPTORS = 512
 
 # what each rank needs imported before its first call; imported once, in the fork server
 PRELOAD = ["torch", "torch.distributed", "tests.dist", "rl.train"]
@@ -118,27 +130,28 @@ class DistPool:
         deadline = time.monotonic() + (timeout or self.timeout)
         out: dict[int, object] = {}
         errors: dict[int, str] = {}
-        grace_until, group_lost = None, False
+        grace_until, group_lost, crowded = None, False, False
         while len(out) + len(errors) < self.world_size:
             now = time.monotonic()
             limit = deadline if grace_until is None else min(deadline, grace_until)
             if now >= limit:
                 break
             try:
-                rank, ok, val, alive = self.results.get(timeout=min(0.5, limit - now))
+                rank, ok, val, alive, fds = self.results.get(timeout=min(0.5, limit - now))
             except queue.Empty:
                 if any(not p.is_alive() for p in self.procs) and grace_until is None:
                     grace_until = time.monotonic() + 5.0
                 continue
             group_lost |= not alive
+            crowded |= fds > RESTART_AT_DESCRIPTORS
             if ok:
                 out[rank] = val
             else:
                 errors[rank] = val
                 if grace_until is None:  # the others' tracebacks, if they fail too (the failed rank exits)
                     grace_until = time.monotonic() + 10.0
-        if group_lost and not errors and len(out) == self.world_size:
-            self.close()  # a rank lost its process group: the next call starts a fresh pool
+        if (group_lost or crowded) and not errors and len(out) == self.world_size:
+            self.close()  # a rank lost its process group, or holds many sockets: the next call starts a fresh pool
         if errors or len(out) < self.world_size:
             self.close(force=True)
             missing = sorted(set(range(self.world_size)) - set(out) - set(errors))

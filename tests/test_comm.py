@@ -1,5 +1,6 @@
 """The conjugate collectives against single-process autograd, on real gloo ranks."""
 
+import os
 import time
 
 import pytest
@@ -76,6 +77,26 @@ def test_pool_reports_failure_without_hanging(dist_pools):
     # the failed rank exits, so rank 0's barrier fails at once: no waiting out a grace period
     assert time.monotonic() - t0 < 8.0
     assert dist_pools.run(2, _collectives, 2) == [0, 1]  # the pool restarts after a failure
+
+
+_HELD: list = []
+
+
+def _pid_holding(n: int) -> int:
+    _HELD.extend(os.open(os.devnull, os.O_RDONLY) for _ in range(n))  # as leaked sockets would be
+    return os.getpid()
+
+
+def test_pool_restarts_before_its_ranks_run_out_of_descriptors(dist_pools):
+    """Calls whose process groups pile up sockets in the ranks (each call's groups stay registered): once a
+    rank holds more than RESTART_AT_DESCRIPTORS, the next call runs on fresh ranks."""
+    from tests.dist import RESTART_AT_DESCRIPTORS
+
+    first = dist_pools.run(2, _pid_holding, 0)
+    assert dist_pools.run(2, _pid_holding, 0) == first  # kept across calls
+    assert dist_pools.run(2, _pid_holding, RESTART_AT_DESCRIPTORS) == first
+    fresh = dist_pools.run(2, _pid_holding, 0)
+    assert not set(fresh) & set(first)
 
 
 def _model_collectives(sp: bool = False):
