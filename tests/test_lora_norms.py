@@ -340,14 +340,11 @@ def test_rl_train_resume_restores_d(sft_dir):  # noqa: F811
     import os
 
     from rl.train import main
-    from tests.test_lora_train import LORA
+    from tests.test_lora_train import DENSE, LORA
     from tests.test_rl_train_cli import CONFIG, KEYS, SMALL, _rows
 
     base, sft = sft_dir
-    # a dense reward: the task's exact match can score every sample of the first steps 0 (it does on an AVX2
-    # CPU), and then nothing trains
-    flags = [*SMALL, *LORA, "lora.train_norms=true", f"init.sft_dir={sft}", "reward.use_task_reward=false",
-             "reward.fns=[tests.reward_plugins:digits_over_6]"]
+    flags = [*SMALL, *LORA, *DENSE, "lora.train_norms=true", f"init.sft_dir={sft}"]
     straight_out, out = str(base / "norms_straight"), str(base / "norms_resumed")
     assert main(["--config", CONFIG, *flags, f"train.out_dir={straight_out}"]) == 0
     common = ["--config", CONFIG, *flags, f"train.out_dir={out}"]
