@@ -251,8 +251,8 @@ class CanonicalLayout:
         B, h, S, hd = x.shape
         flat = x.transpose(1, 2).reshape(B * S, h, hd)
         g = self.gather
-        out = flat[g.clamp(min=0).reshape(-1)].view(*g.shape, h, hd)
-        out = out.masked_fill(~self.valid[:, :, None, None], 0.0)
+        out = flat[g.clamp(min=0).reshape(-1)].view(*g.shape, h, hd)  # a new tensor: filled in place
+        out.masked_fill_(~self.valid[:, :, None, None], 0.0)
         return out.transpose(1, 2)
 
     def from_canonical(self, y: torch.Tensor) -> torch.Tensor:
@@ -260,7 +260,7 @@ class CanonicalLayout:
         B, S = self.shape
         D, h, Lc, hd = y.shape
         vals = y.transpose(1, 2)[self.own_seq, self.own_col]  # (n, h, hd)
-        out = y.new_zeros(B * S, h, hd).index_put((self.own_tok,), vals)
+        out = y.new_zeros(B * S, h, hd).index_put_((self.own_tok,), vals)
         return out.view(B, S, h, hd).transpose(1, 2)
 
     def attend(self, q, k, v) -> torch.Tensor:

@@ -32,50 +32,10 @@
 
 namespace {
 
-// 16 fp32 lanes: one AVX-512 register, two AVX2 ones, or a plain array. Every operation is lane-wise (fma is
-// the exactly rounded fused multiply-add on every path), so the three give the same bits.
-struct V16 {
-#if defined(__AVX512F__)
-  __m512 a;
-  static V16 zero() { return {_mm512_setzero_ps()}; }
-  static V16 set1(float x) { return {_mm512_set1_ps(x)}; }
-  static V16 load(const float* p) { return {_mm512_loadu_ps(p)}; }
-  void store(float* p) const { _mm512_storeu_ps(p, a); }
-  static V16 fma(V16 x, V16 y, V16 z) { return {_mm512_fmadd_ps(x.a, y.a, z.a)}; }
-  static V16 max(V16 x, V16 y) { return {_mm512_max_ps(x.a, y.a)}; }
-#elif defined(__AVX2__) && defined(__FMA__)
-  __m256 a, b;
-  static V16 zero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
-  static V16 set1(float x) { return {_mm256_set1_ps(x), _mm256_set1_ps(x)}; }
-  static V16 load(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
-  void store(float* p) const { _mm256_storeu_ps(p, a); _mm256_storeu_ps(p + 8, b); }
-  static V16 fma(V16 x, V16 y, V16 z) { return {_mm256_fmadd_ps(x.a, y.a, z.a), _mm256_fmadd_ps(x.b, y.b, z.b)}; }
-  static V16 max(V16 x, V16 y) { return {_mm256_max_ps(x.a, y.a), _mm256_max_ps(x.b, y.b)}; }
-#else
-  float a[16];
-  static V16 zero() { V16 r; for (int i = 0; i < 16; ++i) r.a[i] = 0.0f; return r; }
-  static V16 set1(float x) { V16 r; for (int i = 0; i < 16; ++i) r.a[i] = x; return r; }
-  static V16 load(const float* p) { V16 r; std::memcpy(r.a, p, sizeof(r.a)); return r; }
-  void store(float* p) const { std::memcpy(p, a, sizeof(a)); }
-  static V16 fma(V16 x, V16 y, V16 z) { V16 r; for (int i = 0; i < 16; ++i) r.a[i] = fmaf(x.a[i], y.a[i], z.a[i]); return r; }
-  static V16 max(V16 x, V16 y) { V16 r; for (int i = 0; i < 16; ++i) r.a[i] = x.a[i] > y.a[i] ? x.a[i] : y.a[i]; return r; }
-#endif
-};
-
-// a hint to fetch n floats from p (a key or value row a few rows ahead of the one read)
-inline void prefetch(const float* p, int64_t n) {
-  for (int64_t i = 0; i < n; i += 16) __builtin_prefetch(p + i);
-}
-
-constexpr int64_t KL = 16;      // keys per score block (the vector lanes)
-constexpr int64_t QT = 8;       // queries per tile (they share each key block's loads)
-constexpr int64_t VBLOCK = 64;  // keys per partial sum of the weighted values
-constexpr int64_t VC = 32;      // head-dimension columns per pass of the weighted values
-
 // exp(x) for x <= 0 (0 below -87.5, where exp is under 1e-38): 2^n P(r), r = x - n ln2 in [-ln2/2, ln2/2],
 // P the degree-7 Taylor polynomial (relative error < 1e-8 before rounding); n rounded to nearest by the
 // 1.5 * 2^23 shift (adds only: vectorises).
-inline float exp_nonpos(float x) {
+inline float exp_scalar(float x) {
   const float xc = x < -87.5f ? -87.5f : x;  // also maps -inf: the result is zeroed below
   const float shift = 12582912.0f;
   const float n = (xc * 1.44269504088896341f + shift) - shift;
@@ -95,6 +55,106 @@ inline float exp_nonpos(float x) {
   const float y = p * two_n;
   return x < -87.5f ? 0.0f : y;
 }
+
+
+// the same steps on whole registers (each intrinsic the lane-wise operation above, exactly rounded alike:
+// the max is `x < -87.5 ? -87.5 : x`, the float-to-int conversion exact on a whole n)
+#define KLTRON_EXP_LANES(W, PS, SI, ZERO_BELOW)                                              \
+  inline W exp_lanes(W x) {                                                                         \
+    const W lo = PS(set1_ps)(-87.5f), shift = PS(set1_ps)(12582912.0f);                              \
+    const W xc = PS(max_ps)(lo, x);                                                                 \
+    const W n = PS(sub_ps)(PS(add_ps)(PS(mul_ps)(xc, PS(set1_ps)(1.44269504088896341f)), shift), shift); \
+    W r = PS(fmadd_ps)(n, PS(set1_ps)(-0.693145751953125f), xc);                                    \
+    r = PS(fmadd_ps)(n, PS(set1_ps)(-1.428606765330187045e-06f), r);                                \
+    W p = PS(set1_ps)(1.0f / 5040.0f);                                                              \
+    p = PS(fmadd_ps)(p, r, PS(set1_ps)(1.0f / 720.0f));                                             \
+    p = PS(fmadd_ps)(p, r, PS(set1_ps)(1.0f / 120.0f));                                             \
+    p = PS(fmadd_ps)(p, r, PS(set1_ps)(1.0f / 24.0f));                                              \
+    p = PS(fmadd_ps)(p, r, PS(set1_ps)(1.0f / 6.0f));                                               \
+    p = PS(fmadd_ps)(p, r, PS(set1_ps)(0.5f));                                                      \
+    p = PS(fmadd_ps)(p, r, PS(set1_ps)(1.0f));                                                      \
+    p = PS(fmadd_ps)(p, r, PS(set1_ps)(1.0f));                                                      \
+    const W two_n = PS(castsi##SI##_ps)(PS(slli_epi32)(PS(add_epi32)(PS(cvttps_epi32)(n), PS(set1_epi32)(127)), 23)); \
+    return ZERO_BELOW(PS(mul_ps)(p, two_n), x, lo);                                                 \
+  }
+#if defined(__AVX512F__)
+#define KLTRON_PS512(op) _mm512_##op
+inline __m512 zero_below_512(__m512 y, __m512 x, __m512 lo) {
+  return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ), y, _mm512_setzero_ps());
+}
+KLTRON_EXP_LANES(__m512, KLTRON_PS512, 512, zero_below_512)
+#elif defined(__AVX2__) && defined(__FMA__)
+#define KLTRON_PS256(op) _mm256_##op
+inline __m256 zero_below_256(__m256 y, __m256 x, __m256 lo) {
+  return _mm256_andnot_ps(_mm256_cmp_ps(x, lo, _CMP_LT_OQ), y);
+}
+KLTRON_EXP_LANES(__m256, KLTRON_PS256, 256, zero_below_256)
+#endif
+
+// 16 fp32 lanes: one AVX-512 register, two AVX2 ones, or a plain array. Every operation is lane-wise (fma is
+// the exactly rounded fused multiply-add on every path), so the three give the same bits.
+struct V16 {
+#if defined(__AVX512F__)
+  __m512 a;
+  static V16 zero() { return {_mm512_setzero_ps()}; }
+  static V16 set1(float x) { return {_mm512_set1_ps(x)}; }
+  static V16 load(const float* p) { return {_mm512_loadu_ps(p)}; }
+  void store(float* p) const { _mm512_storeu_ps(p, a); }
+  static V16 fma(V16 x, V16 y, V16 z) { return {_mm512_fmadd_ps(x.a, y.a, z.a)}; }
+  static V16 max(V16 x, V16 y) { return {_mm512_max_ps(x.a, y.a)}; }
+  static V16 add(V16 x, V16 y) { return {_mm512_add_ps(x.a, y.a)}; }
+  static V16 sub(V16 x, V16 y) { return {_mm512_sub_ps(x.a, y.a)}; }
+  static V16 exp_nonpos(V16 x) { return {exp_lanes(x.a)}; }
+#elif defined(__AVX2__) && defined(__FMA__)
+  __m256 a, b;
+  static V16 zero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
+  static V16 set1(float x) { return {_mm256_set1_ps(x), _mm256_set1_ps(x)}; }
+  static V16 load(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
+  void store(float* p) const { _mm256_storeu_ps(p, a); _mm256_storeu_ps(p + 8, b); }
+  static V16 fma(V16 x, V16 y, V16 z) { return {_mm256_fmadd_ps(x.a, y.a, z.a), _mm256_fmadd_ps(x.b, y.b, z.b)}; }
+  static V16 max(V16 x, V16 y) { return {_mm256_max_ps(x.a, y.a), _mm256_max_ps(x.b, y.b)}; }
+  static V16 add(V16 x, V16 y) { return {_mm256_add_ps(x.a, y.a), _mm256_add_ps(x.b, y.b)}; }
+  static V16 sub(V16 x, V16 y) { return {_mm256_sub_ps(x.a, y.a), _mm256_sub_ps(x.b, y.b)}; }
+  static V16 exp_nonpos(V16 x) { return {exp_lanes(x.a), exp_lanes(x.b)}; }
+#else
+  float a[16];
+  static V16 zero() { V16 r; for (int i = 0; i < 16; ++i) r.a[i] = 0.0f; return r; }
+  static V16 set1(float x) { V16 r; for (int i = 0; i < 16; ++i) r.a[i] = x; return r; }
+  static V16 load(const float* p) { V16 r; std::memcpy(r.a, p, sizeof(r.a)); return r; }
+  void store(float* p) const { std::memcpy(p, a, sizeof(a)); }
+  static V16 fma(V16 x, V16 y, V16 z) { V16 r; for (int i = 0; i < 16; ++i) r.a[i] = fmaf(x.a[i], y.a[i], z.a[i]); return r; }
+  static V16 max(V16 x, V16 y) { V16 r; for (int i = 0; i < 16; ++i) r.a[i] = x.a[i] > y.a[i] ? x.a[i] : y.a[i]; return r; }
+  static V16 add(V16 x, V16 y) { V16 r; for (int i = 0; i < 16; ++i) r.a[i] = x.a[i] + y.a[i]; return r; }
+  static V16 sub(V16 x, V16 y) { V16 r; for (int i = 0; i < 16; ++i) r.a[i] = x.a[i] - y.a[i]; return r; }
+  static V16 exp_nonpos(V16 x) { V16 r; for (int i = 0; i < 16; ++i) r.a[i] = exp_scalar(x.a[i]); return r; }
+#endif
+};
+
+// a hint to fetch n floats from p (a key or value row a few rows ahead of the one read)
+inline void prefetch(const float* p, int64_t n) {
+  for (int64_t i = 0; i < n; i += 16) __builtin_prefetch(p + i);
+}
+
+constexpr int64_t KL = 16;      // keys per score block (the vector lanes)
+constexpr int64_t QT = 8;       // queries per tile (they share each key block's loads)
+// how many of a tile's queries one pass of the score and value loops carries in registers: a query holds one
+// V16 of scores and two of weighted values. AVX-512 has 32 vector registers, AVX2 16 (8 queries would
+// spill); the split sets only which loads are shared, not any rounding.
+#if defined(__AVX512F__)
+constexpr int SCORE_NT = 8, VALUE_NT = 8;
+#else
+constexpr int SCORE_NT = 4, VALUE_NT = 1;
+#endif
+constexpr int64_t DEC_BLOCKS = 4;  // key blocks a decode step's query scores at once
+constexpr int64_t VBLOCK = 64;  // keys per partial sum of the weighted values
+// head-dimension columns per pass of the weighted values, VG vectors of 16: a query's VG accumulator chains
+// are independent, so more of them hide the fma latency (AVX2 carries one query per pass: 64 columns)
+#if defined(__AVX512F__)
+constexpr int VG = 2;
+#else
+constexpr int VG = 4;
+#endif
+constexpr int64_t VC = 16 * VG;
 
 struct Args {
   const float *q, *k, *v;
@@ -141,6 +201,30 @@ inline void transpose_keys(const float* kr, int64_t ks, int64_t kn, int64_t D, f
       _mm512_storeu_ps(dst + (d0 + 12 + c) * KL, _mm512_shuffle_f32x4(a412, b412, 0xDD));
     }
   }
+#elif defined(__AVX2__)
+  for (; d0 + 8 <= D; d0 += 8) {
+    for (int g = 0; g < 2; ++g) {  // rows 8 g .. 8 g + 7 -> lanes 8 g .. 8 g + 7 of 8 columns
+      __m256 r[8], t[8], u[8];
+      for (int l = 0; l < 8; ++l)
+        r[l] = 8 * g + l < kn ? _mm256_loadu_ps(kr + (8 * g + l) * ks + d0) : _mm256_setzero_ps();
+      if (kn == 16)  // the next block's rows, this chunk of columns
+        for (int l = 0; l < 8; ++l) __builtin_prefetch(kr + (16 + 8 * g + l) * ks + d0);
+      for (int i = 0; i < 4; ++i) {  // within 128-bit lanes: pairs of rows interleaved
+        t[2 * i] = _mm256_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm256_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+      }
+      for (int i = 0; i < 2; ++i) {  // u[4 i + c]: rows 4 i .. 4 i + 3 of columns c (low half), 4 + c (high)
+        u[4 * i] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], 0x44);
+        u[4 * i + 1] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], 0xEE);
+        u[4 * i + 2] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0x44);
+        u[4 * i + 3] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0xEE);
+      }
+      for (int c = 0; c < 4; ++c) {
+        _mm256_storeu_ps(dst + (d0 + c) * KL + 8 * g, _mm256_permute2f128_ps(u[c], u[4 + c], 0x20));
+        _mm256_storeu_ps(dst + (d0 + 4 + c) * KL + 8 * g, _mm256_permute2f128_ps(u[c], u[4 + c], 0x31));
+      }
+    }
+  }
 #endif
   for (int64_t l = 0; l < KL; ++l)
     for (int64_t d = d0; d < D; ++d) dst[d * KL + l] = l < kn ? kr[l * ks + d] : 0.0f;
@@ -159,35 +243,45 @@ inline void score_block(const float* q, int64_t D, const float* kt, int64_t j0, 
   for (int t = 0; t < NT; ++t) acc[t].store(out + t * out_ld + j0);
 }
 
+// a decode step's scores: one query against NB blocks of 16 transposed keys kt [NB, D, 16] (keys j0 ..
+// j0 + 16 NB - 1), each (query, key) the same fma chain over d as score_block's; the NB blocks' chains are
+// independent, so they overlap (one block's chain alone waits on each fma's latency)
+template <int NB>
+inline void score_one_query(const float* q, int64_t D, const float* kt, int64_t j0, float* out) {
+  V16 acc[NB];
+  for (int b = 0; b < NB; ++b) acc[b] = V16::zero();
+  for (int64_t d = 0; d < D; ++d) {
+    const V16 qd = V16::set1(q[d]);
+    for (int b = 0; b < NB; ++b) acc[b] = V16::fma(qd, V16::load(kt + (b * D + d) * KL), acc[b]);
+  }
+  for (int b = 0; b < NB; ++b) acc[b].store(out + j0 + b * KL);
+}
+
 // the weighted values of keys j0 .. j1 - 1 (the valid ones, in order) for NT queries, columns c0 .. c0 + 31:
 // acc[t] = fma(p_t[j], v_j, acc[t]), one chain per query and column (NT only sets how many share a load)
 template <int NT>
 inline void value_chain(const float* vb, int64_t vstride, int64_t c0, int64_t D, int64_t j0, int64_t j1,
-                        const bool* valid, const float* const* p, V16 (*acc)[2]) {
-  V16 r[NT][2];
-  for (int t = 0; t < NT; ++t) r[t][0] = acc[t][0], r[t][1] = acc[t][1];
+                        const bool* valid, const float* const* p, V16 (*acc)[VG]) {
+  V16 r[NT][VG];
+  for (int t = 0; t < NT; ++t)
+    for (int g = 0; g < VG; ++g) r[t][g] = acc[t][g];
   const bool tail = D - c0 < VC;
   for (int64_t j = j0; j < j1; ++j) {
     if (valid != nullptr && !valid[j]) continue;
     const float* vr = vb + j * vstride + c0;
     prefetch(vr + 8 * vstride, VC);
-    V16 v0, v1;
-    if (!tail) {
-      v0 = V16::load(vr);
-      v1 = V16::load(vr + 16);
-    } else {  // a head dimension not a multiple of 32: the missing columns read as 0
-      float buf[VC] = {};
-      for (int64_t c = 0; c < D - c0; ++c) buf[c] = vr[c];
-      v0 = V16::load(buf);
-      v1 = V16::load(buf + 16);
+    float buf[VC];
+    if (tail) {  // a head dimension not a multiple of VC: the missing columns read as 0
+      for (int64_t c = 0; c < VC; ++c) buf[c] = c < D - c0 ? vr[c] : 0.0f;
+      vr = buf;
     }
-    for (int t = 0; t < NT; ++t) {
+    for (int t = 0; t < NT; ++t) {  // each value vector loaded by its fma (no registers held for them)
       const V16 pj = V16::set1(p[t][j]);
-      r[t][0] = V16::fma(pj, v0, r[t][0]);
-      r[t][1] = V16::fma(pj, v1, r[t][1]);
+      for (int g = 0; g < VG; ++g) r[t][g] = V16::fma(pj, V16::load(vr + 16 * g), r[t][g]);
     }
   }
-  for (int t = 0; t < NT; ++t) acc[t][0] = r[t][0], acc[t][1] = r[t][1];
+  for (int t = 0; t < NT; ++t)
+    for (int g = 0; g < VG; ++g) acc[t][g] = r[t][g];
 }
 
 // the attention of (b, h)'s queries, in tiles of QT
@@ -202,7 +296,7 @@ void attend_head(const Args& a, int64_t b, int64_t h, Scratch& w) {
   int64_t jall = 0;  // keys any query of the head reads
   for (int64_t r = 0; r < R; ++r) jall = std::max(jall, end_of(r));
   const int64_t ld = (jall + KL - 1) / KL * KL;
-  w.kt.resize(D * (ld > 0 ? ld : KL));
+  w.kt.resize(D * (ld > DEC_BLOCKS * KL ? ld : DEC_BLOCKS * KL));
   w.q.resize(QT * D);
   w.sc.resize(QT * (ld + KL));
   w.p.resize(QT * (ld + KL));
@@ -234,16 +328,33 @@ void attend_head(const Args& a, int64_t b, int64_t h, Scratch& w) {
       }
     }
     float* sc = w.sc.data();
-    for (int64_t j0 = 0; j0 < jend; j0 += KL) {
+    // a single query (a decode step): DEC_BLOCKS key blocks transposed, in L1, then scored together
+    for (int64_t j0 = 0; one_tile && T == 1 && j0 < jend; j0 += DEC_BLOCKS * KL) {
+      const int64_t nb = std::min<int64_t>(DEC_BLOCKS, (jend - j0 + KL - 1) / KL);
+      for (int64_t i = 0; i < nb; ++i) {
+        const int64_t js = j0 + i * KL;
+        transpose_keys(kb + js * a.ks[2], a.ks[2], jall - js < KL ? jall - js : KL, D, kt + i * D * KL);
+      }
+      if (nb == 1) score_one_query<1>(w.q.data(), D, kt, j0, sc);
+      else if (nb == 2) score_one_query<2>(w.q.data(), D, kt, j0, sc);
+      else if (nb == 3) score_one_query<3>(w.q.data(), D, kt, j0, sc);
+      else score_one_query<4>(w.q.data(), D, kt, j0, sc);
+    }
+    for (int64_t j0 = 0; !(one_tile && T == 1) && j0 < jend; j0 += KL) {
       const float* kj = kt + j0 * D;
       if (one_tile) {
         transpose_keys(kb + j0 * a.ks[2], a.ks[2], jall - j0 < KL ? jall - j0 : KL, D, kt);
         kj = kt;
       }
-      if (T == 1) score_block<1>(w.q.data(), D, kj, j0, sc, sld);
-      else if (T <= 2) score_block<2>(w.q.data(), D, kj, j0, sc, sld);
-      else if (T <= 4) score_block<4>(w.q.data(), D, kj, j0, sc, sld);
-      else score_block<8>(w.q.data(), D, kj, j0, sc, sld);
+      for (int64_t t0 = 0; t0 < T; t0 += SCORE_NT) {
+        const int64_t n = T - t0 < SCORE_NT ? T - t0 : SCORE_NT;
+        const float* qt = w.q.data() + t0 * D;
+        float* st = sc + t0 * sld;
+        if (n == 1) score_block<1>(qt, D, kj, j0, st, sld);
+        else if (n <= 2) score_block<2>(qt, D, kj, j0, st, sld);
+        else if (n <= 4 || SCORE_NT == 4) score_block<(SCORE_NT < 4 ? SCORE_NT : 4)>(qt, D, kj, j0, st, sld);
+        else score_block<SCORE_NT>(qt, D, kj, j0, st, sld);
+      }
     }
     // per query: the max, the weights (whole lane blocks, 0 where not seen), the normaliser
     float den[QT], m[QT];
@@ -251,7 +362,11 @@ void attend_head(const Args& a, int64_t b, int64_t h, Scratch& w) {
       const int64_t e = end[t];
       float* sm = w.sc.data() + t * sld;  // the scores, -inf where not seen (whole lane blocks)
       const int64_t epad = (e + KL - 1) / KL * KL;
-      for (int64_t j = 0; j < epad; ++j) sm[j] = j < e && (valid == nullptr || valid[j]) ? sm[j] : -inf;
+      if (valid == nullptr) {
+        for (int64_t j = e; j < epad; ++j) sm[j] = -inf;
+      } else {
+        for (int64_t j = 0; j < epad; ++j) sm[j] = j < e && valid[j] ? sm[j] : -inf;
+      }
       V16 mx = V16::set1(-inf);
       for (int64_t j0 = 0; j0 < epad; j0 += KL) mx = V16::max(mx, V16::load(sm + j0));  // exact in any order
       float mlane[KL];
@@ -264,11 +379,15 @@ void attend_head(const Args& a, int64_t b, int64_t h, Scratch& w) {
         den[t] = 0.0f;
         continue;
       }
-      for (int64_t j = 0; j < epad; ++j) p[j] = exp_nonpos(sm[j] - mt);  // -inf where not seen: 0
+      const V16 mv = V16::set1(mt);
+      V16 acc = V16::zero();
+      for (int64_t j0 = 0; j0 < epad; j0 += KL) {  // -inf where not seen: 0
+        const V16 pj = V16::exp_nonpos(V16::sub(V16::load(sm + j0), mv));
+        pj.store(p + j0);
+        acc = V16::add(acc, pj);  // lane l: keys 16 i + l, in key order
+      }
       float lanes[KL];
-      for (int64_t l = 0; l < KL; ++l) lanes[l] = 0.0f;
-      for (int64_t j0 = 0; j0 < epad; j0 += KL)
-        for (int64_t l = 0; l < KL; ++l) lanes[l] += p[j0 + l];
+      acc.store(lanes);
       for (int64_t width = KL / 2; width >= 1; width /= 2)
         for (int64_t l = 0; l < width; ++l) lanes[l] += lanes[l + width];
       den[t] = lanes[0];
@@ -289,20 +408,23 @@ void attend_head(const Args& a, int64_t b, int64_t h, Scratch& w) {
       for (int64_t jb = 0; jb < jend; jb += VBLOCK) {
         const int64_t je = jb + VBLOCK < jend ? jb + VBLOCK : jend;
         const int64_t jc = cmin < jb ? jb : (cmin < je ? cmin : je);
-        V16 part[QT][2];
-        for (int64_t t = 0; t < QT; ++t) part[t][0] = part[t][1] = V16::zero();
-        if (T == 1) value_chain<1>(vb, a.vs[2], c0, D, jb, jc, valid, prow, part);
-        else if (T <= 2) value_chain<2>(vb, a.vs[2], c0, D, jb, jc, valid, prow, part);
-        else if (T <= 4) value_chain<4>(vb, a.vs[2], c0, D, jb, jc, valid, prow, part);
-        else value_chain<8>(vb, a.vs[2], c0, D, jb, jc, valid, prow, part);
+        V16 part[QT][VG];
+        for (int64_t t = 0; t < QT; ++t)
+          for (int g = 0; g < VG; ++g) part[t][g] = V16::zero();
+        for (int64_t t0 = 0; t0 < T && jc > jb; t0 += VALUE_NT) {
+          const int64_t n = T - t0 < VALUE_NT ? T - t0 : VALUE_NT;
+          if (n == 1) value_chain<1>(vb, a.vs[2], c0, D, jb, jc, valid, prow + t0, part + t0);
+          else if (n <= 2) value_chain<2>(vb, a.vs[2], c0, D, jb, jc, valid, prow + t0, part + t0);
+          else if (n <= 4 || VALUE_NT == 4) value_chain<(VALUE_NT < 4 ? VALUE_NT : 4)>(vb, a.vs[2], c0, D, jb, jc, valid, prow + t0, part + t0);
+          else value_chain<VALUE_NT>(vb, a.vs[2], c0, D, jb, jc, valid, prow + t0, part + t0);
+        }
         for (int64_t t = 0; t < T; ++t) {
           if (m[t] == -inf) continue;
           const int64_t jt = end[t] < je ? end[t] : je;
           if (jt > jc) value_chain<1>(vb, a.vs[2], c0, D, jc, jt, valid, prow + t, part + t);
           float* yr = a.y + ((b * a.H + h) * R + r0 + t) * D + c0;
           float buf[VC];
-          part[t][0].store(buf);
-          part[t][1].store(buf + 16);
+          for (int g = 0; g < VG; ++g) part[t][g].store(buf + 16 * g);
           const int64_t cn = D - c0 < VC ? D - c0 : VC;
           for (int64_t c = 0; c < cn; ++c) yr[c] += buf[c];
         }
