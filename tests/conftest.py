@@ -48,7 +48,7 @@ def dist_pools():
 LONG_MODULES = {
     "tests/test_reliability_procs.py": 190, "tests/test_kl_memory.py": 130, "tests/test_docs_commands.py": 110,
     "tests/test_gpu_check_cpu.py": 105, "tests/test_sft.py": 95, "tests/test_async.py": 90,
-    "tests/test_bench_rl_vs_trl.py": 60, "tests/test_generate_cli.py": 60, "tests/test_budget.py": 55,
+    "tests/test_bench_rl_vs_trl.py": 30, "tests/test_generate_cli.py": 60, "tests/test_budget.py": 55,
     "tests/test_context_parallel.py": 50, "tests/test_kl_eval.py": 45, "tests/test_layout.py": 45,
     "tests/test_recipe_layouts.py": 45, "tests/test_batch_invariant.py": 40, "tests/test_reliability_reward.py": 40,
     "tests/test_reliability_outputs.py": 35, "tests/test_e2e_real_checkpoint.py": 30, "tests/test_bad_launch.py": 30,

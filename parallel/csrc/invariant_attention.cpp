@@ -295,6 +295,11 @@ void attend_head(const Args& a, int64_t b, int64_t h, Scratch& w) {
   };
   int64_t jall = 0;  // keys any query of the head reads
   for (int64_t r = 0; r < R; ++r) jall = std::max(jall, end_of(r));
+  if (valid != nullptr) {  // every key it reads valid (a canonical sequence's prefix): no per-key checks
+    int64_t j = 0;
+    while (j < jall && valid[j]) ++j;
+    if (j == jall) valid = nullptr;
+  }
   const int64_t ld = (jall + KL - 1) / KL * KL;
   w.kt.resize(D * (ld > DEC_BLOCKS * KL ? ld : DEC_BLOCKS * KL));
   w.q.resize(QT * D);
