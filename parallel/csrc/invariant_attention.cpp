@@ -56,7 +56,6 @@ inline float exp_scalar(float x) {
   return x < -87.5f ? 0.0f : y;
 }
 
-
 // the same steps on whole registers (each intrinsic the lane-wise operation above, exactly rounded alike:
 // the max is `x < -87.5 ? -87.5 : x`, the float-to-int conversion exact on a whole n)
 #define KLTRON_EXP_LANES(W, PS, SI, ZERO_BELOW)                                              \
@@ -138,7 +137,7 @@ inline void prefetch(const float* p, int64_t n) {
 constexpr int64_t KL = 16;      // keys per score block (the vector lanes)
 constexpr int64_t QT = 8;       // queries per tile (they share each key block's loads)
 // how many of a tile's queries one pass of the score and value loops carries in registers: a query holds one
-// V16 of scores and two of weighted values. AVX-512 has 32 vector registers, AVX2 16 (8 queries would
+// V16 of scores and VG of weighted values. AVX-512 has 32 vector registers, AVX2 16 (8 queries would
 // spill); the split sets only which loads are shared, not any rounding.
 #if defined(__AVX512F__)
 constexpr int SCORE_NT = 8, VALUE_NT = 8;
@@ -257,7 +256,7 @@ inline void score_one_query(const float* q, int64_t D, const float* kt, int64_t 
   for (int b = 0; b < NB; ++b) acc[b].store(out + j0 + b * KL);
 }
 
-// the weighted values of keys j0 .. j1 - 1 (the valid ones, in order) for NT queries, columns c0 .. c0 + 31:
+// the weighted values of keys j0 .. j1 - 1 (the valid ones, in order) for NT queries, columns c0 .. c0 + VC - 1:
 // acc[t] = fma(p_t[j], v_j, acc[t]), one chain per query and column (NT only sets how many share a load)
 template <int NT>
 inline void value_chain(const float* vb, int64_t vstride, int64_t c0, int64_t D, int64_t j0, int64_t j1,
